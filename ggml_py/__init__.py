@@ -1,0 +1,36 @@
+"""ggml_py: a pluggable-backend tensor runtime. Build a graph once, prepare it once, execute it every step.
+
+    import ggml_py as gp
+    x = gp.input((4, 8), name="x")
+    w = gp.weight(np.ones((16, 8), np.float32), name="w")
+    y = gp.ops.silu(gp.ops.mul_mat(w, x))
+    plan = gp.prepare(y, backends=["simd", "numpy"])
+    plan.set_input("x", data); plan.compute(); out = plan.get_output(y)
+"""
+
+from __future__ import annotations
+
+from . import dtypes, ops
+from .dtypes import BF16, F16, F32, I32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, DType
+from .errors import BackendError, GgmlPyError, GGUFError, ModelError, PlanError, ShapeError
+from .graph import Graph
+from .registry import get_backend, registry
+from .sched import Plan, prepare
+from .symbolic import sym
+from .tensor import Tensor, input, state, weight
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BF16", "F16", "F32", "I32", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "DType",
+    "BackendError", "GGUFError", "GgmlPyError", "ModelError", "PlanError", "ShapeError",
+    "Graph", "Plan", "Tensor", "dtypes", "get_backend", "input", "load_model", "ops", "prepare", "registry", "state",
+    "sym", "weight",
+]
+
+
+def load_model(path: str | None = None, **kwargs: object) -> object:
+    """Load a GGUF language model; see ggml_py.models.load_model."""
+    from .models import load_model as _load
+
+    return _load(path, **kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,25 @@
+"""List discovered backends: name, version, devices, source entry point, status."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..registry import registry
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    rows = [info.describe() for info in registry.infos()]
+    default = registry.default_names()
+    if not args.json:
+        for r in rows:
+            print(f"{r['name']:<10} {r['version'] or '-':<8} {r['status']}")
+            print(f"  source: {r['source']}")
+            for d in r["devices"]:
+                print(f"  device {d['name']}: {d['description']} (score {d['score']}, threads {d['n_threads']})")
+        print(f"default order: {', '.join(default) or 'none'}")
+    return {"backends": rows, "default": default}

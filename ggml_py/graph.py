@@ -1,0 +1,92 @@
+"""A computation graph: the nodes reachable from some outputs, in dependency order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from . import counters
+from .tensor import INPUT, OUTPUT, PARAM, STATE, Tensor
+
+
+class Graph:
+    """Nodes (tensors with an op) in topological order and leafs (inputs, weights, states)."""
+
+    def __init__(self, outputs: Tensor | Sequence[Tensor]) -> None:
+        outs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
+        if not outs:
+            raise ValueError("a graph needs at least one output tensor")
+        for t in outs:
+            if not isinstance(t, Tensor):
+                raise TypeError(f"graph outputs must be Tensors, got {type(t).__name__}")
+            t.flags |= OUTPUT
+        self.outputs: list[Tensor] = outs
+        self.nodes: list[Tensor] = []
+        self.leafs: list[Tensor] = []
+        seen: set[int] = set()
+        # iterative post-order DFS: deep graphs (hundreds of layers) must not hit the recursion limit
+        for root in outs:
+            if root.id in seen:
+                continue
+            stack: list[tuple[Tensor, int]] = [(root, 0)]
+            while stack:
+                t, i = stack.pop()
+                srcs = [s for s in t.src if s is not None]
+                if t.view_src is not None and t.view_src not in srcs:
+                    srcs.append(t.view_src)
+                if i < len(srcs):
+                    stack.append((t, i + 1))
+                    s = srcs[i]
+                    if s.id not in seen:
+                        stack.append((s, 0))
+                    continue
+                if t.id in seen:
+                    continue
+                seen.add(t.id)
+                (self.leafs if t.is_leaf else self.nodes).append(t)
+        counters.bump("graphs_built")
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __iter__(self) -> Iterable[Tensor]:
+        return iter(self.nodes)
+
+    @property
+    def inputs(self) -> list[Tensor]:
+        return [t for t in self.leafs if t.flags & INPUT]
+
+    def find(self, name: str) -> Tensor:
+        for t in (*self.leafs, *self.nodes):
+            if t.name == name:
+                return t
+        raise KeyError(f"no tensor named {name!r} in the graph")
+
+    def structure_key(self) -> tuple:
+        """Equal for two graphs with the same ops, shapes, types, layouts and params (values of leafs aside)."""
+        index = {t.id: i for i, t in enumerate((*self.leafs, *self.nodes))}
+
+        def ref(t: Tensor | None) -> int:
+            return -1 if t is None else index[t.id]
+
+        key: list[tuple] = []
+        for t in self.leafs:
+            key.append(("LEAF", t.dtype.name, repr(t.shape), repr(t.strides), t.flags & (INPUT | PARAM | STATE)))
+        for t in self.nodes:
+            key.append((t.op, t.dtype.name, repr(t.shape), repr(t.strides), repr(sorted(t.params.items())),
+                        tuple(ref(s) for s in t.src), ref(t.view_src), repr(t.view_offs), t.flags & OUTPUT))
+        return tuple(key)
+
+    def to_dot(self) -> str:
+        """Graphviz DOT text: leafs as boxes, nodes as ellipses, edges from sources to users."""
+        lines = ["digraph ggml_py {", "  rankdir=TB;"]
+        for t in self.leafs:
+            kind = "weight" if t.flags & PARAM else "state" if t.flags & STATE else "input"
+            lines.append(f'  t{t.id} [shape=box,label="{t.name}\\n{kind} {list(t.shape)} {t.dtype}"];')
+        for t in self.nodes:
+            style = ",style=bold" if t.flags & OUTPUT else ""
+            lines.append(f'  t{t.id} [label="{t.name}\\n{t.op} {list(t.shape)} {t.dtype}"{style}];')
+            for s in t.src:
+                if s is not None:
+                    lines.append(f"  t{s.id} -> t{t.id};")
+        lines.append("}")
+        return "\n".join(lines)

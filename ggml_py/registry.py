@@ -1,0 +1,178 @@
+"""Backend discovery through the `ggml_py.backends` entry-point group.
+
+Discovery is lazy (nothing is imported until a backend is asked for or listed) and fault-tolerant: a plugin that
+raises is logged and recorded with its error, never breaking `import ggml_py`; asking for it by name re-raises.
+`GGML_PY_BACKENDS=simd,numpy` selects and orders the default backends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+from .backend import Backend, BackendRegistration, Device
+from .errors import BackendError
+
+log = logging.getLogger("ggml_py.registry")
+
+ENTRY_POINT_GROUP = "ggml_py.backends"
+
+
+@dataclass
+class BackendInfo:
+    """One discovered backend: where it came from and whether it loaded."""
+
+    name: str
+    source: str  # "entry point <value> (<distribution>)" or "registered in process"
+    loader: Callable[[], BackendRegistration] | None = None
+    registration: BackendRegistration | None = None
+    error: BaseException | None = None
+    instances: dict[str, Backend] = field(default_factory=dict)
+
+    @property
+    def status(self) -> str:
+        if self.error is not None:
+            return f"error: {type(self.error).__name__}: {self.error}"
+        return "ok" if self.registration is not None else "not loaded"
+
+    def load(self) -> BackendRegistration:
+        if self.registration is None and self.error is None and self.loader is not None:
+            try:
+                reg = self.loader()
+                if not isinstance(reg, BackendRegistration):
+                    raise BackendError(f"backend {self.name!r}: its entry point returned {type(reg).__name__}, "
+                                       "not a ggml_py.backend.BackendRegistration")
+                self.registration = reg
+            except Exception as e:  # a broken plugin must not break the runtime
+                log.warning("backend %r (%s) failed to load: %s", self.name, self.source, e)
+                self.error = e
+        if self.error is not None:
+            raise self.error
+        assert self.registration is not None
+        return self.registration
+
+    def describe(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "source": self.source, "status": "ok", "version": None,
+                             "devices": []}
+        try:
+            reg = self.load()
+            d["version"] = reg.version
+            d["devices"] = [_device_dict(dev) for dev in reg.devices()]
+        except Exception as e:
+            d["status"] = f"error: {type(e).__name__}: {e}"
+        return d
+
+
+def _device_dict(d: Device) -> dict[str, Any]:
+    return {"name": d.name, "description": d.description, "memory_total": d.memory_total,
+            "memory_free": d.memory_free, "n_threads": d.n_threads, "score": d.score, "caps": d.caps}
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._infos: dict[str, BackendInfo] | None = None
+        self._lock = threading.RLock()
+
+    def _discover(self) -> dict[str, BackendInfo]:
+        with self._lock:
+            if self._infos is None:
+                infos: dict[str, BackendInfo] = {}
+                for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+                    if ep.name in infos:
+                        log.warning("backend %r is registered twice; keeping %s", ep.name, infos[ep.name].source)
+                        continue
+                    dist = getattr(ep, "dist", None)
+                    where = f"entry point {ep.value}" + (f" ({dist.name} {dist.version})" if dist else "")
+                    infos[ep.name] = BackendInfo(ep.name, where, loader=_entry_point_loader(ep))
+                self._infos = infos
+            return self._infos
+
+    def register(self, name: str, loader: Callable[[], BackendRegistration] | BackendRegistration,
+                 source: str = "registered in process") -> None:
+        """Add a backend without an entry point (tests, notebooks). Replaces one of the same name."""
+        fn = loader if callable(loader) and not isinstance(loader, BackendRegistration) else (lambda: loader)
+        with self._lock:
+            self._discover()[name] = BackendInfo(name, source, loader=fn)  # type: ignore[arg-type]
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            self._discover().pop(name, None)
+
+    def refresh(self) -> None:
+        """Forget everything discovered (entry points are read again on next use)."""
+        with self._lock:
+            self._infos = None
+
+    def infos(self) -> list[BackendInfo]:
+        return list(self._discover().values())
+
+    def names(self) -> list[str]:
+        return list(self._discover())
+
+    def registration(self, name: str) -> BackendRegistration:
+        info = self._discover().get(name)
+        if info is None:
+            raise BackendError(f"unknown backend {name!r}; available: {', '.join(self.names()) or 'none'}")
+        return info.load()
+
+    def backend(self, name: str, **options: Any) -> Backend:
+        """A shared instance of backend `name` for the given options (created once)."""
+        reg = self.registration(name)
+        info = self._discover()[name]
+        key = repr(sorted(options.items()))
+        with self._lock:
+            if key not in info.instances:
+                info.instances[key] = reg.create(**options)
+            return info.instances[key]
+
+    def default_names(self) -> list[str]:
+        """GGML_PY_BACKENDS if set, else every loadable backend whose best device scores > 0, best first."""
+        env = os.environ.get("GGML_PY_BACKENDS", "").strip()
+        if env:
+            return [n.strip() for n in env.split(",") if n.strip()]
+        scored = []
+        for info in self.infos():
+            try:
+                score = max((d.score for d in info.load().devices()), default=0)
+            except Exception:
+                continue
+            if score > 0:
+                scored.append((-score, info.name))
+        return [n for _, n in sorted(scored)]
+
+
+def _entry_point_loader(ep: metadata.EntryPoint) -> Callable[[], BackendRegistration]:
+    def load() -> BackendRegistration:
+        obj = ep.load()
+        return obj() if callable(obj) and not isinstance(obj, BackendRegistration) else obj
+
+    return load
+
+
+registry = Registry()
+
+
+def get_backend(name: str, **options: Any) -> Backend:
+    """The shared backend instance called `name` (raises BackendError listing the available ones)."""
+    return registry.backend(name, **options)
+
+
+def resolve_backends(backends: Any = None, **options: Any) -> list[Backend]:
+    """Backends from names, instances, a comma-separated string, or the default order."""
+    if backends is None:
+        names: list[Any] = registry.default_names()
+    elif isinstance(backends, str):
+        names = [b.strip() for b in backends.split(",") if b.strip()]
+    elif isinstance(backends, Backend):
+        names = [backends]
+    else:
+        names = list(backends)
+    if not names:
+        raise BackendError(f"no backends selected; available: {', '.join(registry.names()) or 'none'}")
+    out = [b if isinstance(b, Backend) else registry.backend(b, **options) for b in names]
+    return out

@@ -1,0 +1,396 @@
+"""Scheduling and plans: assign nodes to backends, cut splits, plan memory, lower each split once.
+
+`prepare()` does all of that once; `Plan.compute()` then only writes inputs, copies split inputs that cross
+buffer types, and calls each backend's lowered plan.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import counters
+from .alloc import plan_memory
+from .backend import Backend, Buffer, BufferType, Split
+from .errors import PlanError
+from .graph import Graph
+from .registry import resolve_backends
+from .symbolic import Expr, Sym, evaluate
+from .tensor import INPUT, OUTPUT, PARAM, STATE, VIEW_OPS, Tensor
+
+
+def _root(t: Tensor) -> Tensor:
+    return t.view_src if t.view_src is not None else t
+
+
+@dataclass
+class _Copy:
+    """Before a split runs: copy a root tensor's bytes from the buffer it lives in to one the backend can read."""
+
+    src: tuple[Buffer, int]
+    dst: tuple[Buffer, int]
+    size: int
+
+
+@dataclass
+class _SplitRun:
+    split: Split
+    plan: Any
+    copies: list[_Copy] = field(default_factory=list)
+
+
+def _symbols_of(tensors: Sequence[Tensor]) -> tuple[Sym, ...]:
+    found: dict[str, Sym] = {}
+    for t in tensors:
+        for d in (*t.shape, *t.strides, t.view_offs):
+            if isinstance(d, Expr):
+                for s in d.symbols:
+                    other = found.setdefault(s.name, s)
+                    if other.max != s.max:
+                        raise PlanError(f"symbol {s.name!r} is declared with two bounds ({other.max} and {s.max})")
+    return tuple(found[n] for n in sorted(found))
+
+
+def _place_static(t: Tensor, bt: BufferType) -> tuple[Buffer, int]:
+    """Persistent memory of a weight or state in buffer type `bt`, made once and shared by every plan."""
+    placed = t._static.get(bt.name)
+    if placed is not None:
+        return placed
+    if t.flags & PARAM:
+        if t.data is None:
+            raise PlanError(f"weight {t.name!r} has no data")
+        buf = bt.buffer_from_host(t.data) if bt.is_host else None
+        if buf is None:
+            buf = bt.alloc_buffer(max(t.nbytes, 1))
+            counters.bump("buffers_allocated")
+            buf.set_tensor(0, np.ascontiguousarray(t.data).reshape(-1).view(np.uint8))
+    else:
+        buf = bt.alloc_buffer(max(t.nbytes, 1))  # zeroed by contract
+        counters.bump("buffers_allocated")
+    buf.init_tensor(t, 0)
+    t._static[bt.name] = (buf, 0)
+    return buf, 0
+
+
+class Plan:
+    """A graph prepared for repeated execution on a list of backends. Create with `ggml_py.prepare`."""
+
+    def __init__(self, graph: Graph, backends: Sequence[Backend]) -> None:
+        t0 = time.perf_counter()
+        self.graph = graph
+        self.backends = list(backends)
+        self._lock = threading.Lock()
+        self._pending: dict[str, int] = {}
+        self.symbols = _symbols_of((*graph.leafs, *graph.nodes))
+        self._n_computes = 0
+        self._assign()
+        self._build_splits()
+        self.prepare_seconds = time.perf_counter() - t0
+        counters.bump("plans_prepared")
+
+    # -- preparation ------------------------------------------------------------------------------------------
+    def _assign(self) -> None:
+        names = ", ".join(b.name for b in self.backends)
+        self.backend_of: dict[int, Backend] = {}
+        self._pinned = 0
+        for n in self.graph.nodes:
+            if n.op in VIEW_OPS:
+                continue
+            able = []
+            for b in self.backends:
+                try:
+                    if b.supports_op(n):
+                        able.append(b)
+                except Exception as e:
+                    raise PlanError(f"backend {b.name!r} raised in supports_op for {n.op} ({n.name}): {e}") from e
+            if not able:
+                srcs = ", ".join(f"{s.dtype} {list(s.shape)}" for s in n.src if s is not None)
+                raise PlanError(f"no backend supports {n.op} ({n.name}: {n.dtype} {list(n.shape)} from {srcs}); "
+                                f"tried {names}")
+            choice = able[0]
+            # a node goes where its weights already live, if that backend can run it
+            for s in n.src:
+                if s is not None and _root(s).flags & PARAM:
+                    homes = [b for b in able if b.default_buffer_type.name in _root(s)._static]
+                    if homes:
+                        choice = homes[0]
+                        self._pinned += 1
+                        break
+            self.backend_of[n.id] = choice
+
+    def _build_splits(self) -> None:
+        compute_nodes = [n for n in self.graph.nodes if n.op not in VIEW_OPS]
+        groups: list[tuple[Backend, list[Tensor]]] = []
+        for n in compute_nodes:
+            b = self.backend_of[n.id]
+            if groups and groups[-1][0] is b:
+                groups[-1][1].append(n)
+            else:
+                groups.append((b, [n]))
+
+        # where each non-static root lives: the buffer type of its producer, or of its first consumer (inputs)
+        home: dict[int, BufferType] = {}
+        for b, nodes in groups:
+            for n in nodes:
+                home.setdefault(_root(n).id, b.default_buffer_type)
+        for b, nodes in groups:
+            for n in nodes:
+                for s in n.src:
+                    if s is not None:
+                        home.setdefault(_root(s).id, b.default_buffer_type)
+        for t in self.graph.outputs:  # an output that is only a leaf or view
+            home.setdefault(_root(t).id, self.backends[0].default_buffer_type)
+
+        # split inputs living in a buffer type the split's backend cannot read get a copy next to it
+        copy_of: dict[tuple[int, str], Tensor] = {}
+        split_copies: list[list[tuple[Tensor, Tensor]]] = []
+        for b, nodes in groups:
+            pairs: list[tuple[Tensor, Tensor]] = []
+            for n in nodes:
+                for s in n.src:
+                    if s is None:
+                        continue
+                    r = _root(s)
+                    if r.flags & (PARAM | STATE) or b.supports_buffer_type(home[r.id]):
+                        continue
+                    key = (r.id, b.default_buffer_type.name)
+                    if key not in copy_of:
+                        c = Tensor(r.shape, r.dtype, strides=r.strides, name=f"{r.name}#{b.name}")
+                        copy_of[key] = c
+                        home[c.id] = b.default_buffer_type
+                        pairs.append((r, c))
+            split_copies.append(pairs)
+        copies = [c for _, c in copy_of.items()]
+
+        bts = {bt.name: bt for bt in home.values()}
+        leafs = [t for t in self.graph.leafs if not t.flags & (PARAM | STATE)] + copies
+        order = [n for n in self.graph.nodes]
+        alloc = plan_memory(order, leafs, buffer_type_of=lambda t: home[_root(t).id].name,
+                            alignment_of=lambda name: bts[name].alignment,
+                            size_of=lambda t: bts[home[_root(t).id].name].alloc_size(t))
+        self.buffers: dict[str, Buffer] = {}
+        for name, size in alloc.sizes.items():
+            bt = bts[name]
+            if size > bt.max_size:
+                raise PlanError(f"compute buffer of {size} bytes exceeds the maximum of {bt.name} ({bt.max_size})")
+            self.buffers[name] = bt.alloc_buffer(max(size, 1))
+            counters.bump("buffers_allocated")
+        self.alloc = alloc
+
+        self.locations: dict[int, tuple[Buffer, int]] = {}
+        for tid, (bt_name, off) in alloc.offsets.items():
+            self.locations[tid] = (self.buffers[bt_name], off)
+
+        self.runs: list[_SplitRun] = []
+        for (b, nodes), pairs in zip(groups, split_copies):
+            locs = _SplitLocations(self.locations, b)
+            run_copies = []
+            for n in nodes:
+                for t in (n, *n.src):
+                    if t is not None and _root(t).flags & (PARAM | STATE):
+                        locs.override[_root(t).id] = self._location(t, b)
+            for r, c in pairs:
+                locs.override[r.id] = self.locations[c.id]
+                run_copies.append(_Copy(self._location(r), self.locations[c.id], r.nbytes))
+            split = Split(b, nodes, self.symbols, locs)
+            try:
+                bplan = b.graph_plan_create(split)
+            except PlanError:
+                raise
+            except Exception as e:
+                raise PlanError(f"backend {b.name!r} failed to lower a split of {len(nodes)} nodes: "
+                                f"{type(e).__name__}: {e}") from e
+            self.runs.append(_SplitRun(split, bplan, run_copies))
+        self.n_copies = sum(len(p) for p in split_copies)
+
+    def _location(self, t: Tensor, backend: Backend | None = None) -> tuple[Buffer, int]:
+        r = _root(t)
+        if r.flags & (PARAM | STATE):
+            b = backend or self.backends[0]
+            for placed in r._static.values():
+                if b.supports_buffer_type(placed[0].buffer_type):
+                    return placed
+            if r.flags & STATE and r._static:
+                raise PlanError(f"state {r.name!r} lives in {list(r._static)}, which backend {b.name!r} cannot "
+                                "read; a state must stay in one buffer type")
+            return _place_static(r, b.default_buffer_type)
+        try:
+            return self.locations[r.id]
+        except KeyError:
+            raise PlanError(f"tensor {t.name!r} is not part of this plan") from None
+
+    # -- execution ----------------------------------------------------------------------------------------------
+    def _tensor(self, key: str | Tensor, want: int) -> Tensor:
+        if isinstance(key, Tensor):
+            t = key
+            if t.id not in self._ids():
+                raise PlanError(f"tensor {t.name!r} is not part of this plan")
+        else:
+            try:
+                t = self.graph.find(key)
+            except KeyError:
+                kind = "inputs" if want == INPUT else "outputs"
+                known = [x.name for x in (self.graph.inputs if want == INPUT else self.graph.outputs)]
+                raise PlanError(f"no tensor named {key!r} in this plan; {kind}: {', '.join(known)}") from None
+        return t
+
+    def _ids(self) -> set[int]:
+        if not hasattr(self, "_id_set"):
+            self._id_set = {t.id for t in (*self.graph.leafs, *self.graph.nodes)}
+        return self._id_set
+
+    def set_input(self, key: str | Tensor, value: Any) -> None:
+        """Write an input's values. A symbolic dimension is bound from the array's shape."""
+        t = self._tensor(key, INPUT)
+        if not t.flags & (INPUT | STATE):
+            raise PlanError(f"{t.name!r} is not an input of this plan")
+        arr = np.asarray(value)
+        if t.dtype.is_quantized or t.dtype.np_dtype is None or t.dtype.name == "BF16":
+            expect_bytes = t.nbytes
+            if arr.dtype != np.uint8 or arr.nbytes != expect_bytes:
+                raise PlanError(f"input {t.name!r} ({t.dtype}) expects {expect_bytes} raw bytes, "
+                                f"got {arr.dtype} with {arr.nbytes}")
+        else:
+            self._bind_shape(t, arr.shape)
+            if np.issubdtype(t.dtype.np_dtype, np.integer) and not np.issubdtype(arr.dtype, np.integer):
+                raise PlanError(f"input {t.name!r} is {t.dtype}: expected integer values, got {arr.dtype}")
+            arr = np.ascontiguousarray(arr, dtype=t.dtype.np_dtype)
+        buf, off = self._location(t)
+        buf.set_tensor(off + evaluate(t.view_offs, self._pending), arr.reshape(-1).view(np.uint8))
+
+    def _bind_shape(self, t: Tensor, given: tuple[int, ...]) -> tuple[int, ...]:
+        expected = t.shape
+        if len(given) != len(expected):
+            raise PlanError(f"input {t.name!r}: expected shape {list(expected)}, got {list(given)}")
+        trial = dict(self._pending)
+        for d, g in zip(expected, given):
+            if isinstance(d, Expr) and len(d.terms) == 1:
+                s, c = d.terms[0]
+                v, rem = divmod(g - d.const, c)
+                if rem == 0 and s.name not in trial:
+                    trial[s.name] = v
+        try:
+            bound = tuple(evaluate(d, trial) for d in expected)
+        except KeyError:
+            bound = ()
+        if bound != tuple(given):
+            raise PlanError(f"input {t.name!r}: expected shape {list(expected)} (bound: {trial}), got {list(given)}")
+        self._check_bindings(trial)
+        self._pending = trial
+        return bound
+
+    def _check_bindings(self, b: Mapping[str, int]) -> None:
+        for s in self.symbols:
+            if s.name in b and not 1 <= b[s.name] <= s.max:
+                raise PlanError(f"symbol {s.name}={b[s.name]} is outside 1..{s.max}")
+
+    def compute(self, **bindings: int) -> None:
+        """Run every split. Symbols are bound by keyword (e.g. n_kv=17) or from inputs set since the last call."""
+        with self._lock:
+            b = dict(self._pending)
+            for k, v in bindings.items():
+                if k in b and b[k] != v:
+                    raise PlanError(f"symbol {k}={v} conflicts with {b[k]} implied by an input's shape")
+                b[k] = int(v)
+            names = {s.name for s in self.symbols}
+            unknown = set(b) - names
+            if unknown:
+                raise PlanError(f"unknown symbol(s) {sorted(unknown)}; this plan has {sorted(names) or 'none'}")
+            missing = names - set(b)
+            if missing:
+                raise PlanError(f"symbol(s) {sorted(missing)} must be bound, e.g. compute({next(iter(missing))}=...)")
+            self._check_bindings(b)
+            for run in self.runs:
+                for c in run.copies:
+                    (sb, so), (db, do) = c.src, c.dst
+                    if not db.copy_tensor(sb, so, do, c.size):
+                        db.set_tensor(do, sb.get_tensor(so, c.size))
+                run.split.backend.graph_plan_compute(run.plan, b)
+            self.bindings = b
+            self._pending = {}
+            self._n_computes += 1
+            counters.bump("plan_computes")
+
+    def get_output(self, key: str | Tensor) -> np.ndarray:
+        """A copy of a tensor's values after the last compute (outputs, inputs and states)."""
+        t = self._tensor(key, OUTPUT)
+        if not (t.flags & (OUTPUT | INPUT | STATE | PARAM) or _root(t).flags & (STATE | PARAM)):
+            raise PlanError(f"{t.name!r} is an intermediate whose memory may be reused; mark it as an output")
+        b = getattr(self, "bindings", {})
+        shape = tuple(evaluate(d, b) for d in t.shape)
+        strides = tuple(evaluate(s, b) for s in t.strides)
+        buf, off = self._location(t)
+        off += evaluate(t.view_offs, b)
+        span = t.dtype.row_size(shape[-1]) if t.dtype.is_quantized else t.dtype.type_size
+        span += sum((d - 1) * s for d, s in zip(shape[:-1] if t.dtype.is_quantized else shape,
+                                                strides[:-1] if t.dtype.is_quantized else strides))
+        raw = buf.host_view()[off: off + span] if buf.buffer_type.is_host else buf.get_tensor(off, span)
+        if t.dtype.is_quantized:
+            rows = np.lib.stride_tricks.as_strided(raw, (*shape[:-1], t.dtype.row_size(shape[-1])),
+                                                   (*strides[:-1], 1))
+            return np.array(rows)
+        npd = t.dtype.np_dtype
+        return np.array(np.lib.stride_tricks.as_strided(raw.view(npd) if span % npd.itemsize == 0 and
+                                                        raw.nbytes else raw, shape, strides))
+
+    # -- reports ------------------------------------------------------------------------------------------------
+    def assignment(self) -> list[dict[str, str]]:
+        """Backend of every compute node, in execution order."""
+        return [{"node": n.name, "op": n.op or "", "backend": run.split.backend.name}
+                for run in self.runs for n in run.split.nodes]
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "nodes": len(self.graph.nodes),
+            "splits": len(self.runs),
+            "copies": self.n_copies,
+            "inplace": self.alloc.inplace,
+            "buffer_sizes": dict(self.alloc.sizes),
+            "backends": [b.name for b in self.backends],
+            "symbols": {s.name: s.max for s in self.symbols},
+            "computes": self._n_computes,
+            "prepare_seconds": self.prepare_seconds,
+            "counters": counters.snapshot(),
+        }
+
+    def close(self) -> None:
+        for run in self.runs:
+            run.split.backend.graph_plan_free(run.plan)
+        self.runs = []
+
+
+class _SplitLocations(Mapping[int, tuple[Buffer, int]]):
+    """Root locations as one split sees them: copies override sources, statics resolve for its backend."""
+
+    def __init__(self, base: dict[int, tuple[Buffer, int]], backend: Backend) -> None:
+        self.base = base
+        self.backend = backend
+        self.override: dict[int, tuple[Buffer, int]] = {}
+
+    def __getitem__(self, tid: int) -> tuple[Buffer, int]:
+        if tid in self.override:
+            return self.override[tid]
+        if tid in self.base:
+            return self.base[tid]
+        raise KeyError(tid)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter({**self.base, **self.override})
+
+    def __len__(self) -> int:
+        return len({**self.base, **self.override})
+
+
+def prepare(outputs: Tensor | Sequence[Tensor] | Graph, backends: Any = None, **options: Any) -> Plan:
+    """Schedule, allocate and lower a graph once; compute it any number of times.
+
+    `backends`: names, Backend objects or a comma-separated string, in order of preference (default: the registry's
+    order, `GGML_PY_BACKENDS` if set). Options (e.g. n_threads) go to backends created by name.
+    """
+    graph = outputs if isinstance(outputs, Graph) else Graph(outputs)
+    return Plan(graph, resolve_backends(backends, **options))

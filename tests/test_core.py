@@ -1,0 +1,285 @@
+"""Core runtime: op validation, graph, allocator, scheduler, plans, symbolic dims, registry."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import ggml_py as gp
+from ggml_py import counters, ops
+from ggml_py.backend import BackendRegistration
+from ggml_py.errors import BackendError, PlanError, ShapeError
+
+
+def run(out, inputs, backends="numpy", **bind):
+    plan = gp.prepare(out, backends=backends)
+    for k, v in inputs.items():
+        plan.set_input(k, v)
+    plan.compute(**bind)
+    return plan.get_output(out)
+
+
+# -- op validation -----------------------------------------------------------------------------------------------
+def test_shape_error_names_op_and_shapes():
+    a = gp.input((4, 8), name="a")
+    b = gp.input((3, 8), name="b")
+    with pytest.raises(ShapeError, match=r"ADD: .*\[3, 8\].*\[4, 8\]"):
+        ops.add(a, b)
+    w = gp.input((16, 7), name="w")
+    with pytest.raises(ShapeError, match="MUL_MAT: inner dimensions differ"):
+        ops.mul_mat(w, a)
+    with pytest.raises(ShapeError, match="RESHAPE"):
+        ops.reshape(a, (5, 7))
+    with pytest.raises(ShapeError, match="block size"):
+        gp.input((4, 33), "Q4_0")
+    with pytest.raises(ShapeError, match="VIEW: .*runs past"):
+        ops.view(a, (4, 9))
+    with pytest.raises(ShapeError, match="ROPE"):
+        ops.rope(gp.input((2, 3, 8)), gp.input((3,), "I32"), n_dims=8)
+
+
+def test_broadcast_tiles_like_ggml():
+    a = gp.input((4, 6), name="a")
+    b = gp.input((2, 6), name="b")
+    av = np.arange(24, dtype=np.float32).reshape(4, 6)
+    bv = np.arange(12, dtype=np.float32).reshape(2, 6)
+    out = run(ops.add(a, b), {"a": av, "b": bv})
+    np.testing.assert_array_equal(out, av + np.tile(bv, (2, 1)))
+
+
+def test_views_permute_cont(rng):
+    a = gp.input((2, 3, 4), name="a")
+    av = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    out = run(ops.cont(ops.permute(a, (2, 0, 1))), {"a": av})
+    np.testing.assert_array_equal(out, av.transpose(2, 0, 1))
+    v = ops.view(a, (3, 2), strides=(16, 4), offset=8)  # strided window
+    out = run(ops.cont(v), {"a": av})
+    np.testing.assert_array_equal(out, np.lib.stride_tricks.as_strided(av.reshape(-1)[2:], (3, 2), (16, 4)))
+
+
+# -- graph ---------------------------------------------------------------------------------------------------
+def test_graph_order_leafs_structure_key_dot():
+    def build():
+        x = gp.input((4, 8), name="x")
+        w = gp.weight(np.ones((16, 8), np.float32), name="w")
+        h = ops.mul_mat(w, x)
+        return ops.add(ops.silu(h), h)
+
+    g1, g2 = gp.Graph(build()), gp.Graph(build())
+    assert [n.op for n in g1.nodes] == ["MUL_MAT", "SILU", "ADD"]
+    assert sorted(t.name for t in g1.leafs) == ["w", "x"]
+    assert g1.structure_key() == g2.structure_key()
+    x = gp.input((4, 8), name="x")
+    assert gp.Graph(ops.silu(x)).structure_key() != gp.Graph(ops.gelu(x)).structure_key()
+    dot = g1.to_dot()
+    assert dot.startswith("digraph") and "MUL_MAT" in dot and "->" in dot
+
+
+# -- allocator -----------------------------------------------------------------------------------------------
+def test_allocator_reuses_memory_over_long_chain():
+    n = 1 << 18  # 1 MiB of float32
+    x = gp.input((n,), name="x")
+    y = x
+    for i in range(200):
+        y = ops.scale(y, 1.0 + 1e-3) if i % 2 else ops.add(y, x)
+    plan = gp.prepare(y, backends="numpy")
+    size = plan.stats()["buffer_sizes"]["numpy"]
+    assert size <= 4 * (1 << 20), f"compute buffer {size} bytes for a 200-op chain over 1 MiB"
+    xv = np.ones(n, np.float32)
+    plan.set_input("x", xv)
+    plan.compute()
+    ref = xv.copy()
+    for i in range(200):
+        ref = ref * np.float32(1.0 + 1e-3) if i % 2 else ref + xv
+    np.testing.assert_allclose(plan.get_output(y), ref, rtol=1e-5)
+
+
+def test_allocator_keeps_values_a_later_node_needs():
+    x = gp.input((8,), name="x")
+    a = ops.exp(x)
+    b = ops.neg(a)  # a is still needed below: must not be overwritten in place
+    c = ops.add(b, a)
+    xv = np.linspace(-1, 1, 8, dtype=np.float32)
+    np.testing.assert_allclose(run(c, {"x": xv}), np.zeros(8), atol=1e-6)
+
+
+# -- plans ---------------------------------------------------------------------------------------------------
+def test_plan_reuse_does_no_building_or_allocation():
+    x = gp.input((4, 8), name="x")
+    w = gp.weight(np.eye(8, dtype=np.float32), name="w")
+    y = ops.rms_norm(ops.mul_mat(w, x), 1e-6)
+    plan = gp.prepare(y, backends="numpy")
+    before = counters.snapshot()
+    for i in range(10):
+        plan.set_input("x", np.full((4, 8), i + 1, np.float32))
+        plan.compute()
+        np.testing.assert_allclose(plan.get_output(y), np.ones((4, 8)), rtol=1e-5)
+    after = counters.snapshot()
+    assert after.get("graphs_built", 0) == before.get("graphs_built", 0)
+    assert after.get("buffers_allocated", 0) == before.get("buffers_allocated", 0)
+    assert after.get("plans_prepared", 0) == before.get("plans_prepared", 0)
+    assert after["plan_computes"] - before.get("plan_computes", 0) == 10
+    st = plan.stats()
+    assert st["computes"] == 10 and st["splits"] == 1 and st["nodes"] == 2
+    assert [a["backend"] for a in plan.assignment()] == ["numpy", "numpy"]
+
+
+def test_symbolic_dim_one_plan_serves_many_lengths(rng):
+    n_kv = gp.sym("n_kv", 64)
+    cache = gp.state((64, 8), "F32", name="cache")
+    rows = gp.input((1, 8), name="rows")
+    idx = gp.input((1,), "I32", name="idx")
+    written = ops.set_rows(cache, rows, idx)
+    kv = ops.view(written, (n_kv, 8), strides=(32, 4))
+    q = gp.input((1, 8), name="q")
+    scores = ops.soft_max(ops.mul_mat(kv, q), None, 0.5).set_name("scores")
+    plan = gp.prepare(scores, backends="numpy")
+    ref_cache = np.zeros((64, 8), np.float32)
+    for step in range(20):
+        r = rng.standard_normal((1, 8)).astype(np.float32)
+        qv = rng.standard_normal((1, 8)).astype(np.float32)
+        ref_cache[step] = r[0]
+        plan.set_input("rows", r)
+        plan.set_input("idx", np.array([step], np.int32))
+        plan.set_input("q", qv)
+        plan.compute(n_kv=step + 1)
+        s = qv @ ref_cache[: step + 1].T * 0.5
+        e = np.exp(s - s.max())
+        np.testing.assert_allclose(plan.get_output("scores"), e / e.sum(), rtol=1e-5, atol=1e-6)
+    assert plan.stats()["computes"] == 20
+
+
+def test_symbolic_input_binds_from_shape():
+    n = gp.sym("n", 10)
+    a = gp.input((2, n), name="a")
+    y = ops.sum_rows(a)
+    plan = gp.prepare(y, backends="numpy")
+    for k in (1, 4, 10):
+        plan.set_input("a", np.ones((2, k), np.float32))
+        plan.compute()
+        np.testing.assert_array_equal(plan.get_output(y), np.full((2, 1), k, np.float32))
+    plan.set_input("a", np.ones((2, 3), np.float32))
+    with pytest.raises(PlanError, match="conflicts"):
+        plan.compute(n=4)
+    plan.compute(n=3)
+    with pytest.raises(PlanError, match="outside 1..10"):
+        plan.set_input("a", np.ones((2, 11), np.float32))
+    with pytest.raises(PlanError, match="must be bound"):
+        plan.compute()
+
+
+def test_set_input_errors():
+    x = gp.input((4, 8), name="x")
+    i = gp.input((3,), "I32", name="i")
+    plan = gp.prepare([ops.silu(x), ops.get_rows(gp.weight(np.ones((5, 8), np.float32)), i)], backends="numpy")
+    with pytest.raises(PlanError, match=r"expected shape \[4, 8\].*got \[4, 9\]"):
+        plan.set_input("x", np.zeros((4, 9), np.float32))
+    with pytest.raises(PlanError, match="expected integer"):
+        plan.set_input("i", np.zeros(3, np.float32))
+    with pytest.raises(PlanError, match="no tensor named 'nope'.*inputs: x, i|inputs: i, x"):
+        plan.set_input("nope", np.zeros(3))
+
+
+def test_unknown_backend_and_unsupported_op():
+    x = gp.input((4,), name="x")
+    with pytest.raises(BackendError, match="unknown backend 'nosuch'; available: .*numpy"):
+        gp.prepare(ops.silu(x), backends=["nosuch"])
+
+    numpy_backend = gp.get_backend("numpy")
+
+    class OnlyAdd(type(numpy_backend)):
+        name = "onlyadd"
+
+        def supports_op(self, node):
+            return node.op == "ADD"
+
+    b = OnlyAdd(numpy_backend.device)
+    with pytest.raises(PlanError, match="no backend supports SILU"):
+        gp.prepare(ops.silu(x), backends=[b])
+    # with numpy as fallback, the scheduler splits
+    y = ops.add(ops.silu(ops.add(x, x)), x)
+    plan = gp.prepare(y, backends=[b, numpy_backend])
+    assert [a["backend"] for a in plan.assignment()] == ["onlyadd", "numpy", "onlyadd"]
+    assert plan.stats()["splits"] == 3
+    plan.set_input("x", np.arange(4, dtype=np.float32))
+    plan.compute()
+    xv = np.arange(4, dtype=np.float32)
+    np.testing.assert_allclose(plan.get_output(y), 2 * xv / (1 + np.exp(-2 * xv)) + xv, rtol=1e-6)
+
+
+def test_copies_across_buffer_types():
+    """A backend that cannot read the other's buffers gets its split inputs copied."""
+    numpy_backend = gp.get_backend("numpy")
+    base = type(numpy_backend)
+
+    class PrivateBT(type(numpy_backend.default_buffer_type)):
+        name = "private"
+
+    class Private(base):
+        name = "private"
+
+        def __init__(self, dev):
+            super().__init__(dev)
+            self.default_buffer_type = PrivateBT()
+
+        def supports_op(self, node):
+            return node.op == "MUL"
+
+        def supports_buffer_type(self, bt):
+            return bt is self.default_buffer_type
+
+    p = Private(numpy_backend.device)
+    x = gp.input((6,), name="x")
+    y = ops.exp(ops.mul(ops.neg(x), x))
+    plan = gp.prepare(y, backends=[p, numpy_backend])
+    assert plan.stats()["copies"] >= 1
+    xv = np.linspace(-1, 1, 6, dtype=np.float32)
+    plan.set_input("x", xv)
+    plan.compute()
+    np.testing.assert_allclose(plan.get_output(y), np.exp(-xv * xv), rtol=1e-6)
+
+
+# -- registry ------------------------------------------------------------------------------------------------
+def test_broken_plugin_is_recorded_not_fatal(caplog):
+    class Boom(Exception):
+        pass
+
+    def loader() -> BackendRegistration:
+        raise Boom("no device here")
+
+    gp.registry.register("broken", loader)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ggml_py.registry"):
+            rows = {i.name: i.describe() for i in gp.registry.infos()}
+        assert rows["broken"]["status"].startswith("error: Boom: no device here")
+        assert any("broken" in r.message for r in caplog.records)
+        assert "broken" not in gp.registry.default_names()
+        with pytest.raises(Boom, match="no device here"):
+            gp.get_backend("broken")
+    finally:
+        gp.registry.unregister("broken")
+
+
+def test_env_selects_and_orders(monkeypatch):
+    monkeypatch.setenv("GGML_PY_BACKENDS", "numpy")
+    assert gp.registry.default_names() == ["numpy"]
+    x = gp.input((2,), name="x")
+    plan = gp.prepare(ops.neg(x))
+    assert plan.stats()["backends"] == ["numpy"]
+
+
+def test_numpy_backend_is_registered_through_entry_point_or_conftest():
+    info = {i.name: i for i in gp.registry.infos()}["numpy"]
+    assert info.load().name == "numpy"
+    assert "ggml_py_numpy" in info.source
+
+
+def test_core_imports_no_backend():
+    import subprocess
+    import sys
+
+    code = "import sys, ggml_py, ggml_py.sched, ggml_py.cli; print(any(m.startswith('ggml_py_') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
