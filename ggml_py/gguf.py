@@ -107,10 +107,11 @@ def _ggml_type_label(type_id: int) -> str:
 class _Parser:
     """Single pass over the mapped bytes; every read is preceded by a bounds check."""
 
-    def __init__(self, buf: mmap.mmap, path: str) -> None:
-        self.buf = buf
+    def __init__(self, mm: mmap.mmap, path: str) -> None:
+        self.mm = mm
+        self.buf = memoryview(mm)  # slices of it decode without a copy; released when parsing ends
         self.path = path
-        self.end = len(buf)
+        self.end = len(mm)
         self.pos = 0
 
     def fail(self, reason: str) -> GGUFError:
@@ -132,14 +133,16 @@ class _Parser:
         self.pos += 8
         return v
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, max_len: int | None = None) -> str:
         n = self.u64(f"length of {what}")
         if n > self.end - self.pos:
             raise self.fail(f"{what} at offset {self.pos - 8}: length {n} exceeds the {self.end - self.pos} bytes left")
+        if max_len is not None and n > max_len:
+            raise self.fail(f"{what} at offset {self.pos - 8}: length {n} exceeds the maximum of {max_len}")
         start = self.pos
         self.pos += n
         try:
-            return self.buf[start : self.pos].decode("utf-8")
+            return str(self.buf[start : self.pos], "utf-8")
         except UnicodeDecodeError:
             raise self.fail(f"{what} at offset {start} is not valid UTF-8") from None
 
@@ -204,7 +207,7 @@ class _Parser:
                         f"string {len(out)} in array of key {key!r} at offset {pos - 8}: "
                         f"length {n} exceeds the {end - pos} bytes left"
                     )
-                append(buf[pos : pos + n].decode("utf-8"))
+                append(str(buf[pos : pos + n], "utf-8"))
                 pos += n
         except UnicodeDecodeError:
             raise self.fail(f"string {len(out)} in array of key {key!r} at offset {pos} is not valid UTF-8") from None
@@ -214,10 +217,16 @@ class _Parser:
     # -- sections ---------------------------------------------------------------------------------------------
 
     def parse(self) -> GGUFFile:
+        try:
+            return self._parse()
+        finally:
+            self.buf.release()
+
+    def _parse(self) -> GGUFFile:
         if self.end == 0:
             raise self.fail("file is empty")
         self.need(4, "magic")
-        magic = self.buf[0:4]
+        magic = self.buf[0:4].tobytes()
         if magic != GGUF_MAGIC:
             raise self.fail(f"bad magic {magic!r}, not a GGUF file")
         self.pos = 4
@@ -241,11 +250,9 @@ class _Parser:
         metadata: dict[str, Any] = {}
         types: dict[str, int] = {}
         for i in range(n_kv):
-            key = self.string(f"key of KV {i}")
+            key = self.string(f"key of KV {i}", MAX_KEY_BYTES)
             if not key:
                 raise self.fail(f"KV {i} has an empty key")
-            if len(key) > MAX_KEY_BYTES // 4 and len(key.encode()) > MAX_KEY_BYTES:
-                raise self.fail(f"key of KV {i} is {len(key.encode())} bytes long (max {MAX_KEY_BYTES})")
             if key in metadata:
                 raise self.fail(f"duplicate key {key!r}")
             vtype = self.u32(f"value type of key {key!r}")
@@ -320,7 +327,7 @@ class _Parser:
                     f"[{t.offset}, {t.offset + t.nbytes}) overlap"
                 )
             prev = t
-        return GGUFFile(self.path, self.buf, version, alignment, data_offset, metadata, types, tensors)
+        return GGUFFile(self.path, self.mm, version, alignment, data_offset, metadata, types, tensors)
 
 
 class GGUFFile:

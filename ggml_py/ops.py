@@ -336,9 +336,9 @@ def cont(a: Tensor) -> Tensor:
     return _node("CONT", a.shape, a.dtype, (a,))
 
 
-def _view_node(op: str, a: Tensor, shape: Sequence[Dim], strides: Sequence[Dim], offs: Dim,
+def _view_node(op: str, a: Tensor, shp: Sequence[Dim], strides: Sequence[Dim], offs: Dim,
                **params: object) -> Tensor:
-    return Tensor(shape, a.dtype, op=op, src=(a,), params=params, view_src=a, view_offs=offs, strides=strides)
+    return Tensor(shp, a.dtype, op=op, src=(a,), params=params, view_src=a, view_offs=offs, strides=strides)
 
 
 def view(a: Tensor, shape: Sequence[int | Dim], strides: Sequence[int | Dim] | None = None,

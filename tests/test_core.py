@@ -283,3 +283,11 @@ def test_core_imports_no_backend():
     code = "import sys, ggml_py, ggml_py.sched, ggml_py.cli; print(any(m.startswith('ggml_py_') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_bench_reuse_runs_and_agrees():
+    from ggml_py.benchmarks import reuse
+
+    r = reuse.run(steps=2, n_layers=2)
+    assert r["identical_results"] and r["nodes"] > 40
+    assert r["reuse_ms_per_compute"] > 0 and r["rebuild_ms_per_compute"] > 0

@@ -443,7 +443,7 @@ def malformed_cases(base: bytes | None = None, fat_base: bytes | None = None) ->
     yield Case("duplicate-key:other-type",
                edit(lambda r: r.kvs.append(KV(b"general.name", T_UINT32, u32(1)))), "duplicate key")  # fmt: skip
     yield Case("empty-key", edit(lambda r: setattr(r.kvs[i_name], "key", b"")), "empty key")
-    yield Case("key-too-long", edit(lambda r: setattr(r.kvs[i_name], "key", b"k" * 65536)), "bytes long")
+    yield Case("key-too-long", edit(lambda r: setattr(r.kvs[i_name], "key", b"k" * 65536)), "maximum of 65535")
     for bad in (b"\xff", b"gen\xc3eral", b"\xed\xa0\x80"):
         yield Case(f"utf8:key:{bad!r}", edit(lambda r, bad=bad: setattr(r.kvs[i_name], "key", bad)), "UTF-8")
         yield Case(f"utf8:value:{bad!r}",

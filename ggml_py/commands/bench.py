@@ -1,0 +1,46 @@
+"""Benchmarks measured side by side in one run: reuse, model, and those backends provide (ops)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from importlib import metadata
+from typing import Any
+
+from ..errors import GgmlPyError
+
+BUILTIN = {"reuse": "ggml_py.benchmarks.reuse", "model": "ggml_py.models.bench"}
+ENTRY_POINT_GROUP = "ggml_py.benchmarks"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="reuse, model, or one a backend provides (ops)")
+    p.add_argument("--backend", default=None, help="backend to measure (default: the benchmark's)")
+    p.add_argument("--steps", type=int, default=None, help="repetitions (reuse)")
+    p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("--vs-llamacpp", action="store_true", help="model: also run llama-cpp-python side by side")
+
+
+def _find(name: str) -> Any:
+    if name in BUILTIN:
+        return importlib.import_module(BUILTIN[name])
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            return ep.load()
+    known = sorted({*BUILTIN, *(ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP))})
+    raise GgmlPyError(f"unknown benchmark {name!r}; available: {', '.join(known)}")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    target = _find(args.name)
+    opts: dict[str, Any] = {"threads": args.threads, "json": args.json, "vs_llamacpp": args.vs_llamacpp}
+    if args.backend:
+        opts["backend"] = args.backend
+    if args.steps:
+        opts["steps"] = args.steps
+    fn = target.run if hasattr(target, "run") else target
+    result = fn(**opts)
+    if not args.json:
+        rep = getattr(target, "report", None)
+        print(rep(result) if rep else result)
+    return result
