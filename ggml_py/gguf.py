@@ -16,6 +16,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,10 +62,10 @@ _SCALARS: dict[int, tuple[struct.Struct, np.dtype]] = {
 # Fewest bytes one value of each type can take (a string or array needs at least its length/header).
 _MIN_VALUE_BYTES: dict[int, int] = {**{t: s.size for t, (s, _) in _SCALARS.items()}, T_STRING: 8, T_ARRAY: 12}
 
+_FAST_STRINGS_MIN = 256  # string arrays at least this long take the vectorized path
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _U32U64 = struct.Struct("<IQ")
-_HEADER = struct.Struct("<4sIQQ")
 
 
 @dataclass(frozen=True)
@@ -191,20 +192,66 @@ class _Parser:
         return [self.array(key, depth + 1) for _ in range(count)]
 
     def string_array(self, key: str, count: int) -> list[str]:
-        # The hot loop of a model's vocabulary: local names, no per-item method calls.
+        """A string array. Long ones (a vocabulary) are walked once for their lengths, then decoded in one go."""
+        if count < _FAST_STRINGS_MIN:
+            return self.string_items(key, count)
+        buf, pos, unpack = self.buf, self.pos, _U64.unpack_from
+        start = pos
+        ends = array("q")  # 8 bytes per string, no int objects kept
+        append = ends.append
+        try:  # optimistic walk: a length running past the end shows up as an error or as pos > end below
+            for _ in range(count):
+                (n,) = unpack(buf, pos)
+                pos += 8 + n
+                append(pos)
+        except (struct.error, OverflowError):
+            pos = self.end + 1
+        if pos > self.end:
+            del ends
+            return self.string_items(key, count)  # the checked walk names the culprit
+        # Drop each 8-byte length but its last byte, which becomes a NUL separator; then decode and split once.
+        size = pos - start
+        prefix = np.empty(count, dtype=np.int64)
+        prefix[0] = 0
+        prefix[1:] = np.frombuffer(ends, dtype=np.int64, count=count - 1) - start
+        del ends
+        region = np.frombuffer(buf, dtype=np.uint8, count=size, offset=start)
+        joined = region.copy()
+        del region
+        step = np.zeros(size + 1, dtype=np.int8)
+        step[prefix] = 1
+        step[prefix + 7] = -1
+        keep = np.cumsum(step[:size], dtype=np.int8) == 0
+        del step
+        joined[prefix + 7] = 0
+        data = joined[keep].tobytes()
+        del joined, keep, prefix
+        if data.count(0) == count:  # no NUL inside the strings themselves: the split is exact
+            try:
+                out = str(data, "utf-8").split("\0")
+            except UnicodeDecodeError:
+                pass  # rescan one by one to name the bad string
+            else:
+                self.pos = pos
+                return out[1:]
+        del data
+        return self.string_items(key, count)
+
+    def string_items(self, key: str, count: int) -> list[str]:
+        """A string array, one string at a time."""
         buf, end, pos, unpack = self.buf, self.end, self.pos, _U64.unpack_from
         out: list[str] = []
         append = out.append
         try:
-            for _ in range(count):
+            for i in range(count):
                 if end - pos < 8:
                     self.pos = pos
-                    self.need(8, f"length of string {len(out)} in array of key {key!r}")
+                    self.need(8, f"length of string {i} in array of key {key!r}")
                 (n,) = unpack(buf, pos)
                 pos += 8
                 if n > end - pos:
                     raise self.fail(
-                        f"string {len(out)} in array of key {key!r} at offset {pos - 8}: "
+                        f"string {i} in array of key {key!r} at offset {pos - 8}: "
                         f"length {n} exceeds the {end - pos} bytes left"
                     )
                 append(str(buf[pos : pos + n], "utf-8"))

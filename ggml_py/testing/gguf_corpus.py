@@ -22,14 +22,37 @@ from ggml_py import dtypes
 from ggml_py.gguf import MAX_ARRAY_DEPTH, MIN_KV_BYTES, MIN_TENSOR_INFO_BYTES
 
 __all__ = [
-    "Case", "KV", "RawGGUF", "TI", "dissect", "enc_array", "enc_string", "enc_value", "field_spans",
-    "malformed_cases", "tiny_model", "tiny_spec", "write_tiny_model",
-]  # fmt: skip
+    "Case",
+    "KV",
+    "RawGGUF",
+    "TI",
+    "dissect",
+    "enc_array",
+    "enc_string",
+    "enc_value",
+    "field_spans",
+    "malformed_cases",
+    "tiny_model",
+    "tiny_spec",
+    "truncations",
+    "write_tiny_model",
+]
 
 T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_FLOAT32, T_BOOL = range(8)
 T_STRING, T_ARRAY, T_UINT64, T_INT64, T_FLOAT64 = range(8, 13)
-_FMT = {T_UINT8: "B", T_INT8: "b", T_UINT16: "H", T_INT16: "h", T_UINT32: "I", T_INT32: "i", T_FLOAT32: "f",
-        T_BOOL: "?", T_UINT64: "Q", T_INT64: "q", T_FLOAT64: "d"}  # fmt: skip
+_FMT = {
+    T_UINT8: "B",
+    T_INT8: "b",
+    T_UINT16: "H",
+    T_INT16: "h",
+    T_UINT32: "I",
+    T_INT32: "i",
+    T_FLOAT32: "f",
+    T_BOOL: "?",
+    T_UINT64: "Q",
+    T_INT64: "q",
+    T_FLOAT64: "d",
+}
 _SIZE = {t: struct.calcsize("<" + f) for t, f in _FMT.items()}
 U64_MAX = 2**64 - 1
 
@@ -91,7 +114,13 @@ class TI:
 
     def encode(self) -> bytes:
         nd = len(self.dims) if self.n_dims is None else self.n_dims
-        return enc_string(self.name, self.name_len) + u32(nd) + b"".join(u64(d) for d in self.dims) + u32(self.ttype) + u64(self.offset)
+        return (
+            enc_string(self.name, self.name_len)
+            + u32(nd)
+            + b"".join(u64(d) for d in self.dims)
+            + u32(self.ttype)
+            + u64(self.offset)
+        )
 
     @property
     def nbytes(self) -> int:
@@ -115,6 +144,7 @@ class RawGGUF:
     n_tensors: int | None = None  # override the stored counts
     n_kv: int | None = None
     pad_to: int = 32  # alignment used to pad the tensor infos (what a writer would use)
+    pad_infos: bool = True  # write that padding (a file without tensors may end right after its header)
 
     def header(self) -> bytes:
         nt = len(self.tensors) if self.n_tensors is None else self.n_tensors
@@ -127,7 +157,7 @@ class RawGGUF:
             out += kv.encode()
         for ti in self.tensors:
             out += ti.encode()
-        if self.tensors or self.data:
+        if self.pad_infos:
             out += bytes(-len(out) % self.pad_to)
         out += self.data
         return bytes(out)
@@ -213,12 +243,14 @@ def _walk(b: bytes, spans: list[tuple[str, int, int]] | None = None) -> RawGGUF:
         pos = span(f"ti[{i}].type", pos, 4)
         pos = span(f"ti[{i}].offset", pos, 8)
         tis.append(TI(name, dims, ttype, off))
-    data_start = pos + (-pos % alignment) if tis else pos
+    data_start = pos + (-pos % alignment)
+    pad_infos = data_start <= len(b)
+    data_start = min(data_start, len(b))
     if spans is not None and tis:
         span("padding", pos, data_start - pos)
         for i, ti in enumerate(tis):
             span(f"data[{i}]", data_start + ti.offset, ti.nbytes)
-    return RawGGUF(kvs, tis, b[data_start:], version, magic, pad_to=alignment)
+    return RawGGUF(kvs, tis, b[data_start:], version, magic, pad_to=alignment, pad_infos=pad_infos)
 
 
 def dissect(data: bytes) -> RawGGUF:
@@ -273,8 +305,14 @@ def tiny_spec(seed: int = 0) -> tuple[list[tuple[str, int, Any, int | None]], li
     return kvs, tensors
 
 
-def write_tiny_model(path: str | os.PathLike[str], *, seed: int = 0, alignment: int | None = None,
-                     with_tensors: bool = True, fat: bool = False) -> None:  # fmt: skip
+def write_tiny_model(
+    path: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    alignment: int | None = None,
+    with_tensors: bool = True,
+    fat: bool = False,
+) -> None:
     """Write the tiny model of `tiny_spec(seed)` with gguf.GGUFWriter; `fat` puts a 4 KiB string first, so that
     truncating anywhere after it leaves enough bytes for the header counts to look plausible."""
     import gguf
@@ -386,14 +424,16 @@ def malformed_cases(base: bytes | None = None, fat_base: bytes | None = None) ->
     for v in (0, 1, 4, 0xFFFF, U64_MAX & 0xFFFFFFFF):
         yield Case(f"version:{v}", edit(lambda r, v=v: setattr(r, "version", v)), "version")
     yield Case("version:big-endian", edit(lambda r: setattr(r, "version", 3 << 24)), "big-endian")
-    for n in (*_HUGE, 10**6, (size - 24) // MIN_TENSOR_INFO_BYTES + 1):  # the last one is just past what the file could hold
+    # Huge counts, and counts just one past what the file could possibly hold.
+    for n in (*_HUGE, 10**6, (size - 24) // MIN_TENSOR_INFO_BYTES + 1):
         yield Case(f"n_tensors:{n}", edit(lambda r, n=n: setattr(r, "n_tensors", n)), "implausible|cannot fit")
     for n in (*_HUGE, 10**6, (size - 24) // MIN_KV_BYTES + 1):
         yield Case(f"n_kv:{n}", edit(lambda r, n=n: setattr(r, "n_kv", n)), "implausible|cannot fit")
     left = size - 24
     nt, nk = left // 2 // MIN_TENSOR_INFO_BYTES, left // 2 // MIN_KV_BYTES + 2  # each fits alone, not together
-    yield Case("counts:together-too-many", edit(lambda r: (setattr(r, "n_tensors", nt), setattr(r, "n_kv", nk))),
-               "cannot fit")  # fmt: skip
+    yield Case(
+        "counts:together-too-many", edit(lambda r: (setattr(r, "n_tensors", nt), setattr(r, "n_kv", nk))), "cannot fit"
+    )
     yield Case("n_tensors:+1", edit(lambda r: setattr(r, "n_tensors", len(r.tensors) + 1)), ".")
     yield Case("n_kv:+1", edit(lambda r: setattr(r, "n_kv", len(r.kvs) + 1)), ".")
     yield Case("n_kv:-1", edit(lambda r: setattr(r, "n_kv", len(r.kvs) - 1)), ".")
@@ -407,14 +447,18 @@ def malformed_cases(base: bytes | None = None, fat_base: bytes | None = None) ->
             edit(lambda r, n=n: r.set_kv("general.name", T_STRING, enc_string(b"tiny", n))),
             "length .* exceeds",
         )
-        yield Case(f"tensor-name-length:{n}", edit(lambda r, n=n: setattr(r.tensors[0], "name_len", n)),
-                   "length .* exceeds")  # fmt: skip
+        yield Case(
+            f"tensor-name-length:{n}", edit(lambda r, n=n: setattr(r.tensors[0], "name_len", n)), "length .* exceeds"
+        )
         yield Case(
             f"array-string-length:{n}",
-            edit(lambda r, n=n: r.set_kv("tokenizer.ggml.tokens", T_ARRAY,
-                                         u32(T_STRING) + u64(2) + enc_string("ok") + enc_string("bad", n))),
+            edit(
+                lambda r, n=n: r.set_kv(
+                    "tokenizer.ggml.tokens", T_ARRAY, u32(T_STRING) + u64(2) + enc_string("ok") + enc_string("bad", n)
+                )
+            ),
             "length .* exceeds",
-        )  # fmt: skip
+        )
     # Array lengths of each kind of element, past the end and up to 2^64-1 (some wrap count*size to 0).
     for etype, item in ((T_UINT8, 1), (T_UINT32, 1), (T_UINT64, 1), (T_STRING, "a"), (T_ARRAY, None)):
         for n in (size, *_HUGE):
@@ -425,10 +469,16 @@ def malformed_cases(base: bytes | None = None, fat_base: bytes | None = None) ->
                 edit(lambda r, p=payload: r.set_kv("test.f32s", T_ARRAY, p)),
                 "claims",
             )
-    yield Case("array-count:nested-inner:2^63", edit(lambda r: r.set_kv(
-        "test.nested", T_ARRAY, u32(T_ARRAY) + u64(1) + u32(T_UINT8) + u64(2**63))), "claims")  # fmt: skip
-    yield Case(f"nested-depth:{MAX_ARRAY_DEPTH + 1}",
-               edit(lambda r: r.set_kv("test.nested", T_ARRAY, _nested(MAX_ARRAY_DEPTH + 1))), "nested deeper")
+    yield Case(
+        "array-count:nested-inner:2^63",
+        edit(lambda r: r.set_kv("test.nested", T_ARRAY, u32(T_ARRAY) + u64(1) + u32(T_UINT8) + u64(2**63))),
+        "claims",
+    )
+    yield Case(
+        f"nested-depth:{MAX_ARRAY_DEPTH + 1}",
+        edit(lambda r: r.set_kv("test.nested", T_ARRAY, _nested(MAX_ARRAY_DEPTH + 1))),
+        "nested deeper",
+    )
     yield Case("nested-depth:1000", edit(lambda r: r.set_kv("test.nested", T_ARRAY, _nested(1000))), "nested deeper")
     # Value types.
     for t in (13, 14, 100, 0xFFFFFFFF):
@@ -440,64 +490,108 @@ def malformed_cases(base: bytes | None = None, fat_base: bytes | None = None) ->
         )
     # Keys.
     yield Case("duplicate-key", edit(lambda r: r.kvs.append(copy.deepcopy(r.kvs[i_name]))), "duplicate key")
-    yield Case("duplicate-key:other-type",
-               edit(lambda r: r.kvs.append(KV(b"general.name", T_UINT32, u32(1)))), "duplicate key")  # fmt: skip
+    yield Case(
+        "duplicate-key:other-type", edit(lambda r: r.kvs.append(KV(b"general.name", T_UINT32, u32(1)))), "duplicate key"
+    )
     yield Case("empty-key", edit(lambda r: setattr(r.kvs[i_name], "key", b"")), "empty key")
     yield Case("key-too-long", edit(lambda r: setattr(r.kvs[i_name], "key", b"k" * 65536)), "maximum of 65535")
     for bad in (b"\xff", b"gen\xc3eral", b"\xed\xa0\x80"):
         yield Case(f"utf8:key:{bad!r}", edit(lambda r, bad=bad: setattr(r.kvs[i_name], "key", bad)), "UTF-8")
-        yield Case(f"utf8:value:{bad!r}",
-                   edit(lambda r, bad=bad: r.set_kv("general.name", T_STRING, enc_string(bad))), "UTF-8")
-        yield Case(f"utf8:array:{bad!r}", edit(lambda r, bad=bad: r.set_kv(
-            "tokenizer.ggml.tokens", T_ARRAY, enc_array(T_STRING, [b"ok", bad]))), "UTF-8")  # fmt: skip
+        yield Case(
+            f"utf8:value:{bad!r}", edit(lambda r, bad=bad: r.set_kv("general.name", T_STRING, enc_string(bad))), "UTF-8"
+        )
+        yield Case(
+            f"utf8:array:{bad!r}",
+            edit(lambda r, bad=bad: r.set_kv("tokenizer.ggml.tokens", T_ARRAY, enc_array(T_STRING, [b"ok", bad]))),
+            "UTF-8",
+        )
         yield Case(f"utf8:tensor-name:{bad!r}", edit(lambda r, bad=bad: setattr(r.tensors[0], "name", bad)), "UTF-8")
     # Alignment.
     for a in (0, 24, 3, 2**32 - 1):
-        yield Case(f"alignment:{a}", edit(lambda r, a=a: r.set_kv("general.alignment", T_UINT32, u32(a))),
-                   "power of two")  # fmt: skip
-    for t, p in ((T_UINT64, u64(32)), (T_INT32, u32(32)), (T_UINT16, struct.pack("<H", 32)),
-                 (T_STRING, enc_string("32")), (T_FLOAT32, struct.pack("<f", 32.0))):  # fmt: skip
-        yield Case(f"alignment-type:{_tn(t)}", edit(lambda r, t=t, p=p: r.set_kv("general.alignment", t, p)),
-                   "must be uint32")  # fmt: skip
-    yield Case("alignment:2^31", edit(lambda r: r.set_kv("general.alignment", T_UINT32, u32(2**31))),
-               "past the end|not a multiple")  # fmt: skip
-    yield Case("alignment:64-but-offsets-32", edit(lambda r: r.set_kv("general.alignment", T_UINT32, u32(64))),
-               "not a multiple of the alignment")  # fmt: skip
+        yield Case(
+            f"alignment:{a}", edit(lambda r, a=a: r.set_kv("general.alignment", T_UINT32, u32(a))), "power of two"
+        )
+    for t, p in (
+        (T_UINT64, u64(32)),
+        (T_INT32, u32(32)),
+        (T_UINT16, struct.pack("<H", 32)),
+        (T_STRING, enc_string("32")),
+        (T_FLOAT32, struct.pack("<f", 32.0)),
+    ):
+        yield Case(
+            f"alignment-type:{_tn(t)}", edit(lambda r, t=t, p=p: r.set_kv("general.alignment", t, p)), "must be uint32"
+        )
+    yield Case(
+        "alignment:2^31",
+        edit(lambda r: r.set_kv("general.alignment", T_UINT32, u32(2**31))),
+        "past the end|not a multiple",
+    )
+    yield Case(
+        "alignment:64-but-offsets-32",
+        edit(lambda r: r.set_kv("general.alignment", T_UINT32, u32(64))),
+        "not a multiple of the alignment",
+    )
     # Tensor infos.
     for nd in (0, 5, 0xFFFFFFFF):
         yield Case(f"n_dims:{nd}", edit(lambda r, nd=nd: setattr(r.tensors[1], "n_dims", nd)), "n_dims")
     for t in (4, 5, 10, 16, 28, 39, 200, 0xFFFFFFFF):
         yield Case(f"tensor-type:{t}", edit(lambda r, t=t: setattr(r.tensors[1], "ttype", t)), f"type id {t}")
     for dims, why in (
-        ([64, 0], "is 0"), ([0], "is 0"), ([2**63], "exceeds int64"), ([U64_MAX], "exceeds int64"),
-        ([2**32, 2**32], "overflows"), ([2**62, 4], "overflows"), ([2**31, 2**31, 2**2], "overflows"),
-        ([64, 2**40, 2**20], "overflows"), ([2**16, 2**16, 2**16, 2**16], "overflows"),
+        ([64, 0], "is 0"),
+        ([0], "is 0"),
+        ([2**63], "exceeds int64"),
+        ([U64_MAX], "exceeds int64"),
+        ([2**32, 2**32], "overflows"),
+        ([2**62, 4], "overflows"),
+        ([2**31, 2**31, 2**2], "overflows"),
+        ([64, 2**40, 2**20], "overflows"),
+        ([2**16, 2**16, 2**16, 2**16], "overflows"),
         ([64, 2**40], "past the end"),
-    ):  # fmt: skip
+    ):
         yield Case(f"dims:{dims}", edit(lambda r, d=dims: setattr(r.tensors[1], "dims", list(d))), why)
     for ne0 in (33, 48, 1, 31):
-        yield Case(f"block-size:Q8_0:ne0={ne0}", edit(lambda r, n=ne0: setattr(r.tensors[q8], "dims", [n, 1])),
-                   "not a multiple of the Q8_0 block size")  # fmt: skip
-    yield Case("block-size:Q4_K:ne0=128", edit(lambda r: setattr(r.tensors[3], "dims", [128, 2])),
-               "not a multiple of the Q4_K block size")  # fmt: skip
+        yield Case(
+            f"block-size:Q8_0:ne0={ne0}",
+            edit(lambda r, n=ne0: setattr(r.tensors[q8], "dims", [n, 1])),
+            "not a multiple of the Q8_0 block size",
+        )
+    yield Case(
+        "block-size:Q4_K:ne0=128",
+        edit(lambda r: setattr(r.tensors[3], "dims", [128, 2])),
+        "not a multiple of the Q4_K block size",
+    )
     yield Case("duplicate-tensor-name", edit(lambda r: setattr(r.tensors[2], "name", names[0])), "duplicate tensor")
     yield Case("empty-tensor-name", edit(lambda r: setattr(r.tensors[2], "name", b"")), "empty name")
     # Offsets.
     last = len(raw.tensors) - 1
     big = raw.tensors[0]  # the Q8_0 embedding, larger than one alignment unit
-    for ti_i, off in ((last, len(raw.data)), (0, len(raw.data) - 32), (last, 2**63), (last, U64_MAX - 31),
-                      (last, 2**64 - 2**40), (last, len(raw.data) + 2**32)):  # fmt: skip
+    for ti_i, off in (
+        (last, len(raw.data)),
+        (0, len(raw.data) - 32),
+        (last, 2**63),
+        (last, U64_MAX - 31),
+        (last, 2**64 - 2**40),
+        (last, len(raw.data) + 2**32),
+    ):
         assert ti_i != 0 or big.nbytes > 32
-        yield Case(f"offset:past-end:ti{ti_i}:{off}", edit(lambda r, i=ti_i, o=off: setattr(r.tensors[i], "offset", o)),
-                   "past the end")  # fmt: skip
+        yield Case(
+            f"offset:past-end:ti{ti_i}:{off}",
+            edit(lambda r, i=ti_i, o=off: setattr(r.tensors[i], "offset", o)),
+            "past the end",
+        )
     for delta in (1, 4, 16, 31):
-        yield Case(f"offset:misaligned:+{delta}",
-                   edit(lambda r, d=delta: setattr(r.tensors[1], "offset", r.tensors[1].offset + d)), "not a multiple")
+        yield Case(
+            f"offset:misaligned:+{delta}",
+            edit(lambda r, d=delta: setattr(r.tensors[1], "offset", r.tensors[1].offset + d)),
+            "not a multiple",
+        )
     yield Case("offset:same-as-other", edit(lambda r: setattr(r.tensors[1], "offset", r.tensors[0].offset)), "overlap")
-    yield Case("offset:inside-other",
-               edit(lambda r: setattr(r.tensors[1], "offset", r.tensors[0].offset + 32)), "overlap")  # fmt: skip
-    yield Case("offset:swap-overlap",
-               edit(lambda r: setattr(r.tensors[2], "offset", r.tensors[1].offset + 64)), "overlap")  # fmt: skip
+    yield Case(
+        "offset:inside-other", edit(lambda r: setattr(r.tensors[1], "offset", r.tensors[0].offset + 32)), "overlap"
+    )
+    yield Case(
+        "offset:swap-overlap", edit(lambda r: setattr(r.tensors[2], "offset", r.tensors[1].offset + 64)), "overlap"
+    )
     # Data section: cut right after the tensor infos (no padding, no data).
     infos_end = max(end for name, _, end in spans if name.startswith("ti["))
     yield Case("data-section:missing", base[:infos_end], "past the end")
@@ -506,5 +600,13 @@ def malformed_cases(base: bytes | None = None, fat_base: bytes | None = None) ->
 
 
 def _tn(t: int) -> str:
-    return {T_UINT8: "uint8", T_UINT32: "uint32", T_UINT64: "uint64", T_STRING: "string", T_ARRAY: "array",
-            T_INT32: "int32", T_UINT16: "uint16", T_FLOAT32: "float32"}.get(t, str(t))  # fmt: skip
+    return {
+        T_UINT8: "uint8",
+        T_UINT32: "uint32",
+        T_UINT64: "uint64",
+        T_STRING: "string",
+        T_ARRAY: "array",
+        T_INT32: "int32",
+        T_UINT16: "uint16",
+        T_FLOAT32: "float32",
+    }.get(t, str(t))
