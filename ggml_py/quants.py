@@ -1,7 +1,496 @@
-import gguf.quants as q
+"""ggml's block-quantized formats in vectorised numpy, with the semantics of `gguf.quants`.
 
-import ggml_py.dtypes as d
+`quantize(data, qtype)` takes floats whose last dimension is a multiple of the block size and returns uint8 rows
+(last dimension = bytes per row); `dequantize(raw, qtype)` turns such rows back into float32 of the element shape.
+As in gguf, F32 and F16 are plain casts/views (quantize returns float32/float16 arrays for them); use `quantize_rows`
+to always get raw bytes.
+
+Results are bit-identical to gguf for everything gguf implements (all dequantizers here; quantizers of
+BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). gguf cannot quantize the K-quants; ours follow ggml's reference quantizers
+(`quantize_row_q{4,5,6}_K_ref`), keeping C's float32 operation order (sums run sequentially over the element axis).
+No gguf import here: the core does its own math.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from . import dtypes
+from .dtypes import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, DType
+from .errors import ShapeError
+
+QType = DType | int | str  # also gguf.GGMLQuantizationType (an IntEnum)
+
+__all__ = ["DEQUANTIZABLE", "QUANTIZABLE", "QType", "dequantize", "dequantize_rows", "quantize", "quantize_rows"]
+
+_f32 = np.float32
+_NIBBLE_SHIFTS = np.array([0, 4], dtype=np.uint8)
+# Elements per chunk when mapping a block kernel: bounds the temporaries and keeps them cache-sized.
+_CHUNK_ELEMS = 1 << 18
+_GROUP_MAX_EPS = _f32(1e-15)
+
+Kernel = Callable[[np.ndarray], np.ndarray]
 
 
-def quantize(x, t): return q.quantize(x, d.get(t).ggml_id)
-def dequantize(x, t): return q.dequantize(x, d.get(t).ggml_id)
+# ---------------------------------------------------------------------------------------------------------- helpers
+
+
+def _f16_field(blocks: np.ndarray, off: int) -> np.ndarray:
+    """The little-endian f16 at byte `off` of each block, as float32 of shape (n, 1)."""
+    return np.ascontiguousarray(blocks[:, off : off + 2]).view(np.float16).astype(np.float32)
+
+
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    """float32 (n, 1) to its f16 encoding, (n, 2) uint8 (numpy's cast rounds to nearest even, as ggml does)."""
+    return np.ascontiguousarray(v, dtype=np.float32).astype(np.float16).view(np.uint8)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """(n, k) bytes to (n, 2, k) 4-bit values: all low nibbles first, then all high nibbles (ggml's order)."""
+    return (qs[:, None, :] >> _NIBBLE_SHIFTS[None, :, None]) & np.uint8(0x0F)
+
+
+def _pack_nibbles(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    return (lo & np.uint8(0x0F)) | (hi << np.uint8(4))
+
+
+def _round_half_away(v: np.ndarray) -> np.ndarray:
+    """C's roundf (ties away from zero); np.rint would round ties to even. inf gives NaN, as in gguf."""
+    a = np.abs(v)
+    f = np.floor(a)
+    return np.sign(v) * (f + np.floor(2 * (a - f)))
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    """1/d, 0 where d is 0 (ggml's `d ? 1.0f/d : 0.0f`)."""
+    with np.errstate(divide="ignore"):
+        return np.where(d == 0, _f32(0), _f32(1) / d)
+
+
+def _map_blocks(kernel: Kernel, blocks: np.ndarray, width: int, dtype: type, block_elems: int) -> np.ndarray:
+    """Apply a (n, a) -> (n, width) block kernel over chunks of blocks (vectorised within a chunk)."""
+    n = blocks.shape[0]
+    out = np.empty((n, width), dtype=dtype)
+    step = max(1, _CHUNK_ELEMS // block_elems)
+    with np.errstate(all="ignore"):  # NaN/inf inputs give garbage blocks, as in ggml, not warnings
+        for s in range(0, n, step):
+            out[s : s + step] = kernel(blocks[s : s + step])
+    return out
+
+
+# ------------------------------------------------------------------------------------------- legacy 32-element types
+
+
+def _deq_q4_0(b: np.ndarray) -> np.ndarray:
+    q = _nibbles(b[:, 2:]).reshape(-1, 32).astype(np.float32)
+    q -= 8
+    return _f16_field(b, 0) * q
+
+
+def _deq_q4_1(b: np.ndarray) -> np.ndarray:
+    q = _nibbles(b[:, 4:]).reshape(-1, 32).astype(np.float32)
+    return _f16_field(b, 0) * q + _f16_field(b, 2)
+
+
+def _q5_values(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    # qh is a little-endian uint32 whose bit j is the 5th bit of element j
+    high = np.unpackbits(qh, axis=1, bitorder="little")
+    return _nibbles(qs).reshape(-1, 32) | (high << np.uint8(4))
+
+
+def _deq_q5_0(b: np.ndarray) -> np.ndarray:
+    q = _q5_values(b[:, 2:6], b[:, 6:]).astype(np.float32)
+    q -= 16
+    return _f16_field(b, 0) * q
+
+
+def _deq_q5_1(b: np.ndarray) -> np.ndarray:
+    q = _q5_values(b[:, 4:8], b[:, 8:]).astype(np.float32)
+    return _f16_field(b, 0) * q + _f16_field(b, 2)
+
+
+def _deq_q8_0(b: np.ndarray) -> np.ndarray:
+    return b[:, 2:].view(np.int8).astype(np.float32) * _f16_field(b, 0)
+
+
+def _levels(v: np.ndarray, top: int) -> np.ndarray:
+    """C's `MIN(top, (int)v)` for v >= 0. Cast before clipping, like gguf, so that degenerate blocks (a subnormal
+    scale whose inverse overflows) produce the same bytes as gguf on the same platform."""
+    return np.trunc(v).astype(np.uint8).clip(0, top)
+
+
+def _signed_absmax(x: np.ndarray) -> np.ndarray:
+    """Per block, the value of largest magnitude with its sign (first one on ties), shape (n, 1)."""
+    return np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)
+
+
+def _q_q4_0(x: np.ndarray) -> np.ndarray:
+    d = _signed_absmax(x) / _f32(-8)
+    q = _levels(x * _inverse(d) + _f32(8.5), 15)
+    return np.concatenate([_f16_bytes(d), _pack_nibbles(q[:, :16], q[:, 16:])], axis=1)
+
+
+def _q_q4_1(x: np.ndarray) -> np.ndarray:
+    lo = x.min(axis=1, keepdims=True)
+    d = (x.max(axis=1, keepdims=True) - lo) / _f32(15)
+    q = _levels((x - lo) * _inverse(d) + _f32(0.5), 15)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(lo), _pack_nibbles(q[:, :16], q[:, 16:])], axis=1)
+
+
+def _q5_pack(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    qh = np.packbits(q >> np.uint8(4), axis=1, bitorder="little")
+    return qh, _pack_nibbles(q[:, :16], q[:, 16:])
+
+
+def _q_q5_0(x: np.ndarray) -> np.ndarray:
+    d = _signed_absmax(x) / _f32(-16)
+    q = _levels(x * _inverse(d) + _f32(16.5), 31)
+    return np.concatenate([_f16_bytes(d), *_q5_pack(q)], axis=1)
+
+
+def _q_q5_1(x: np.ndarray) -> np.ndarray:
+    lo = x.min(axis=1, keepdims=True)
+    d = (x.max(axis=1, keepdims=True) - lo) / _f32(31)
+    q = _levels((x - lo) * _inverse(d) + _f32(0.5), 31)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(lo), *_q5_pack(q)], axis=1)
+
+
+def _q_q8_0(x: np.ndarray) -> np.ndarray:
+    d = np.abs(x).max(axis=1, keepdims=True) / _f32(127)
+    q = _round_half_away(x * _inverse(d)).astype(np.int8)
+    return np.concatenate([_f16_bytes(d), q.view(np.uint8)], axis=1)
+
+
+# ----------------------------------------------------------------------------------------------------------- K-quants
+
+
+def _k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unpack the 12-byte Q4_K/Q5_K field into 8 six-bit scales and 8 six-bit mins, each (n, 8) uint8."""
+    a, b, c = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = np.concatenate([a & np.uint8(63), (c & np.uint8(0x0F)) | ((a >> np.uint8(6)) << np.uint8(4))], axis=1)
+    mn = np.concatenate([b & np.uint8(63), (c >> np.uint8(4)) | ((b >> np.uint8(6)) << np.uint8(4))], axis=1)
+    return sc, mn
+
+
+def _k4_scales_bytes(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
+    """Inverse of _k4_scales: (n, 8) six-bit scales and mins to the 12-byte field."""
+    hi6 = np.uint8(6)
+    return np.concatenate(
+        [
+            ls[:, :4] | ((ls[:, 4:] >> np.uint8(4)) << hi6),
+            lm[:, :4] | ((lm[:, 4:] >> np.uint8(4)) << hi6),
+            _pack_nibbles(ls[:, 4:], lm[:, 4:]),
+        ],
+        axis=1,
+    )
+
+
+def _k_affine(b: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K: value = (d*scale) * q - dmin*min, per 32-element sub-block; q is (n, 8, 32) float32."""
+    sc, mn = _k4_scales(b[:, 4:16])
+    scale = (_f16_field(b, 0) * sc.astype(np.float32))[:, :, None]
+    offset = (_f16_field(b, 2) * mn.astype(np.float32))[:, :, None]
+    q *= scale
+    q -= offset
+    return q.reshape(-1, 256)
+
+
+def _deq_q4_k(b: np.ndarray) -> np.ndarray:
+    # each 32-byte group holds two sub-blocks: low nibbles, then high nibbles
+    q = _nibbles(b[:, 16:144].reshape(-1, 32)).reshape(-1, 8, 32).astype(np.float32)
+    return _k_affine(b, q)
+
+
+def _deq_q5_k(b: np.ndarray) -> np.ndarray:
+    low = _nibbles(b[:, 48:176].reshape(-1, 32)).reshape(-1, 8, 32)
+    # bit k of qh byte l is the 5th bit of element 32*k + l
+    high = np.unpackbits(b[:, None, 16:48], axis=1, count=8, bitorder="little")
+    return _k_affine(b, (low | (high << np.uint8(4))).astype(np.float32))
+
+
+def _deq_q6_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    # per 128-element half: ql bytes 0-31 / 32-63 hold quarters 0,1 (low nibbles) and 2,3 (high nibbles)
+    low = _nibbles(b[:, :128].reshape(n * 2, 64)).reshape(n, 2, 4, 32)
+    qh = b[:, 128:192].reshape(n, 2, 1, 32)
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & np.uint8(3)
+    q = (low | (high << np.uint8(4))).astype(np.float32).reshape(n, 16, 16)
+    q -= 32
+    scale = _f16_field(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32)
+    q *= scale[:, :, None]
+    return q.reshape(n, 256)
+
+
+def _nearest(v: np.ndarray) -> np.ndarray:
+    """ggml's nearest_int (round half to even), kept as float32."""
+    return np.rint(v)
+
+
+def _make_qkx2(
+    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's make_qkx2_quants (use_mad=false) for m sub-blocks at once.
+
+    x, w: (k, m), element axis first so that `sum(axis=0)` accumulates in C's sequential order.
+    Returns levels L (k, m) float32 in [0, nmax], scale (m,) and the (non-negative) min (m,).
+    """
+    f = _f32
+    mx = x.max(axis=0)
+    lo = np.minimum(x.min(axis=0), f(0))
+    sum_w = w.sum(axis=0)
+    sum_x = (w * x).sum(axis=0)
+    flat = mx == lo
+
+    iscale = f(nmax) / (mx - lo)
+    scale = f(1) / iscale
+    levels = np.clip(_nearest(iscale * (x - lo)), 0, nmax)
+    best = (w * np.square(scale * levels + lo - x)).sum(axis=0)
+    cur_min = lo
+    for step in range(nstep + 1):
+        # C updates `min` when a step wins, and later steps measure from it; so do we
+        iscale = (f(rmin) + f(rdelta) * f(step) + f(nmax)) / (mx - cur_min)
+        laux = np.clip(_nearest(iscale * (x - cur_min)), 0, nmax)
+        wl = w * laux
+        sum_l = wl.sum(axis=0)
+        sum_l2 = (wl * laux).sum(axis=0)
+        sum_xl = (wl * x).sum(axis=0)
+        det = sum_w * sum_l2 - sum_l * sum_l
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+        pos = this_min > 0
+        this_min = np.where(pos, f(0), this_min)
+        this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
+        err = (w * np.square(this_scale * laux + this_min - x)).sum(axis=0)
+        better = (det > 0) & (err < best)
+        levels = np.where(better, laux, levels)
+        best = np.where(better, err, best)
+        scale = np.where(better, this_scale, scale)
+        cur_min = np.where(better, this_min, cur_min)
+    levels = np.where(flat, f(0), levels)
+    scale = np.where(flat, f(0), scale)
+    the_min = np.where(flat, -lo, -cur_min)
+    return levels, scale, the_min
+
+
+def _as_u8(v: np.ndarray) -> np.ndarray:
+    """C's float -> int -> uint8_t conversion (wraps modulo 256)."""
+    return (v.astype(np.int64) & 0xFF).astype(np.uint8)
+
+
+def _quant_k_affine(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int) -> tuple[np.ndarray, ...]:
+    """Shared part of quantize_row_q4_K_ref / q5_K_ref: returns d, dmin (f16 bytes), scales field, levels (n,8,32)."""
+    f = _f32
+    n = x.shape[0]
+    xs = np.ascontiguousarray(x.reshape(n * 8, 32).T)
+    av_x = np.sqrt(np.square(xs).sum(axis=0) / f(32))
+    w = av_x + np.abs(xs)
+    levels, scales, mins = _make_qkx2(xs, w, nmax, rmin, rdelta, nstep)
+    levels = levels.T.reshape(n, 8, 32)
+    scales = scales.reshape(n, 8)
+    mins = mins.reshape(n, 8)
+
+    max_scale = np.maximum(scales.max(axis=1, keepdims=True), f(0))
+    max_min = np.maximum(mins.max(axis=1, keepdims=True), f(0))
+    inv_scale = np.where(max_scale > 0, f(63) / max_scale, f(0))
+    inv_min = np.where(max_min > 0, f(63) / max_min, f(0))
+    ls = np.minimum(_as_u8(_nearest(inv_scale * scales)), np.uint8(63))
+    lm = np.minimum(_as_u8(_nearest(inv_min * mins)), np.uint8(63))
+    d16 = (max_scale / f(63)).astype(np.float16)
+    dmin16 = (max_min / f(63)).astype(np.float16)
+
+    d = (d16.astype(np.float32) * ls.astype(np.float32))[:, :, None]
+    dm = (dmin16.astype(np.float32) * lm.astype(np.float32))[:, :, None]
+    requant = np.clip(_nearest((x.reshape(n, 8, 32) + dm) / d), 0, nmax)
+    levels = np.where(d == 0, levels, requant).astype(np.uint8)  # C skips sub-blocks whose scale is 0
+    return d16.view(np.uint8), dmin16.view(np.uint8), _k4_scales_bytes(ls, lm), levels
+
+
+def _q_q4_k(x: np.ndarray) -> np.ndarray:
+    d, dmin, scales, levels = _quant_k_affine(x, 15, -1.0, 0.1, 20)
+    pairs = levels.reshape(-1, 4, 2, 32)
+    qs = _pack_nibbles(pairs[:, :, 0], pairs[:, :, 1]).reshape(-1, 128)
+    return np.concatenate([d, dmin, scales, qs], axis=1)
+
+
+def _q_q5_k(x: np.ndarray) -> np.ndarray:
+    d, dmin, scales, levels = _quant_k_affine(x, 31, -0.5, 0.1, 15)
+    qh = np.packbits(levels >> np.uint8(4), axis=1, bitorder="little").reshape(-1, 32)
+    pairs = levels.reshape(-1, 4, 2, 32)
+    qs = _pack_nibbles(pairs[:, :, 0], pairs[:, :, 1]).reshape(-1, 128)
+    return np.concatenate([d, dmin, scales, qh, qs], axis=1)
+
+
+def _make_qx(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's make_qx_quants with rmse_type=1 and no importance weights, for m sub-blocks at once.
+
+    x: (k, m), element axis first (sequential sums as in C). Returns levels (k, m) float32 in [0, 2*nmax) and scale.
+    """
+    f = _f32
+    m = x.shape[1]
+    ax = np.abs(x)
+    imax = ax.argmax(axis=0)
+    amax = ax[imax, np.arange(m)]
+    mx = x[imax, np.arange(m)]
+    w = x * x
+    wx = w * x
+
+    def trial(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        lv = np.clip(_nearest(iscale * x), -nmax, nmax - 1)
+        return lv, (wx * lv).sum(axis=0), (w * lv * lv).sum(axis=0)
+
+    lv, sumlx, suml2 = trial(f(-nmax) / mx)
+    levels = lv + f(nmax)
+    scale = np.where(suml2 != 0, sumlx / suml2, f(0))
+    best = scale * sumlx
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        lv, sumlx, suml2 = trial(-(f(nmax) + f(0.1) * f(step)) / mx)
+        better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+        levels = np.where(better, lv + f(nmax), levels)
+        scale = np.where(better, sumlx / suml2, scale)
+        best = np.where(better, scale * sumlx, best)
+    zero = amax < _GROUP_MAX_EPS
+    return np.where(zero, f(0), levels), np.where(zero, f(0), scale)
+
+
+def _q_q6_k(x: np.ndarray) -> np.ndarray:
+    f = _f32
+    n = x.shape[0]
+    xs = np.ascontiguousarray(x.reshape(n * 16, 16).T)
+    levels, scales = _make_qx(xs, 32)
+    levels = levels.T.reshape(n, 16, 16)
+    scales = scales.reshape(n, 16)
+
+    imax = np.abs(scales).argmax(axis=1)[:, None]
+    max_scale = np.take_along_axis(scales, imax, axis=1)
+    zero_block = np.abs(max_scale) < _GROUP_MAX_EPS
+    iscale = f(-128) / max_scale
+    d16 = (f(1) / iscale).astype(np.float16)
+    sc = np.clip(_nearest(iscale * scales), -128, 127).astype(np.int8)
+    d = (d16.astype(np.float32) * sc.astype(np.float32))[:, :, None]
+    requant = np.clip(_nearest(x.reshape(n, 16, 16) / d), -32, 31) + f(32)
+    levels = np.where(d == 0, levels, requant).astype(np.uint8).reshape(n, 2, 4, 32)
+
+    ql = _pack_nibbles(levels[:, :, 0:2], levels[:, :, 2:4]).reshape(n, 128)
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]
+    qh = np.bitwise_or.reduce((levels >> np.uint8(4)) << shifts, axis=2).reshape(n, 64)
+    out = np.concatenate([ql, qh, sc.view(np.uint8), d16.view(np.uint8)], axis=1)
+    out[zero_block[:, 0]] = 0  # C memsets an all-zero block
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------- tables
+
+_DEQUANT: dict[DType, Kernel] = {
+    Q4_0: _deq_q4_0, Q4_1: _deq_q4_1, Q5_0: _deq_q5_0, Q5_1: _deq_q5_1, Q8_0: _deq_q8_0,
+    Q4_K: _deq_q4_k, Q5_K: _deq_q5_k, Q6_K: _deq_q6_k,
+}  # fmt: skip
+_QUANT: dict[DType, Kernel] = {
+    Q4_0: _q_q4_0, Q4_1: _q_q4_1, Q5_0: _q_q5_0, Q5_1: _q_q5_1, Q8_0: _q_q8_0,
+    Q4_K: _q_q4_k, Q5_K: _q_q5_k, Q6_K: _q_q6_k,
+}  # fmt: skip
+
+QUANTIZABLE: tuple[DType, ...] = (F32, F16, BF16, *_QUANT)
+DEQUANTIZABLE: tuple[DType, ...] = (F32, F16, BF16, *_DEQUANT)
+
+
+def _resolve(qtype: QType) -> DType:
+    try:
+        return dtypes.get(qtype)
+    except ValueError:
+        name = getattr(qtype, "name", None)
+        if isinstance(qtype, int) and isinstance(name, str):  # a gguf enum member ggml_py does not model
+            raise NotImplementedError(f"type {name} is not supported by ggml_py.quants") from None
+        raise
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 to bfloat16 bit patterns, rounding to nearest even; NaNs stay (quiet) NaNs. As ggml's fp32_to_bf16."""
+    u = x.view(np.uint32)
+    rounded = (u.astype(np.uint64) + (0x7FFF + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint64(16)
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    return np.where(nan, (u >> np.uint32(16)) | np.uint32(0x40), rounded).astype(np.uint16)
+
+
+# ------------------------------------------------------------------------------------------------------------ API
+
+
+def quantize(data: np.ndarray, qtype: QType) -> np.ndarray:
+    """Quantize floats to `qtype`, as gguf.quants.quantize does.
+
+    Block types and BF16 return uint8 of shape (..., row bytes); F32 / F16 return the data cast to float32 / float16.
+    The last dimension must be a multiple of the block size.
+    """
+    t = _resolve(qtype)
+    data = np.asarray(data)
+    if t is F32:
+        return data.astype(np.float32, copy=False)
+    if t is F16:
+        return data.astype(np.float16, copy=False)
+    if t is not BF16 and t not in _QUANT:
+        raise NotImplementedError(f"quantization to {t.name} is not implemented")
+    if data.ndim == 0 or data.shape[-1] % t.block_size:
+        raise ShapeError(
+            f"cannot quantize shape {data.shape} to {t.name}: last dimension must be a multiple of {t.block_size}"
+        )
+    x = np.ascontiguousarray(data, dtype=np.float32)
+    out_shape = (*x.shape[:-1], x.shape[-1] // t.block_size * t.type_size)
+    if t is BF16:
+        return _bf16_bits(x).view(np.uint8).reshape(out_shape)
+    blocks = x.reshape(-1, t.block_size)
+    return _map_blocks(_QUANT[t], blocks, t.type_size, np.uint8, t.block_size).reshape(out_shape)
+
+
+def dequantize(data: np.ndarray, qtype: QType) -> np.ndarray:
+    """Decode raw rows of `qtype` to float32, as gguf.quants.dequantize does.
+
+    `data` is read as bytes (any dtype; typically uint8 of shape (..., row bytes)); the result has the element shape
+    (..., n). For F32 the result may be a view of `data`.
+    """
+    t = _resolve(qtype)
+    if t is not F32 and t is not F16 and t is not BF16 and t not in _DEQUANT:
+        raise NotImplementedError(f"dequantization of {t.name} is not implemented")
+    raw = np.ascontiguousarray(data)
+    if raw.ndim == 0:
+        raise ShapeError(f"cannot dequantize a 0-d array as {t.name}")
+    raw = raw.view(np.uint8)
+    if raw.shape[-1] % t.type_size:
+        raise ShapeError(
+            f"cannot dequantize rows of {raw.shape[-1]} bytes as {t.name}: not a multiple of {t.type_size}"
+        )
+    if t is F32:
+        return raw.view(np.float32)
+    if t is F16:
+        return raw.view(np.float16).astype(np.float32)
+    if t is BF16:
+        return (raw.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    out_shape = (*raw.shape[:-1], raw.shape[-1] // t.type_size * t.block_size)
+    blocks = raw.reshape(-1, t.type_size)
+    return _map_blocks(_DEQUANT[t], blocks, t.block_size, np.float32, t.block_size).reshape(out_shape)
+
+
+def quantize_rows(data: np.ndarray, qtype: QType) -> np.ndarray:
+    """Like `quantize`, but always the raw storage: uint8 of shape (..., row bytes), also for F32 and F16."""
+    t = _resolve(qtype)
+    out = quantize(data, t)
+    if t is F32 or t is F16:
+        if out.ndim == 0:
+            raise ShapeError(f"cannot quantize a 0-d array to {t.name} rows")
+        out = np.ascontiguousarray(out).view(np.uint8)
+    return out
+
+
+def dequantize_rows(raw: np.ndarray, qtype: QType, n_cols: int) -> np.ndarray:
+    """Raw rows (..., row_size(n_cols)) of `qtype` to float32 (..., n_cols), checking the row size."""
+    t = _resolve(qtype)
+    try:
+        row_bytes = t.row_size(n_cols)
+    except ValueError as e:
+        raise ShapeError(str(e)) from None
+    nbytes = raw.shape[-1] * raw.dtype.itemsize if raw.ndim else 0
+    if nbytes != row_bytes:
+        raise ShapeError(f"{t.name} rows of {n_cols} elements take {row_bytes} bytes, got {nbytes}")
+    return dequantize(raw, t)

@@ -8,6 +8,7 @@ compares other backends against.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -132,18 +133,20 @@ class NumpyBackend(Backend):
     def __init__(self, device: Device) -> None:
         self.device = device
         self.default_buffer_type = NumpyBufferType()
-        self._dequant_cache: dict[tuple, np.ndarray] = {}
+        # per weight (weakly keyed: an entry dies with its tensor, so a freed weight's address can't give stale data)
+        self._dequant_cache: weakref.WeakKeyDictionary[Tensor, dict[tuple, np.ndarray]] = weakref.WeakKeyDictionary()
 
     def supports_op(self, node: Tensor) -> bool:
         return node.op in KERNELS
 
     def dequantized(self, t: Tensor, raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         """Weights never change: dequantize each once and keep it."""
+        cache = self._dequant_cache.setdefault(t.view_src if t.view_src is not None else t, {})
         key = (raw.__array_interface__["data"][0], raw.shape, raw.strides, t.dtype.name)
-        hit = self._dequant_cache.get(key)
+        hit = cache.get(key)
         if hit is None:
             hit = _as_float(t, raw, shape)
-            self._dequant_cache[key] = hit
+            cache[key] = hit
         return hit
 
     def graph_plan_create(self, split: Split) -> list[_Step]:
