@@ -2,7 +2,8 @@
 
 Discovery is lazy (nothing is imported until a backend is asked for or listed) and fault-tolerant: a plugin that
 raises is logged and recorded with its error, never breaking `import ggml_py`; asking for it by name re-raises.
-`GGML_PY_BACKENDS=simd,numpy` selects and orders the default backends.
+`GGML_PY_BACKENDS=simd,numpy` selects and orders the default backends. Native (C ABI) plugins come from entry points
+whose object is a library path, or from `GGML_PY_BACKEND_PATH` (see ggml_py/native.py).
 """
 
 from __future__ import annotations
@@ -89,6 +90,14 @@ class Registry:
                     dist = getattr(ep, "dist", None)
                     where = f"entry point {ep.value}" + (f" ({dist.name} {dist.version})" if dist else "")
                     infos[ep.name] = BackendInfo(ep.name, where, loader=_entry_point_loader(ep))
+                if os.environ.get("GGML_PY_BACKEND_PATH", "").strip():  # native plugin libraries (ggml_py.native)
+                    from .native import discover_path_backends
+
+                    for name, where, loader in discover_path_backends():
+                        if name in infos:
+                            log.warning("backend %r is registered twice; keeping %s", name, infos[name].source)
+                            continue
+                        infos[name] = BackendInfo(name, where, loader=loader)
                 self._infos = infos
             return self._infos
 
@@ -149,7 +158,12 @@ class Registry:
 def _entry_point_loader(ep: metadata.EntryPoint) -> Callable[[], BackendRegistration]:
     def load() -> BackendRegistration:
         obj = ep.load()
-        return obj() if callable(obj) and not isinstance(obj, BackendRegistration) else obj
+        obj = obj() if callable(obj) and not isinstance(obj, BackendRegistration) else obj
+        if isinstance(obj, (str, os.PathLike)):  # a native plugin: the path of its shared library
+            from .native import load
+
+            return load(obj)
+        return obj
 
     return load
 

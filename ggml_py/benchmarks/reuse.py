@@ -54,7 +54,7 @@ def run(backend: str = "numpy", steps: int = 200, n_layers: int = 25, d: int = 6
         plan.set_input("mask", mask)
 
     out = build(layers, n_tokens, d, n_head)
-    plan = prepare(out, backends=[backend])
+    plan = prepare(out, backends=backend)
     n_nodes = plan.stats()["nodes"]
     feed(plan)
     plan.compute()  # warm-up (weights placed, caches filled)
@@ -69,7 +69,7 @@ def run(backend: str = "numpy", steps: int = 200, n_layers: int = 25, d: int = 6
 
     t0 = time.perf_counter()
     for _ in range(steps):
-        p = prepare(build(layers, n_tokens, d, n_head), backends=[backend])
+        p = prepare(build(layers, n_tokens, d, n_head), backends=backend)
         feed(p)
         p.compute()
     rebuild_s = (time.perf_counter() - t0) / steps

@@ -1,0 +1,159 @@
+/*
+ * cexample: a minimal ggml_py native backend in plain C99.
+ *
+ * It computes ADD, MUL and MUL_MAT on F32 tensors of any layout (strides are honoured, ggml broadcasting included)
+ * and declines everything else, which the scheduler then gives to another backend (numpy). Its memory is ordinary
+ * host memory, so numpy reads its buffers directly.
+ *
+ * Build:  cc -O2 -std=c99 -shared -fPIC -I../../csrc/include -o libggml_py_cexample.so cexample.c
+ * Use:    GGML_PY_BACKEND_PATH=$PWD/libggml_py_cexample.so ggml-py backends
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ggml_py/backend_abi.h"
+
+#define ALIGNMENT 64
+
+/* ---------------------------------------------------------------------------------------------------- buffers */
+
+/* Plain C99 has no aligned allocator: over-allocate and keep the malloc'd pointer in the context. */
+static int32_t buffer_alloc(size_t size, ggml_py_buffer *buf) {
+    char *raw = malloc(size + ALIGNMENT);
+    if (raw == NULL) {
+        return GGML_PY_ERR_NO_MEMORY;
+    }
+    memset(raw, 0, size + ALIGNMENT);
+    buf->context = raw;
+    buf->base = raw + (ALIGNMENT - (size_t)((uintptr_t)raw % ALIGNMENT)) % ALIGNMENT;
+    buf->size = size;
+    return GGML_PY_OK;
+}
+
+static void buffer_free(ggml_py_buffer *buf) {
+    free(buf->context);
+    buf->context = NULL;
+    buf->base = NULL;
+}
+
+/* ---------------------------------------------------------------------------------------------------- backend */
+
+typedef struct {
+    int32_t n_threads; /* kept for the interface; these kernels are single-threaded */
+} cexample_backend;
+
+static void *backend_init(int32_t n_threads) {
+    cexample_backend *b = calloc(1, sizeof(*b));
+    if (b) {
+        b->n_threads = n_threads > 0 ? n_threads : 1;
+    }
+    return b;
+}
+
+static void backend_free(void *backend) { free(backend); }
+
+static void backend_set_n_threads(void *backend, int32_t n_threads) {
+    ((cexample_backend *)backend)->n_threads = n_threads > 0 ? n_threads : 1;
+}
+
+static int is_f32(const ggml_py_tensor *t) { return t != NULL && t->type == GGML_PY_TYPE_F32; }
+
+static int32_t backend_supports_op(void *backend, const ggml_py_node *node) {
+    (void)backend;
+    switch (node->op) {
+    case GGML_PY_OP_ADD:
+    case GGML_PY_OP_MUL:
+    case GGML_PY_OP_MUL_MAT:
+        return is_f32(node->dst) && is_f32(node->src[0]) && is_f32(node->src[1]);
+    default:
+        return 0;
+    }
+}
+
+/* Address of element (i0, i1, i2, i3) of t. */
+static float *at(const ggml_py_tensor *t, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
+    return (float *)((char *)t->data + i0 * t->nb[0] + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3]);
+}
+
+/* dst = a op b, b tiled over a (each ne of b divides the one of a), as ggml_add / ggml_mul. */
+static void binary_f32(const ggml_py_node *node) {
+    const ggml_py_tensor *d = node->dst, *a = node->src[0], *b = node->src[1];
+    int mul = node->op == GGML_PY_OP_MUL;
+    for (int64_t i3 = 0; i3 < d->ne[3]; i3++) {
+        for (int64_t i2 = 0; i2 < d->ne[2]; i2++) {
+            for (int64_t i1 = 0; i1 < d->ne[1]; i1++) {
+                for (int64_t i0 = 0; i0 < d->ne[0]; i0++) {
+                    float x = *at(a, i0, i1, i2, i3);
+                    float y = *at(b, i0 % b->ne[0], i1 % b->ne[1], i2 % b->ne[2], i3 % b->ne[3]);
+                    *at(d, i0, i1, i2, i3) = mul ? x * y : x + y;
+                }
+            }
+        }
+    }
+}
+
+/* dst[n, m] = sum_k a[m, k] * b[n, k] per outer index, a's outer dims broadcast over b's, as ggml_mul_mat. */
+static void mul_mat_f32(const ggml_py_node *node) {
+    const ggml_py_tensor *d = node->dst, *a = node->src[0], *b = node->src[1];
+    const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
+    const int64_t r2 = b->ne[2] / a->ne[2], r3 = b->ne[3] / a->ne[3];
+    for (int64_t i3 = 0; i3 < b->ne[3]; i3++) {
+        for (int64_t i2 = 0; i2 < b->ne[2]; i2++) {
+            for (int64_t n = 0; n < N; n++) {
+                const char *brow = (const char *)at(b, 0, n, i2, i3);
+                for (int64_t m = 0; m < M; m++) {
+                    const char *arow = (const char *)at(a, 0, m, i2 / r2, i3 / r3);
+                    float sum = 0.0f;
+                    for (int64_t k = 0; k < K; k++) {
+                        sum += *(const float *)(arow + k * a->nb[0]) * *(const float *)(brow + k * b->nb[0]);
+                    }
+                    *at(d, m, n, i2, i3) = sum;
+                }
+            }
+        }
+    }
+}
+
+static int32_t backend_graph_compute(void *backend, void *plan, const ggml_py_node *nodes, int32_t n_nodes,
+                                     ggml_py_error *err) {
+    (void)plan;
+    if (!backend) {
+        snprintf(err->message, sizeof(err->message), "no backend context");
+        return GGML_PY_ERR_FAILED;
+    }
+    for (int32_t i = 0; i < n_nodes; i++) {
+        const ggml_py_node *node = &nodes[i];
+        if (!backend_supports_op(backend, node)) {
+            err->node = i;
+            snprintf(err->message, sizeof(err->message), "cexample cannot compute op %d on these types", node->op);
+            return GGML_PY_ERR_UNSUPPORTED;
+        }
+        if (node->op == GGML_PY_OP_MUL_MAT) {
+            mul_mat_f32(node);
+        } else {
+            binary_f32(node);
+        }
+    }
+    return GGML_PY_OK;
+}
+
+/* ---------------------------------------------------------------------------------------------------- plugin */
+
+static const ggml_py_plugin plugin = {
+    GGML_PY_ABI_VERSION,
+    sizeof(ggml_py_plugin),
+    "cexample",                          /* name */
+    "0.1.0",                             /* version */
+    "example C backend: ADD, MUL, MUL_MAT (F32)",
+    10,                                  /* score: usable everywhere */
+    1,                                   /* default n_threads */
+    0, 0,                                /* memory: unknown */
+    {"cexample", ALIGNMENT, 0, 1, buffer_alloc, NULL},
+    {buffer_free, NULL, NULL, NULL},
+    {backend_init, backend_free, backend_supports_op, NULL, NULL, backend_graph_compute, backend_set_n_threads, NULL},
+};
+
+GGML_PY_PLUGIN_EXPORT uint32_t ggml_py_plugin_abi_version(void) { return GGML_PY_ABI_VERSION; }
+
+GGML_PY_PLUGIN_EXPORT const ggml_py_plugin *ggml_py_plugin_init(void) { return &plugin; }
