@@ -1,0 +1,600 @@
+"""The conformance cases: one small graph per case, with seeded random inputs and an NMSE threshold.
+
+Each case names its op (ggml's upper-case name), a case string with the shapes and params (numpy order, see
+docs/architecture.md), a types string, and a builder. `Case.build()` makes a fresh graph and its input values; the
+data depend only on the case id, so a case is reproducible however the list is filtered.
+
+Thresholds (NMSE = Σ(ref−out)²/Σref², see runner.py) follow ggml's test-backend-ops: 1e-7 by default, 5e-4 for
+MUL_MAT and FLASH_ATTN_EXT (backends may quantize activations or use F16 accumulators), 1e-6 for SOFT_MAX, and 0 for
+pure data movement (copies to the same type, CONT, CONCAT, REPEAT, PAD, GET_ROWS of non-quantized rows), ARGMAX and
+integer results. Conversions to a narrower type (CPY, SET_ROWS) use `CONVERT_MAX_NMSE`: about a quarter of the
+format's own round-trip error on uniform(-1, 1) data. That accepts a converter that differs from the reference only
+at rounding ties or by computing with a reciprocal, and rejects a different rounding rule (truncation) or scale rule,
+which measure 2-5x the round-trip error.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import ops
+from ..dtypes import BF16, F16, F32, I32, I64, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, DType
+from ..quants import quantize
+from ..tensor import Tensor
+from ..tensor import input as _input
+from ..tensor import weight as _weight
+
+__all__ = ["ALL_OPS", "CONVERT_MAX_NMSE", "Built", "Case", "Ctx", "all_cases", "cases", "encode"]
+
+# Every op the kit covers (view ops are exercised as inputs of these).
+ALL_OPS: tuple[str, ...] = (
+    "GET_ROWS", "SET_ROWS", "ADD", "SUB", "MUL", "DIV", "SCALE", "SQR", "SQRT", "NEG", "ABS", "EXP", "LOG", "SILU",
+    "GELU", "RELU", "TANH", "SIGMOID", "SWIGLU", "GEGLU", "NORM", "RMS_NORM", "MUL_MAT", "SOFT_MAX", "ROPE",
+    "DIAG_MASK_INF", "FLASH_ATTN_EXT", "CPY", "CONT", "CONCAT", "SUM_ROWS", "MEAN", "ARGMAX", "REPEAT", "CLAMP", "PAD",
+)  # fmt: skip
+
+DEFAULT_MAX_NMSE = 1e-7
+MUL_MAT_MAX_NMSE = 5e-4
+FLASH_ATTN_MAX_NMSE = 5e-4
+SOFT_MAX_MAX_NMSE = 1e-6
+
+# Converting F32 values to a narrower type (see the module docstring for why these values).
+CONVERT_MAX_NMSE: dict[str, float] = {
+    "F32": 0.0, "F16": 1e-7, "BF16": 1e-6, "Q8_0": 5e-6, "Q5_0": 2.5e-4, "Q5_1": 2.5e-4, "Q4_0": 1e-3, "Q4_1": 1e-3,
+}  # fmt: skip
+
+WEIGHT_TYPES: tuple[DType, ...] = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+
+
+@dataclass
+class Built:
+    """A case's graph: its output tensors and the values of its inputs (raw bytes for BF16/quantized inputs)."""
+
+    outputs: list[Tensor]
+    inputs: list[tuple[Tensor, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One conformance case. `build()` returns a fresh graph with seeded input values."""
+
+    op: str
+    case: str
+    types: str
+    make: Callable[[Ctx], Tensor | Sequence[Tensor]] = field(repr=False, compare=False)
+    max_nmse: float = DEFAULT_MAX_NMSE
+    note: str = ""
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}[{self.types}]({self.case})"
+
+    @property
+    def seed(self) -> int:
+        return zlib.crc32(self.id.encode())
+
+    def build(self) -> Built:
+        ctx = Ctx(np.random.default_rng(self.seed))
+        out = self.make(ctx)
+        outs = [out] if isinstance(out, Tensor) else list(out)
+        return Built(outs, ctx.inputs)
+
+    def __str__(self) -> str:
+        return self.id
+
+
+# -- data helpers -------------------------------------------------------------------------------------------------
+def encode(values: np.ndarray, t: DType) -> np.ndarray:
+    """Float values in the storage of type t: a typed array for F32/F16/I32/I64, raw uint8 rows otherwise
+    (BF16 and block types, made by ggml_py.quants.quantize)."""
+    if t in (F32, F16, I32, I64):
+        return np.ascontiguousarray(values, dtype=t.np_dtype)
+    return np.ascontiguousarray(quantize(np.ascontiguousarray(values, dtype=np.float32), t), dtype=np.uint8)
+
+
+class Ctx:
+    """What a case builder uses: a seeded generator and helpers that make inputs and weights with data."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.rng = rng
+        self.inputs: list[tuple[Tensor, np.ndarray]] = []
+        self._n = 0
+
+    def uniform(self, shape: Sequence[int], lo: float = -1.0, hi: float = 1.0) -> np.ndarray:
+        return self.rng.uniform(lo, hi, tuple(shape)).astype(np.float32)
+
+    def _name(self, name: str) -> str:
+        self._n += 1
+        return f"{name or 'in'}{self._n}"
+
+    def input(self, values: np.ndarray, t: DType = F32, name: str = "") -> Tensor:
+        """An input of type t holding `values` (converted/quantized as needed)."""
+        x = _input(values.shape, t, name=self._name(name))
+        self.inputs.append((x, encode(values, t).reshape(-1).view(np.uint8)
+                            if t.is_quantized or t is BF16 else encode(values, t)))
+        return x
+
+    def rand(self, shape: Sequence[int], t: DType = F32, lo: float = -1.0, hi: float = 1.0, name: str = "") -> Tensor:
+        return self.input(self.uniform(shape, lo, hi), t, name)
+
+    def weight(self, shape: Sequence[int], t: DType, lo: float = -1.0, hi: float = 1.0, name: str = "") -> Tensor:
+        """A weight (PARAM) of type t: random floats quantized with ggml_py.quants.quantize."""
+        data = encode(self.uniform(shape, lo, hi), t)
+        if t.is_quantized or t is BF16:
+            return _weight(data.reshape(-1).view(np.uint8), t, shape=shape, name=self._name(name or "w"))
+        return _weight(data, t, name=self._name(name or "w"))
+
+    def layout(self, shape: Sequence[int], how: str, t: DType = F32, lo: float = -1.0, hi: float = 1.0) -> Tensor:
+        """An operand of logical `shape` with a given memory layout.
+
+        how: "cont" (contiguous input), "perm" (a permuted view, innermost dim not contiguous), "perm_outer"
+        (outer dims permuted, rows contiguous), "trans" (a transposed view), "view" (a strided window at an offset of
+        a larger input), "reshape" (a reshaped input).
+        """
+        shape = tuple(shape)
+        n = len(shape)
+        if how == "cont":
+            return self.rand(shape, t, lo, hi)
+        if how in ("perm", "perm_outer", "trans"):
+            if how == "trans" or n < 3:
+                axes = list(range(n))
+                if n >= 2:
+                    axes[-1], axes[-2] = axes[-2], axes[-1]
+            elif how == "perm":
+                axes = [*range(1, n), 0]  # the first dim of the base becomes innermost
+            else:
+                axes = [*range(1, n - 1), 0, n - 1]
+            base = [0] * n
+            for i, a in enumerate(axes):
+                base[a] = shape[i]
+            x = self.rand(base, t, lo, hi)
+            return ops.transpose(x) if how == "trans" else ops.permute(x, axes)
+        if how == "view":  # window of a larger tensor: two extra rows before, padding after each row
+            pad = 3
+            outer = shape[:-1] or (1,)
+            big = (*outer[:-1], outer[-1] + 2, shape[-1] + pad)
+            x = self.rand(big, t, lo, hi)
+            es = t.type_size
+            strides = list(x.strides)
+            v = ops.view(x, (*outer, shape[-1]), strides=strides, offset=2 * strides[-2] + es)
+            return v if len(shape) > 1 else ops.view(v, shape, strides=[es], offset=0)
+        if how == "reshape":
+            total = int(np.prod(shape))
+            return ops.reshape(self.rand((total,), t, lo, hi), shape)
+        raise ValueError(f"unknown layout {how!r}")
+
+
+def _s(shape: Sequence[int]) -> str:
+    return "[" + ",".join(str(int(d)) for d in shape) + "]"
+
+
+def _lay(how: str) -> str:
+    return "" if how == "cont" else f",layout={how}"
+
+
+# -- case families ------------------------------------------------------------------------------------------------
+def _binary_cases() -> list[Case]:
+    fns = {"ADD": ops.add, "SUB": ops.sub, "MUL": ops.mul, "DIV": ops.div}
+    shapes: list[tuple[tuple[int, ...], tuple[int, ...], str, str]] = [
+        ((1,), (1,), "cont", "cont"),
+        ((7,), (7,), "cont", "cont"),
+        ((4097,), (4097,), "cont", "cont"),
+        ((3, 33), (3, 33), "cont", "cont"),
+        ((2, 3, 4, 33), (1, 1, 1, 33), "cont", "cont"),
+        ((2, 3, 4, 33), (2, 1, 4, 1), "cont", "cont"),
+        ((2, 3, 4, 33), (1, 3, 1, 33), "cont", "cont"),
+        ((7, 33), (7, 1), "cont", "cont"),
+        ((7, 33), (33,), "cont", "cont"),
+        ((4, 6, 33), (2, 3, 33), "cont", "cont"),  # ggml tiling: b repeats, this is not numpy broadcasting
+        ((6, 10), (3, 5), "cont", "cont"),
+        ((5, 7, 33), (1, 7, 33), "perm", "cont"),
+        ((7, 33), (7, 33), "cont", "trans"),
+        ((7, 33), (1, 33), "view", "cont"),
+        ((7, 33), (7, 33), "reshape", "view"),
+    ]
+    out = []
+    for op, fn in fns.items():
+        for sa, sb, la, lb in shapes:
+            lo, hi = (0.5, 1.5) if op == "DIV" else (-1.0, 1.0)  # keep the divisor away from zero
+
+            def make(c: Ctx, fn=fn, sa=sa, sb=sb, la=la, lb=lb, lo=lo, hi=hi) -> Tensor:
+                return fn(c.layout(sa, la), c.layout(sb, lb, lo=lo, hi=hi))
+
+            lay = "" if la == lb == "cont" else f",layout=({la},{lb})"
+            out.append(Case(op, f"a={_s(sa)},b={_s(sb)}{lay}", "F32", make))
+    return out
+
+
+_UNARY_RANGES = {"SQRT": (0.1, 2.0), "LOG": (0.1, 2.0), "EXP": (-2.0, 2.0)}
+# Inputs whose results IEEE arithmetic fixes exactly (zeros, infinities, NaNs), for ops where that is unambiguous.
+_SPECIALS = np.array([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan, 100.0, -100.0, 1e-30], dtype=np.float32)
+_SPECIAL_OPS = ("SQR", "SQRT", "NEG", "ABS", "EXP", "LOG", "TANH")
+
+
+def _unary_cases() -> list[Case]:
+    fns = {"SQR": ops.sqr, "SQRT": ops.sqrt, "NEG": ops.neg, "ABS": ops.abs, "EXP": ops.exp, "LOG": ops.log,
+           "SILU": ops.silu, "GELU": ops.gelu, "RELU": ops.relu, "TANH": ops.tanh, "SIGMOID": ops.sigmoid}
+    layouts = [((1,), "cont"), ((7,), "cont"), ((33,), "cont"), ((4097,), "cont"), ((2, 3, 5, 33), "cont"),
+               ((5, 7, 33), "perm"), ((7, 33), "view")]
+    out = []
+    for op, fn in fns.items():
+        lo, hi = _UNARY_RANGES.get(op, (-3.0, 3.0))
+        for shape, how in layouts:
+            def make(c: Ctx, fn=fn, shape=shape, how=how, lo=lo, hi=hi) -> Tensor:
+                return fn(c.layout(shape, how, lo=lo, hi=hi))
+
+            out.append(Case(op, f"shape={_s(shape)}" + _lay(how), "F32", make))
+        if op in _SPECIAL_OPS:
+            def make_sp(c: Ctx, fn=fn) -> Tensor:
+                return fn(c.input(np.concatenate([_SPECIALS, c.uniform((23,), -2, 2)])))
+
+            out.append(Case(op, "shape=[33],values=0,-0,±inf,nan,±100", "F32", make_sp,
+                            note="non-finite results must appear at the same positions"))
+    for shape, how, s, b in [((33,), "cont", 0.5, 0.0), ((7, 4097), "cont", -2.25, 0.75),
+                             ((5, 7, 33), "perm", 1.5, -1.0)]:
+        def make_scale(c: Ctx, shape=shape, how=how, s=s, b=b) -> Tensor:
+            return ops.scale(c.layout(shape, how), s, b)
+
+        out.append(Case("SCALE", f"shape={_s(shape)},s={s},b={b}" + _lay(how),
+                        "F32", make_scale))
+    for shape, how, lo, hi in [((33,), "cont", -0.5, 0.5), ((7, 4097), "cont", -0.1, 0.9),
+                               ((5, 7, 33), "perm", 0.0, 0.25)]:
+        def make_clamp(c: Ctx, shape=shape, how=how, lo=lo, hi=hi) -> Tensor:
+            return ops.clamp(c.layout(shape, how), lo, hi)
+
+        out.append(Case("CLAMP", f"shape={_s(shape)},min={lo},max={hi}" + _lay(how),
+                        "F32", make_clamp))
+    return out
+
+
+def _glu_cases() -> list[Case]:
+    out = []
+    for op, fn in (("SWIGLU", ops.swiglu), ("GEGLU", ops.geglu)):
+        for shape, split, how in [((7, 66), False, "cont"), ((2, 3, 34), False, "cont"), ((7, 33), True, "cont"),
+                                  ((5, 7, 33), True, "perm"), ((1, 4097), True, "cont")]:
+            def make(c: Ctx, fn=fn, shape=shape, split=split, how=how) -> Tensor:
+                a = c.layout(shape, how, lo=-3, hi=3)
+                return fn(a, c.rand(shape)) if split else fn(a)
+
+            desc = f"shape={_s(shape)}," + ("split" if split else "fused") + _lay(how)
+            out.append(Case(op, desc, "F32", make))
+    return out
+
+
+def _norm_cases() -> list[Case]:
+    out = []
+    for op, fn in (("NORM", ops.norm), ("RMS_NORM", ops.rms_norm)):
+        for shape, how, eps in [((33,), "cont", 1e-5), ((7, 33), "cont", 1e-6), ((2, 3, 4097), "cont", 1e-5),
+                                ((5, 1), "cont", 1e-6), ((5, 7, 33), "perm", 1e-6), ((7, 33), "view", 1e-5)]:
+            def make(c: Ctx, fn=fn, shape=shape, how=how, eps=eps) -> Tensor:
+                return fn(c.layout(shape, how), eps)
+
+            out.append(Case(op, f"shape={_s(shape)},eps={eps:g}" + _lay(how),
+                            "F32", make))
+    for op, fn in (("SUM_ROWS", ops.sum_rows), ("MEAN", ops.mean)):
+        for shape, how in [((1,), "cont"), ((33,), "cont"), ((7, 4097), "cont"), ((2, 3, 4, 33), "cont"),
+                           ((5, 7, 33), "perm")]:
+            def make_r(c: Ctx, fn=fn, shape=shape, how=how) -> Tensor:
+                return fn(c.layout(shape, how))
+
+            out.append(Case(op, f"shape={_s(shape)}" + _lay(how), "F32", make_r))
+    for shape, how in [((1,), "cont"), ((33,), "cont"), ((7, 33), "cont"), ((4, 4097), "cont"), ((5, 7, 33), "trans")]:
+        def make_a(c: Ctx, shape=shape, how=how) -> Tensor:
+            rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+            # distinct values in every row: the index of the maximum is unambiguous
+            vals = np.stack([c.rng.permutation(shape[-1]) for _ in range(rows)]).astype(np.float32)
+            vals = (vals / shape[-1] - 0.5).reshape(shape)
+            if how == "trans":
+                return ops.argmax(ops.transpose(c.input(np.ascontiguousarray(np.swapaxes(vals, -1, -2)))))
+            return ops.argmax(c.input(vals))
+
+        out.append(Case("ARGMAX", f"shape={_s(shape)}" + _lay(how), "F32", make_a,
+                        max_nmse=0.0))
+    return out
+
+
+def _mul_mat_cases() -> list[Case]:
+    out = []
+
+    def add(t: DType, sa: tuple[int, ...], sb: tuple[int, ...], how_b: str = "cont", how_a: str = "cont") -> None:
+        def make(c: Ctx, t=t, sa=sa, sb=sb, how_a=how_a, how_b=how_b) -> Tensor:
+            if how_a == "perm_outer":  # a weight viewed with its two outer dims swapped (as K in attention)
+                w = c.weight((sa[1], sa[0], *sa[2:]), t)
+                a = ops.permute(w, (1, 0, *range(2, len(sa))))
+            else:
+                a = c.weight(sa, t)
+            return ops.mul_mat(a, c.layout(sb, how_b))
+
+        lay = "" if how_a == how_b == "cont" else f",layout=({how_a},{how_b})"
+        out.append(Case("MUL_MAT", f"a={_s(sa)},b={_s(sb)}{lay}", f"{t.name},F32", make, max_nmse=MUL_MAT_MAX_NMSE))
+
+    for t in WEIGHT_TYPES:
+        k = 256
+        add(t, (33, k), (1, k))  # GEMV: one row
+        add(t, (33, k), (7, k))  # several rows
+        add(t, (2, 1, 16, k), (2, 3, 5, k))  # batched, a broadcast over dim 1
+        add(t, (2, 16, k), (4, 5, k))  # each matrix of a serves two consecutive matrices of b (ggml)
+        add(t, (16, k), (7, k), how_b="trans")  # non-contiguous b
+    for t in (F32, F16, BF16):
+        add(t, (7, 33), (1, 33))  # odd inner size
+        add(t, (7, 33), (5, 33))
+        add(t, (7, 4097), (3, 4097))
+    for t in (F32, F16):
+        add(t, (2, 16, 64), (2, 5, 64), how_a="perm_outer")
+        add(t, (1, 64), (7, 64))  # a single weight row
+    add(F32, (3, 64), (2, 3, 64), how_b="reshape")
+    add(Q8_0, (1, 64), (7, 64))
+    return out
+
+
+def _mask(c: Ctx, rows: int, cols: int, t: DType, causal: bool) -> Tensor:
+    m = c.uniform((rows, cols))
+    if causal:  # the last `rows` keys are the queries' own positions
+        past = cols - rows
+        m = np.where(np.arange(cols)[None, :] > past + np.arange(rows)[:, None], -np.inf, 0.0).astype(np.float32)
+    return c.input(m, t)
+
+
+def _softmax_cases() -> list[Case]:
+    out = []
+    specs = [  # shape, layout, mask (type, rows, causal, per-head) or None, scale, max_bias
+        ((1,), "cont", None, 1.0, 0.0),
+        ((33,), "cont", None, 1.0, 0.0),
+        ((7, 4097), "cont", None, 0.3, 0.0),
+        ((2, 3, 4, 33), "cont", None, 1.0, 0.0),
+        ((5, 7, 33), "perm", None, 1.0, 0.0),
+        ((4, 7, 33), "cont", (F32, 8, False, False), 0.125, 0.0),
+        ((4, 7, 33), "cont", (F16, 8, False, False), 0.125, 0.0),
+        ((4, 7, 33), "cont", (F32, 7, True, False), 1.0, 0.0),
+        ((4, 7, 33), "cont", (F16, 7, True, False), 1.0, 0.0),
+        ((6, 7, 33), "cont", (F32, 7, False, False), 0.5, 8.0),  # ALiBi, 6 heads (not a power of two)
+        ((6, 7, 33), "cont", (F16, 8, True, False), 0.5, 8.0),
+        ((2, 4, 7, 33), "cont", (F32, 7, False, True), 1.0, 0.0),  # one mask per head, repeated over the batch
+        ((2, 4, 7, 33), "cont", (F16, 7, False, True), 1.0, 8.0),
+        ((3, 4097), "cont", (F16, 3, False, False), 1.0, 0.0),
+        ((4, 7, 33), "perm_outer", (F32, 7, False, False), 0.7, 0.0),
+    ]
+    for shape, how, mask, scale, max_bias in specs:
+        def make(c: Ctx, shape=shape, how=how, mask=mask, scale=scale, max_bias=max_bias) -> Tensor:
+            x = c.layout(shape, how, lo=-4, hi=4)
+            m = None
+            if mask is not None:
+                mt, rows, causal, per_head = mask
+                if per_head:
+                    m = c.input(c.uniform((shape[-3], rows, shape[-1])), mt)
+                else:
+                    m = _mask(c, rows, shape[-1], mt, causal)
+            return ops.soft_max(x, m, scale=scale, max_bias=max_bias)
+
+        desc = f"shape={_s(shape)},scale={scale},max_bias={max_bias}"
+        types = "F32"
+        if mask is not None:
+            mt, rows, causal, per_head = mask
+            mshape = (shape[-3], rows, shape[-1]) if per_head else (rows, shape[-1])
+            desc += f",mask={_s(mshape)}" + (",causal" if causal else "")
+            types = f"F32,{mt.name}"
+        if how != "cont":
+            desc += f",layout={how}"
+        out.append(Case("SOFT_MAX", desc, types, make, max_nmse=SOFT_MAX_MAX_NMSE))
+    for shape, n_past in [((7, 7), 0), ((3, 5, 10), 5), ((2, 3, 4, 33), 2), ((7, 33), 26)]:
+        def make_d(c: Ctx, shape=shape, n_past=n_past) -> Tensor:
+            return ops.diag_mask_inf(c.rand(shape), n_past)
+
+        out.append(Case("DIAG_MASK_INF", f"shape={_s(shape)},n_past={n_past}", "F32", make_d))
+    return out
+
+
+def _rope_cases() -> list[Case]:
+    out = []
+    for mode in (ops.ROPE_NORMAL, ops.ROPE_NEOX):
+        for shape, n_dims, base, fscale, how in [
+            ((1, 4, 64), 64, 10000.0, 1.0, "cont"),  # one token (decode)
+            ((7, 4, 64), 64, 10000.0, 1.0, "cont"),
+            ((7, 3, 128), 64, 500000.0, 0.25, "cont"),  # partial rotation, scaled positions
+            ((5, 2, 66), 32, 10000.0, 1.0, "cont"),  # odd head size, the tail passes through
+            ((2, 7, 2, 64), 64, 10000.0, 1.0, "cont"),  # batch dim
+            ((7, 4, 64), 64, 10000.0, 1.0, "perm_outer"),  # (H, T, D) memory seen as (T, H, D)
+        ]:
+            def make(c: Ctx, shape=shape, n_dims=n_dims, base=base, fscale=fscale, how=how, mode=mode) -> Tensor:
+                x = c.layout(shape, how)
+                pos = c.input(c.rng.integers(0, 512, shape[-3]).astype(np.int32), I32)
+                return ops.rope(x, pos, n_dims, mode=mode, freq_base=base, freq_scale=fscale)
+
+            desc = (f"shape={_s(shape)},n_dims={n_dims},mode={mode},freq_base={base:g},freq_scale={fscale}"
+                    + _lay(how))
+            out.append(Case("ROPE", desc, "F32,I32", make))
+    return out
+
+
+def _flash_attn_cases() -> list[Case]:
+    out = []
+    specs = [  # (B or None, H, Hk, Nq, Nkv, D, Dv, mask (type, rows, causal) or None, max_bias, softcap)
+        (1, 4, 4, 1, 33, 64, 64, None, 0.0, 0.0),
+        (1, 4, 1, 7, 33, 64, 64, (F16, 8, False), 0.0, 0.0),  # multi-query
+        (1, 8, 2, 7, 256, 64, 64, (F16, 7, True), 0.0, 0.0),  # grouped-query, causal
+        (None, 4, 2, 1, 7, 128, 128, (F32, 1, False), 0.0, 0.0),  # 3-D operands, F32 mask
+        (1, 6, 3, 7, 33, 64, 64, (F16, 8, False), 8.0, 0.0),  # ALiBi
+        (1, 4, 4, 7, 33, 64, 64, (F16, 7, True), 0.0, 20.0),  # logit softcap
+        (1, 4, 2, 5, 33, 64, 32, (F32, 5, False), 0.0, 0.0),  # value head size differs
+        (2, 4, 2, 7, 33, 64, 64, (F16, 7, True), 0.0, 0.0),  # batch of two
+    ]
+    for kvt in (F16, F32):
+        for b, h, hk, nq, nkv, d, dv, mask, max_bias, softcap in specs:
+            def make(c: Ctx, b=b, h=h, hk=hk, nq=nq, nkv=nkv, d=d, dv=dv, mask=mask, max_bias=max_bias,
+                     softcap=softcap, kvt=kvt) -> Tensor:
+                lead = () if b is None else (b,)
+                q = c.rand((*lead, h, nq, d))
+                k = c.rand((*lead, hk, nkv, d), kvt)
+                v = c.rand((*lead, hk, nkv, dv), kvt)
+                m = None if mask is None else _mask(c, mask[1], nkv, mask[0], mask[2])
+                return ops.flash_attn_ext(q, k, v, m, scale=1.0 / np.sqrt(d), max_bias=max_bias, softcap=softcap)
+
+            lead = "" if b is None else f"{b},"
+            desc = f"q=[{lead}{h},{nq},{d}],kv=[{lead}{hk},{nkv},{d}|{dv}]"
+            types = f"F32,{kvt.name}"
+            if mask is not None:
+                desc += f",mask={_s((mask[1], nkv))}" + (",causal" if mask[2] else "")
+                types += f",{mask[0].name}"
+            if max_bias:
+                desc += f",max_bias={max_bias}"
+            if softcap:
+                desc += f",softcap={softcap}"
+            out.append(Case("FLASH_ATTN_EXT", desc, types, make, max_nmse=FLASH_ATTN_MAX_NMSE))
+    return out
+
+
+def _rows_cases() -> list[Case]:
+    out = []
+    for t in (*WEIGHT_TYPES, I32):
+        cols = 256 if t.block_size == 256 else 64 if t.is_quantized else 33
+        specs = [((13, cols), (5,))]
+        if t in (F32, F16, Q4_0, Q8_0, Q4_K, I32):
+            specs.append(((2, 13, cols), (2, 4)))
+        if t is F32:
+            specs.append(((4097, 7), (1,)))
+        for sa, si in specs:
+            def make(c: Ctx, t=t, sa=sa, si=si) -> Tensor:
+                if t is I32:
+                    a = c.input(c.rng.integers(-1000, 1000, sa).astype(np.int32), I32)
+                elif t is F32:
+                    a = c.rand(sa)
+                else:
+                    a = c.weight(sa, t)  # embeddings are weights
+                idx = c.input(c.rng.integers(0, sa[-2], si).astype(np.int32), I32)
+                return ops.get_rows(a, idx)
+
+            exact = not t.is_quantized
+            out.append(Case("GET_ROWS", f"a={_s(sa)},idx={_s(si)}", f"{t.name},I32", make,
+                            max_nmse=0.0 if exact else DEFAULT_MAX_NMSE))
+    for t, it in [(F32, I32), (F32, I64), (F16, I32), (F16, I64), (BF16, I32), (Q8_0, I64), (Q4_0, I32),
+                  (Q4_1, I64)]:
+        cols = 64 if t.is_quantized else 33
+
+        def make_s(c: Ctx, t=t, it=it, cols=cols) -> Tensor:
+            dst = c.rand((9, cols), t)
+            rows = c.rand((3, cols))
+            idx = c.input(c.rng.permutation(9)[:3].astype(it.np_dtype), it)
+            return ops.set_rows(dst, rows, idx)
+
+        out.append(Case("SET_ROWS", f"dst=[9,{cols}],rows=[3,{cols}]", f"{t.name},F32,{it.name}", make_s,
+                        max_nmse=CONVERT_MAX_NMSE[t.name], note="conversion threshold of the destination type"))
+    return out
+
+
+def _copy_cases() -> list[Case]:
+    out = []
+
+    def thr(src: DType, dst: DType) -> float:
+        return 0.0 if src is dst or dst is F32 else CONVERT_MAX_NMSE[dst.name]
+
+    pairs = [(F32, F32), (F16, F16), (F16, F32), (F32, F16), (F32, BF16), (F32, Q8_0), (F32, Q4_0), (F32, Q4_1),
+             (F32, Q5_0), (F32, Q5_1)]
+    for src, dst in pairs:
+        cols = 64 if dst.is_quantized else 33
+
+        def make(c: Ctx, src=src, dst=dst, cols=cols) -> Tensor:
+            return ops.cpy(c.rand((7, cols), src), c.rand((7, cols), dst))
+
+        out.append(Case("CPY", f"shape=[7,{cols}]", f"{src.name}->{dst.name}", make, max_nmse=thr(src, dst)))
+    for dst in (F16, Q8_0, F32):
+        def make_cast(c: Ctx, dst=dst) -> Tensor:
+            return ops.cast(c.rand((5, 64)), dst)
+
+        out.append(Case("CPY", "shape=[5,64],new tensor", f"F32->{dst.name}", make_cast, max_nmse=thr(F32, dst)))
+    for src, dst in [(F32, F32), (F32, F16), (F16, F32)]:
+        def make_p(c: Ctx, src=src, dst=dst) -> Tensor:
+            return ops.cpy(c.layout((7, 33), "trans", src), c.rand((7, 33), dst))
+
+        out.append(Case("CPY", "shape=[7,33],layout=trans", f"{src.name}->{dst.name}", make_p, max_nmse=thr(src, dst)))
+
+    def make_slot(c: Ctx) -> Tensor:  # a KV-cache write: rows 5..7 of a (16, 64) cache
+        cache = c.rand((16, 64), F16)
+        slot = ops.view(cache, (3, 64), strides=cache.strides, offset=5 * cache.strides[0])
+        return ops.cpy(c.rand((3, 64)), slot)
+
+    out.append(Case("CPY", "src=[3,64],dst=view rows 5..7 of [16,64]", "F32->F16", make_slot,
+                    max_nmse=CONVERT_MAX_NMSE["F16"]))
+
+    def make_flat(c: Ctx) -> Tensor:
+        return ops.cpy(c.rand((7, 33)), c.rand((231,)))
+
+    out.append(Case("CPY", "src=[7,33],dst=[231]", "F32->F32", make_flat, max_nmse=0.0))
+
+    for shape, how, t in [((7, 33), "trans", F32), ((2, 3, 4, 33), "perm", F32), ((7, 33), "view", F32),
+                          ((5, 7, 33), "perm_outer", F16), ((7, 33), "trans", I32)]:
+        def make_c(c: Ctx, shape=shape, how=how, t=t) -> Tensor:
+            if t is I32:
+                x = c.input(c.rng.integers(-1000, 1000, shape[::-1]).astype(np.int32), I32)
+                return ops.cont(ops.transpose(x))
+            return ops.cont(c.layout(shape, how, t))
+
+        out.append(Case("CONT", f"shape={_s(shape)},layout={how}", t.name, make_c, max_nmse=0.0))
+    for sa, sb, axis, how in [((7,), (33,), 0, "cont"), ((2, 3, 4, 7), (2, 3, 4, 33), 3, "cont"),
+                              ((1, 3, 4, 7), (2, 3, 4, 7), 0, "cont"), ((2, 1, 4, 7), (2, 5, 4, 7), 1, "cont"),
+                              ((3, 4, 7), (3, 1, 7), 1, "cont"), ((7, 5), (7, 33), 1, "trans")]:
+        def make_cat(c: Ctx, sa=sa, sb=sb, axis=axis, how=how) -> Tensor:
+            return ops.concat(c.rand(sa), c.layout(sb, how), axis)
+
+        out.append(Case("CONCAT", f"a={_s(sa)},b={_s(sb)},axis={axis}" + _lay(how),
+                        "F32", make_cat, max_nmse=0.0))
+    for sa, so, how in [((1,), (4097,), "cont"), ((1, 33), (7, 33), "cont"), ((2, 1, 3), (4, 5, 3), "cont"),
+                        ((3, 1, 1, 7), (6, 2, 3, 7), "cont"), ((5, 7), (10, 7), "trans")]:
+        def make_r(c: Ctx, sa=sa, so=so, how=how) -> Tensor:
+            return ops.repeat(c.layout(sa, how), so)
+
+        out.append(Case("REPEAT", f"a={_s(sa)},shape={_s(so)}" + _lay(how), "F32",
+                        make_r, max_nmse=0.0))
+    for sa, pads, how in [((3, 33), (1, 7), "cont"), ((2, 3, 4, 5), (0, 1, 2, 3), "cont"), ((1,), (4096,), "cont"),
+                          ((5, 7, 33), (1, 0, 2), "perm")]:
+        def make_pad(c: Ctx, sa=sa, pads=pads, how=how) -> Tensor:
+            return ops.pad(c.layout(sa, how), pads)
+
+        out.append(Case("PAD", f"a={_s(sa)},pads={_s(pads)}" + _lay(how), "F32",
+                        make_pad, max_nmse=0.0))
+    return out
+
+
+_FAMILIES: tuple[Callable[[], list[Case]], ...] = (
+    _rows_cases, _binary_cases, _unary_cases, _glu_cases, _norm_cases, _mul_mat_cases, _softmax_cases, _rope_cases,
+    _flash_attn_cases, _copy_cases,
+)
+_ALL: list[Case] | None = None
+
+
+def all_cases() -> list[Case]:
+    """Every case of the kit (made once; cheap: no data exists until a case is built)."""
+    global _ALL
+    if _ALL is None:
+        made = [c for fam in _FAMILIES for c in fam()]
+        ids = [c.id for c in made]
+        dup = {i for i in ids if ids.count(i) > 1}
+        if dup:
+            raise AssertionError(f"duplicate conformance case ids: {sorted(dup)}")
+        _ALL = made
+    return list(_ALL)
+
+
+def cases(filter: str | Callable[[Case], bool] | None = None, *,  # noqa: A002
+          op: str | Sequence[str] | None = None) -> list[Case]:
+    """The kit's cases, optionally selected.
+
+    filter: a substring of the case id (`OP[TYPES](CASE)`, case-insensitive) or a predicate on Case.
+    op: one ggml op name or several (comma-separated or a sequence), matched exactly (case-insensitive).
+    """
+    out = all_cases()
+    if op is not None:
+        names = [o.strip().upper() for o in (op.split(",") if isinstance(op, str) else op) if o.strip()]
+        unknown = [o for o in names if o not in ALL_OPS]
+        if unknown:
+            raise ValueError(f"unknown op(s) {', '.join(unknown)}; the kit covers {', '.join(ALL_OPS)}")
+        out = [c for c in out if c.op in names]
+    if isinstance(filter, str):
+        sub = filter.lower()
+        out = [c for c in out if sub in c.id.lower()]
+    elif filter is not None:
+        out = [c for c in out if filter(c)]
+    return out

@@ -1,0 +1,303 @@
+"""The conformance kit (ggml_py.testing): numpy passes against itself, broken backends are caught, a backend claiming
+a subset is judged only on it, the CLI and the pytest plugin report the same."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ggml_py_numpy import NumpyBackend, NumpyRegistration
+
+import ggml_py as gp
+from ggml_py import cli
+from ggml_py.backend import Backend, BackendRegistration, Device
+from ggml_py.testing import ALL_OPS, cases, compare, nmse, run_backend
+from ggml_py.testing.cases import CONVERT_MAX_NMSE, WEIGHT_TYPES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- deliberately wrong backends, registered in-process ------------------------------------------------------------
+class _Tweaked(NumpyBackend):
+    """The numpy backend with some kernels replaced; `wrap(op, kernel) -> kernel`, `claims(node) -> bool`."""
+
+    def __init__(self, name: str, wrap: Callable | None = None, claims: Callable | None = None) -> None:
+        super().__init__(Device("cpu", f"numpy, tweaked ({name})"))
+        self.name = name
+        self._wrap = wrap
+        self._claims = claims
+
+    def supports_op(self, node: gp.Tensor) -> bool:
+        return super().supports_op(node) and (self._claims is None or self._claims(node))
+
+    def graph_plan_create(self, split):  # type: ignore[no-untyped-def]
+        steps = super().graph_plan_create(split)
+        if self._wrap is not None:
+            for s in steps:
+                s.kernel = self._wrap(s.node.op, s.kernel)
+        return steps
+
+
+class _Reg(BackendRegistration):
+    def __init__(self, name: str, **kw: object) -> None:
+        self.name = name
+        self._kw = kw
+
+    def devices(self) -> list[Device]:
+        return NumpyRegistration().devices()
+
+    def create(self, device: Device | None = None, **options: object) -> Backend:
+        return _Tweaked(self.name, **self._kw)  # type: ignore[arg-type]
+
+
+def _perturb_add(op: str, k: Callable) -> Callable:
+    if op != "ADD":
+        return k
+    return lambda n, s, o: k(n, s, o) * np.float32(1.01)
+
+
+def _softmax_ignores_mask(op: str, k: Callable) -> Callable:
+    if op != "SOFT_MAX":
+        return k
+    return lambda n, s, o: k(n, [s[0], None], o)
+
+
+def _log_without_nan(op: str, k: Callable) -> Callable:
+    if op != "LOG":
+        return k
+    return lambda n, s, o: k(n, [np.abs(s[0])], o)  # log|x|: no NaN for negative inputs
+
+
+def _rope_raises(op: str, k: Callable) -> Callable:
+    if op != "ROPE":
+        return k
+
+    def boom(n, s, o):  # type: ignore[no-untyped-def]
+        raise RuntimeError("kernel exploded")
+
+    return boom
+
+
+def _truncating_convert(op: str, k: Callable) -> Callable:
+    """F32 -> F16/BF16 by dropping mantissa bits (round toward zero) instead of rounding to nearest even."""
+    if op != "CPY":
+        return k
+
+    def cpy(n, s, o):  # type: ignore[no-untyped-def]
+        x = np.ascontiguousarray(k(n, s, o), dtype=np.float32)
+        mask = {"F16": 0xFFFFE000, "BF16": 0xFFFF0000}.get(n.dtype.name)
+        return x if mask is None else (x.view(np.uint32) & np.uint32(mask)).view(np.float32)
+
+    return cpy
+
+
+def _claims_subset(node: gp.Tensor) -> bool:
+    if node.op == "MUL_MAT":
+        return node.src[0].dtype.name in ("F32", "F16")
+    return node.op in ("ADD", "MUL")
+
+
+def register_broken_add() -> BackendRegistration:
+    return _Reg("broken_add", wrap=_perturb_add)
+
+
+def register_subset() -> BackendRegistration:
+    return _Reg("subset", claims=_claims_subset)
+
+
+TWEAKED = {
+    "broken_add": register_broken_add,
+    "subset": register_subset,
+    "bad_softmax": lambda: _Reg("bad_softmax", wrap=_softmax_ignores_mask),
+    "bad_log": lambda: _Reg("bad_log", wrap=_log_without_nan),
+    "rope_raises": lambda: _Reg("rope_raises", wrap=_rope_raises),
+    "truncating": lambda: _Reg("truncating", wrap=_truncating_convert),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _tweaked_backends():
+    for name, fn in TWEAKED.items():
+        gp.registry.register(name, fn, source="tests/test_conformance.py")
+    yield
+    for name in TWEAKED:
+        gp.registry.unregister(name)
+
+
+# -- the kit itself ----------------------------------------------------------------------------------------------
+def test_numpy_passes_everything_against_itself_quickly():
+    t0 = time.perf_counter()
+    rep = run_backend("numpy")
+    took = time.perf_counter() - t0
+    assert rep.failed == 0, rep.table(show=("failed",))
+    assert rep.skipped == 0 and rep.passed == len(cases()) > 300
+    assert rep.not_covered == [] and rep.ok
+    assert took < 20, f"the kit took {took:.1f}s on numpy"
+    assert all(r.nmse is not None and r.nmse <= r.max_nmse for r in rep.results)
+
+
+def test_kit_covers_every_op_type_and_size():
+    all_ = cases()
+    assert {c.op for c in all_} == set(ALL_OPS)
+    mm_types = {c.types.split(",")[0] for c in all_ if c.op == "MUL_MAT"}
+    assert mm_types == {t.name for t in WEIGHT_TYPES}
+    for t in WEIGHT_TYPES:  # single-row GEMV, several rows, batched with broadcast
+        mine = [c.case for c in all_ if c.op == "MUL_MAT" and c.types.startswith(f"{t.name},")]
+        assert any(",b=[1," in s for s in mine) and any("a=[2,1," in s for s in mine) and len(mine) >= 5
+    text = " ".join(c.id for c in all_)
+    for size in ("[1]", "[7]", "[33]", "[4097]", ",33]", ",4097]"):
+        assert size in text
+    for needle in ("layout=(perm,cont)", "layout=(cont,trans)", "layout=(view,cont)", "a=[4,6,33],b=[2,3,33]",
+                   "SOFT_MAX[F32,F16]", "SOFT_MAX[F32,F32]", "max_bias=8.0", "mode=0", "mode=2",
+                   "FLASH_ATTN_EXT[F32,F16", "FLASH_ATTN_EXT[F32,F32", "kv=[1,1,33", "kv=[1,2,256"):
+        assert needle in text, needle
+    thr = {c.op: c.max_nmse for c in all_}
+    assert thr["MUL_MAT"] == thr["FLASH_ATTN_EXT"] == 5e-4 and thr["SOFT_MAX"] == 1e-6 and thr["ROPE"] == 1e-7
+    assert all(c.max_nmse == 0 for c in all_ if c.op in ("ARGMAX", "CONT", "CONCAT", "REPEAT", "PAD"))
+    assert all(c.max_nmse == 0 for c in all_ if c.op == "CPY" and c.types.split("->")[0] == c.types.split("->")[1])
+
+
+def test_cases_are_deterministic_and_filterable():
+    c = cases("Q4_K", op="MUL_MAT")[0]
+    a, b = c.build(), c.build()
+    for (_, x), (_, y) in zip(a.inputs, b.inputs):
+        np.testing.assert_array_equal(x, y)
+    assert all(k.op == "ROPE" for k in cases(op="rope"))
+    assert [k.id for k in cases(lambda k: k.op == "PAD")] == [k.id for k in cases(op="PAD")]
+    with pytest.raises(ValueError, match="unknown op"):
+        cases(op="NOPE")
+
+
+def test_compare_nmse_and_non_finite_positions():
+    a = np.array([1.0, 2.0, np.inf, np.nan])
+    assert compare(a, a.copy()) == (0.0, "")
+    err, why = compare(a, np.array([1.0, 2.0, np.inf, 0.0]))
+    assert err == float("inf") and "NaN positions differ" in why
+    err, why = compare(a, np.array([1.0, 2.0, -np.inf, np.nan]))
+    assert "inf positions differ" in why
+    assert nmse(np.zeros(3), np.zeros(3)) == 0.0 and nmse(np.zeros(3), np.ones(3)) == float("inf")
+    assert nmse(np.array([3.0, 4.0]), np.array([3.0, 3.0])) == pytest.approx(1 / 25)
+
+
+def test_perturbed_add_is_caught_with_op_and_nmse():
+    rep = run_backend("broken_add", cases(op="ADD,MUL"))
+    fails = rep.failures
+    assert fails and {r.op for r in fails} == {"ADD"} and rep.failed == len(cases(op="ADD"))
+    for r in fails:
+        assert r.nmse is not None and r.nmse > r.max_nmse
+        assert "broken_add" in r.message and "ADD" in r.message and "NMSE" in r.message
+    assert rep.count("passed") == len(cases(op="MUL"))
+
+
+def test_softmax_ignoring_its_mask_is_caught():
+    rep = run_backend("bad_softmax", cases(op="SOFT_MAX"))
+    failed = {r.case for r in rep.failures}
+    assert failed and all("mask=" in c for c in failed)
+    assert {r.case for r in rep.results if r.status == "passed"} == {c.case for c in cases(op="SOFT_MAX")
+                                                                    if "mask=" not in c.case}
+    assert all(r.nmse > 1e-6 for r in rep.failures)
+
+
+def test_missing_nan_is_caught():
+    rep = run_backend("bad_log", cases(op="LOG"))
+    (r,) = rep.failures
+    assert "values=" in r.case and "NaN positions differ" in r.message and "bad_log" in r.message
+
+
+def test_truncating_conversion_fails_the_conversion_thresholds():
+    rep = run_backend("truncating", cases(op="CPY"))
+    bad = {r.types for r in rep.failures}
+    assert {"F32->F16", "F32->BF16"} <= bad and all("->F16" in t or "->BF16" in t for t in bad)
+    assert CONVERT_MAX_NMSE["F16"] < CONVERT_MAX_NMSE["BF16"] < CONVERT_MAX_NMSE["Q8_0"] < CONVERT_MAX_NMSE["Q4_0"]
+
+
+def test_backend_exception_fails_the_case_naming_backend_and_op():
+    rep = run_backend("rope_raises", cases(op="ROPE"))
+    assert rep.failed == len(cases(op="ROPE"))
+    for r in rep.failures:
+        assert "rope_raises" in r.message and "ROPE" in r.message and "kernel exploded" in r.message
+
+
+def test_subset_backend_is_skipped_for_the_rest():
+    rep = run_backend("subset", cases(op="ADD,MUL_MAT,ROPE,SOFT_MAX"))
+    assert rep.failed == 0
+    ran = {(r.op, r.types.split(",")[0]) for r in rep.results if r.status == "passed"}
+    assert ("ADD", "F32") in ran and ("MUL_MAT", "F16") in ran and ("MUL_MAT", "Q4_0") not in ran
+    skipped = [r for r in rep.results if r.status == "skipped"]
+    assert {r.op for r in skipped} == {"MUL_MAT", "ROPE", "SOFT_MAX"}
+    assert all("subset does not support" in r.message for r in skipped)
+    assert rep.not_covered == ["SOFT_MAX", "ROPE"] and rep.partially_covered == ["MUL_MAT"]
+    assert "not covered" in rep.table()
+
+
+# -- the CLI ---------------------------------------------------------------------------------------------------
+def _cli(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_json_shape_and_exit_codes(capsys):
+    code, out, _ = _cli(["test-backend", "numpy", "--json", "--op", "ADD,ARGMAX"], capsys)
+    d = json.loads(out)
+    assert code == 0
+    assert set(d) == {"backend", "passed", "failed", "skipped", "results", "not_covered"}
+    assert d["backend"] == "numpy" and d["failed"] == d["skipped"] == 0
+    assert d["passed"] == len(d["results"]) == len(cases(op="ADD,ARGMAX"))
+    for r in d["results"]:
+        assert set(r) == {"op", "case", "types", "status", "nmse", "max_nmse"}
+        assert r["status"] == "passed" and r["op"] in ("ADD", "ARGMAX")
+
+    code, out, err = _cli(["test-backend", "broken_add", "--json", "--op", "ADD", "-k", "4097"], capsys)
+    d = json.loads(out)
+    assert code == 1 and d["failed"] == len(d["results"]) == 1
+    (r,) = d["results"]
+    assert r["op"] == "ADD" and r["status"] == "failed" and r["nmse"] > r["max_nmse"]
+    assert "FAILED ADD" in err
+
+    code, out, _ = _cli(["test-backend", "subset", "--json", "--op", "ADD,ROPE"], capsys)
+    d = json.loads(out)
+    assert code == 0 and d["skipped"] == len(cases(op="ROPE")) and d["not_covered"] == ["ROPE"]
+
+
+def test_cli_human_table_and_errors(capsys):
+    code, out, _ = _cli(["test-backend", "broken_add", "--op", "ADD", "-k", "b=[7,1]"], capsys)
+    assert code == 1 and "FAILED" in out and "broken_add vs numpy: 0 passed, 1 failed" in out
+    code, _, err = _cli(["test-backend", "no_such_backend"], capsys)
+    assert code == 1 and err.startswith("error: unknown backend")
+    code, _, err = _cli(["test-backend", "numpy", "-k", "no such case"], capsys)
+    assert code == 1 and "no conformance case" in err
+
+
+# -- the pytest plugin -----------------------------------------------------------------------------------------
+def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "backends"), str(ROOT / "tests"),
+                                         env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "pytest", "-p", "ggml_py.testing.pytest_plugin", "-p", "no:cacheprovider",
+           "-p", "no:hypothesispytest", "--pyargs", "ggml_py.testing", "-q", "-rsf",
+           "--ggml-register", "numpy=ggml_py_numpy:register", *args]
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_pytest_plugin_runs_cases_as_tests(tmp_path):
+    p = _pytest(tmp_path, "--ggml-backend", "numpy", "--ggml-op", "ARGMAX,PAD")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"{len(cases(op='ARGMAX,PAD'))} passed" in p.stdout
+
+    p = _pytest(tmp_path, "--ggml-register", "broken_add=test_conformance:register_broken_add",
+                "--ggml-register", "subset=test_conformance:register_subset",
+                "--ggml-backend", "broken_add", "-k", "ADD and 4097")
+    assert p.returncode == 1 and "1 failed" in p.stdout and "NMSE" in p.stdout, p.stdout + p.stderr
+
+    p = _pytest(tmp_path, "--ggml-register", "subset=test_conformance:register_subset",
+                "--ggml-backend", "subset", "--ggml-op", "MUL_MAT", "-k", "Q4_0 or F16")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "SKIPPED" in p.stdout and "subset does not support MUL_MAT" in p.stdout and " passed" in p.stdout
