@@ -56,10 +56,15 @@ class Graph:
         return [t for t in self.leafs if t.flags & INPUT]
 
     def find(self, name: str) -> Tensor:
-        for t in (*self.leafs, *self.nodes):
-            if t.name == name:
-                return t
-        raise KeyError(f"no tensor named {name!r} in the graph")
+        """The tensor called `name` (the first in leafs-then-nodes order if several share it)."""
+        if not hasattr(self, "_by_name"):
+            self._by_name: dict[str, Tensor] = {}
+            for t in (*self.leafs, *self.nodes):
+                self._by_name.setdefault(t.name, t)
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"no tensor named {name!r} in the graph") from None
 
     def structure_key(self) -> tuple:
         """Equal for two graphs with the same ops, shapes, types, layouts and params (values of leafs aside)."""

@@ -241,7 +241,7 @@ class Plan:
 
     def _ids(self) -> set[int]:
         if not hasattr(self, "_id_set"):
-            self._id_set = {t.id for t in (*self.graph.leafs, *self.graph.nodes)}
+            self._id_set: set[int] = {t.id for t in (*self.graph.leafs, *self.graph.nodes)}
         return self._id_set
 
     def set_input(self, key: str | Tensor, value: Any) -> None:
