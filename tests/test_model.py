@@ -10,15 +10,16 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import available_backends
 from gguf import GGMLQuantizationType as QT
-from model_factory import nmse, reference_logits, write_tiny_llama
 
 import ggml_py
 from ggml_py import counters
 from ggml_py.cli import main
 from ggml_py.errors import BackendError, GgmlPyError, GGUFError, ModelError
 from ggml_py.models import Token, batch_sizes, default_model_path, load_model
+
+from conftest import available_backends
+from model_factory import nmse, reference_logits, write_tiny_llama
 
 BACKENDS = available_backends()
 TEXT = "Hello there, the cat is on the mat. <|im_end|> and so on"
