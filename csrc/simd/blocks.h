@@ -1,0 +1,46 @@
+// ggml block layouts (storage formats of the quantized types). Plain structs, no code.
+#pragma once
+
+#include <cstdint>
+
+namespace gp {
+
+struct blk_q4_0 { uint16_t d; uint8_t qs[16]; };
+struct blk_q4_1 { uint16_t d, m; uint8_t qs[16]; };
+struct blk_q5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; };
+struct blk_q5_1 { uint16_t d, m; uint8_t qh[4]; uint8_t qs[16]; };
+struct blk_q8_0 { uint16_t d; int8_t qs[32]; };
+struct blk_q4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
+struct blk_q5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
+struct blk_q6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
+
+static_assert(sizeof(blk_q4_0) == 18, "q4_0");
+static_assert(sizeof(blk_q4_1) == 20, "q4_1");
+static_assert(sizeof(blk_q5_0) == 22, "q5_0");
+static_assert(sizeof(blk_q5_1) == 24, "q5_1");
+static_assert(sizeof(blk_q8_0) == 34, "q8_0");
+static_assert(sizeof(blk_q4_K) == 144, "q4_K");
+static_assert(sizeof(blk_q5_K) == 176, "q5_K");
+static_assert(sizeof(blk_q6_K) == 210, "q6_K");
+
+// The 12 packed bytes of a Q4_K/Q5_K block -> 8 six-bit scales (out[0..7]) and 8 mins (out[8..15]).
+static inline void unpack_k_scales(const uint8_t* s, uint8_t* out) {
+    uint32_t u[4];
+    u[0] = (uint32_t)s[0] | (uint32_t)s[1] << 8 | (uint32_t)s[2] << 16 | (uint32_t)s[3] << 24;
+    u[1] = (uint32_t)s[4] | (uint32_t)s[5] << 8 | (uint32_t)s[6] << 16 | (uint32_t)s[7] << 24;
+    u[2] = (uint32_t)s[8] | (uint32_t)s[9] << 8 | (uint32_t)s[10] << 16 | (uint32_t)s[11] << 24;
+    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    uint32_t sc_lo = u[0] & m6;                                  // scales 0..3
+    uint32_t sc_hi = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);    // scales 4..7
+    uint32_t mn_lo = u[1] & m6;                                  // mins 0..3
+    uint32_t mn_hi = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);  // mins 4..7
+    uint32_t r[4] = {sc_lo, sc_hi, mn_lo, mn_hi};
+    for (int i = 0; i < 4; ++i) {
+        out[4 * i + 0] = (uint8_t)(r[i]);
+        out[4 * i + 1] = (uint8_t)(r[i] >> 8);
+        out[4 * i + 2] = (uint8_t)(r[i] >> 16);
+        out[4 * i + 3] = (uint8_t)(r[i] >> 24);
+    }
+}
+
+}  // namespace gp

@@ -1,0 +1,203 @@
+// ggml_py simd backend: ISA-neutral declarations shared by the plan executor and every kernel translation unit.
+//
+// Only plain data and `static inline` helpers live here: kernel TUs are compiled once per ISA level with different
+// flags, so anything with external linkage defined in a header (including std:: templates instantiated out of line)
+// could be merged across levels by the linker and run AVX-512 code on an AVX2 machine.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+namespace gp {
+
+// ggml type ids
+enum TypeId : int32_t {
+    T_F32 = 0,
+    T_F16 = 1,
+    T_Q4_0 = 2,
+    T_Q4_1 = 3,
+    T_Q5_0 = 6,
+    T_Q5_1 = 7,
+    T_Q8_0 = 8,
+    T_Q8_1 = 9,
+    T_Q4_K = 12,
+    T_Q5_K = 13,
+    T_Q6_K = 14,
+    T_Q8_K = 15,
+    T_I8 = 24,
+    T_I16 = 25,
+    T_I32 = 26,
+    T_I64 = 27,
+    T_BF16 = 30,
+};
+
+// Elements per block and bytes per block; 0 for unknown types.
+static inline int type_block(int t) {
+    switch (t) {
+        case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: case T_Q8_1: return 32;
+        case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_Q8_K: return 256;
+        case T_F32: case T_F16: case T_BF16: case T_I8: case T_I16: case T_I32: case T_I64: return 1;
+        default: return 0;
+    }
+}
+static inline int type_size(int t) {
+    switch (t) {
+        case T_F32: return 4;
+        case T_F16: return 2;
+        case T_BF16: return 2;
+        case T_I8: return 1;
+        case T_I16: return 2;
+        case T_I32: return 4;
+        case T_I64: return 8;
+        case T_Q4_0: return 18;
+        case T_Q4_1: return 20;
+        case T_Q5_0: return 22;
+        case T_Q5_1: return 24;
+        case T_Q8_0: return 34;
+        case T_Q8_1: return 36;
+        case T_Q4_K: return 144;
+        case T_Q5_K: return 176;
+        case T_Q6_K: return 210;
+        case T_Q8_K: return 292;
+        default: return 0;
+    }
+}
+static inline bool type_is_quant(int t) { return type_block(t) > 1; }
+static inline int64_t row_bytes(int t, int64_t n) { return n / type_block(t) * type_size(t); }
+
+enum Op : int32_t {
+    OP_NONE = 0,
+    OP_GET_ROWS, OP_SET_ROWS,
+    OP_ADD, OP_SUB, OP_MUL, OP_DIV,
+    OP_SCALE, OP_SQR, OP_SQRT, OP_NEG, OP_ABS, OP_EXP, OP_LOG, OP_SILU, OP_GELU, OP_RELU, OP_TANH, OP_SIGMOID,
+    OP_SWIGLU, OP_GEGLU,
+    OP_NORM, OP_RMS_NORM,
+    OP_MUL_MAT,
+    OP_SOFT_MAX, OP_ROPE, OP_DIAG_MASK_INF, OP_FLASH_ATTN_EXT,
+    OP_CPY, OP_DUP, OP_CONT,
+    OP_CONCAT, OP_SUM_ROWS, OP_MEAN, OP_ARGMAX, OP_REPEAT, OP_CLAMP, OP_PAD,
+    OP_COUNT
+};
+
+static const char* const OP_NAMES[OP_COUNT] = {
+    "NONE", "GET_ROWS", "SET_ROWS", "ADD", "SUB", "MUL", "DIV",
+    "SCALE", "SQR", "SQRT", "NEG", "ABS", "EXP", "LOG", "SILU", "GELU", "RELU", "TANH", "SIGMOID",
+    "SWIGLU", "GEGLU", "NORM", "RMS_NORM", "MUL_MAT", "SOFT_MAX", "ROPE", "DIAG_MASK_INF", "FLASH_ATTN_EXT",
+    "CPY", "DUP", "CONT", "CONCAT", "SUM_ROWS", "MEAN", "ARGMAX", "REPEAT", "CLAMP", "PAD",
+};
+
+// One operand as a kernel sees it: ggml order (ne[0] innermost), strides in bytes.
+struct Tensor {
+    int32_t type = -1;
+    int64_t ne[4] = {1, 1, 1, 1};
+    int64_t nb[4] = {0, 0, 0, 0};
+    uint8_t* data = nullptr;
+};
+
+static inline int64_t nrows(const Tensor& t) { return t.ne[1] * t.ne[2] * t.ne[3]; }
+static inline int64_t nelements(const Tensor& t) { return t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3]; }
+static inline bool is_contiguous(const Tensor& t) {
+    int64_t s = type_size(t.type);
+    if (t.nb[0] != s) return false;
+    int64_t r = row_bytes(t.type, t.ne[0]);
+    for (int i = 1; i < 4; ++i) {
+        if (t.ne[i] != 1 && t.nb[i] != r) return false;
+        r *= t.ne[i];
+    }
+    return true;
+}
+static inline bool rows_contiguous(const Tensor& t) { return t.nb[0] == type_size(t.type); }
+
+enum { MAX_SRC = 4, N_IPARAMS = 8, N_FPARAMS = 8 };
+
+struct ExecCtx;
+
+struct Node {
+    int32_t op = OP_NONE;
+    Tensor dst;
+    Tensor src[MAX_SRC];
+    bool has[MAX_SRC] = {false, false, false, false};
+    int32_t ip[N_IPARAMS] = {0};
+    float fp[N_FPARAMS] = {0};
+    // set by the plan
+    int32_t index = 0;                      // position in the plan
+    int32_t n_phases = 1;
+    std::atomic<int64_t>* counter = nullptr; // work-stealing counter (reset before every compute)
+    // MUL_MAT: src0 (a constant weight) repacked 8 rows at a time for the GEMV kernels (see repack.h), or null
+    const uint8_t* repack = nullptr;
+};
+
+struct ExecCtx {
+    uint8_t* wdata = nullptr;   // shared scratch (one node at a time)
+    size_t wsize = 0;
+    uint8_t* tdata = nullptr;   // this thread's scratch (each thread gets its own ExecCtx), tsize bytes
+    size_t tsize = 0;
+    std::atomic<int>* error = nullptr;
+    char* errmsg = nullptr;     // ERRMSG_LEN bytes, written by whoever sets error 0 -> 1
+    // The calling thread's scratch. Kernels are called with (ith, nth) = (work unit, number of units); the unit
+    // index is not a thread index, so scratch does not depend on it.
+    uint8_t* thread_scratch(int /*unit*/) const { return tdata; }
+};
+enum { ERRMSG_LEN = 512 };
+
+typedef void (*KernelFn)(Node& node, int phase, int ith, int nth, const ExecCtx& ctx);
+
+// What one ISA level provides.
+struct KernelTable {
+    const char* name;
+    KernelFn ops[OP_COUNT];
+    // utilities for tests and benchmarks
+    double (*stream_read)(const uint8_t* p, size_t n);                         // sums bytes as a read of n bytes
+    void (*dequantize_row)(int type, const void* src, float* dst, int64_t n);  // n elements
+    void (*quantize_row)(int type, const float* src, void* dst, int64_t n);    // ggml reference quantization
+    bool uses_repack;  // the GEMV kernels read "x8" repacked weights when a plan provides them
+};
+
+// Scratch requirement of a node (computed ISA-neutrally by the plan).
+struct Scratch {
+    size_t shared = 0;
+    size_t per_thread = 0;
+};
+
+// Rows of activations at or above which MUL_MAT takes the tiled GEMM path.
+enum { GEMM_MIN_ROWS = 4 };
+
+// Interleaved weight layout "x8" (GEMV of constant Q4_1 / Q8_0 weights): groups of 8 rows; per group and 32-column
+// block b a record of 8 * type_size bytes:
+//   Q4_1: qs[128] then d[8] (f16) then m[8] (f16). Byte 32c + 4r + i holds row r's elements 8c+i (low nibble) and
+//         8c+4+i (high nibble), c = 0..3, i = 0..3: a 32-byte load, masked, gives 8 lanes (rows) x 4 elements.
+//   Q8_0: qs[256] then d[8] (f16). Byte 32k + 4r + i holds row r's element 4k+i, k = 0..7.
+//   Q4_K: per group and 256-column super-block a record of 1184 bytes: qs[1024] (sub-block j = 0..7 at 128j, laid
+//         out as Q4_1's qs), sc[64] (6-bit scale of row r, sub-block j at 8j + r), m[64] (mins, same order),
+//         d[8] (f16), dmin[8] (f16).
+// Rows beyond the last full group stay in the original layout.
+static inline bool repack_supported(int t) { return t == T_Q4_1 || t == T_Q8_0 || t == T_Q4_K; }
+// bytes per repacked row (a group of 8 rows takes 8 times this)
+static inline int64_t repack_row_bytes(int t, int64_t k) {
+    switch (t) {
+        case T_Q4_1: return k / 32 * 20;
+        case T_Q8_0: return k / 32 * 34;
+        case T_Q4_K: return k / 256 * 148;
+        default: return 0;
+    }
+}
+
+// Internal activation formats of MUL_MAT (per row, 64-byte aligned row stride).
+// A32: 32-element blocks: int8 qs[nb*32], then float d[nb], then float s[nb] (s = d * sum(qs)).
+// A256 (Q8_K-like): int8 qs[nb*256], then float d[nb], then int16 bsums[nb*16].
+static inline size_t align64(size_t x) { return (x + 63) & ~(size_t)63; }
+static inline size_t a32_row_size(int64_t k) { return align64((size_t)k + (size_t)(k / 32) * 8); }
+static inline size_t a256_row_size(int64_t k) { return align64((size_t)k + (size_t)(k / 256) * (4 + 32)); }
+static inline bool weight_is_k_quant(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
+static inline bool weight_is_32_quant(int t) {
+    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0;
+}
+
+// GEMM blocking (floats): activations rows MR x weights NR micro tiles; K blocked by KC.
+enum { GEMM_MR = 6, GEMM_NR = 16, GEMM_KC = 256, GEMM_MC = 120, GEMM_NC = 1024 };
+static inline size_t gemm_thread_scratch() {
+    return ((size_t)GEMM_NC * GEMM_KC + (size_t)(GEMM_MC + GEMM_MR) * GEMM_KC + 64 + (size_t)16 * GEMM_KC) * 4 + 256;
+}
+
+}  // namespace gp

@@ -1,0 +1,301 @@
+// Per-ISA prelude of the kernel translation units. Each kernel source is compiled once per level with
+// -DGP_LEVEL_<name> and that level's flags; everything it defines lives in namespace GP_NS (gp::scalar, gp::avx2,
+// gp::avx512) so the copies never collide. Helpers here are `static inline` for the same reason.
+#pragma once
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+
+#include "common.h"
+
+#if defined(GP_LEVEL_AVX512)
+#define GP_NS avx512
+#define GP_AVX2 1
+#define GP_AVX512 1
+#elif defined(GP_LEVEL_AVX2)
+#define GP_NS avx2
+#define GP_AVX2 1
+#define GP_AVX512 0
+#else
+#define GP_NS scalar
+#define GP_AVX2 0
+#define GP_AVX512 0
+#endif
+
+#if GP_AVX2
+#include <immintrin.h>
+#endif
+
+#if defined(__GNUC__)
+#define GP_INLINE static inline __attribute__((always_inline))
+#define GP_TINLINE inline __attribute__((always_inline))
+#define GP_RESTRICT __restrict__
+#else
+#define GP_INLINE static inline
+#define GP_TINLINE inline
+#define GP_RESTRICT
+#endif
+
+namespace gp {
+namespace GP_NS {
+
+// ---------------------------------------------------------------------------------------------------------------
+// scalar conversions
+
+GP_INLINE uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+GP_INLINE float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+GP_INLINE float fp16_to_fp32(uint16_t h) {
+#if GP_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t mant = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {  // subnormal: normalise
+            int e = -1;
+            do { ++e; mant <<= 1; } while (!(mant & 0x400u));
+            mant &= 0x3ffu;
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | (mant << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    }
+    return u2f(bits);
+#endif
+}
+
+// Round to nearest even, overflow to inf, NaN kept (quiet).
+GP_INLINE uint16_t fp32_to_fp16(float f) {
+#if GP_AVX2
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t x = f2u(f);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));  // NaN
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);                          // rounds to >= 65520: inf
+    if (ax < 0x38800000u) {  // result is subnormal in half (|f| < 2^-14)
+        if (ax < 0x33000000u) return (uint16_t)sign;  // < 2^-25: rounds to 0
+        uint32_t e = ax >> 23;
+        uint32_t m = (ax & 0x7fffffu) | 0x800000u;
+        uint32_t shift = 126u - e;  // 14 - (e - 127) + 13 - 1 ... puts the result in units of 2^-24
+        // value = m * 2^(e-150); half subnormal unit = 2^-24 -> q = m >> (126 - e)
+        uint32_t q = m >> shift;
+        uint32_t rem = m & ((1u << shift) - 1u);
+        uint32_t halfway = 1u << (shift - 1);
+        if (rem > halfway || (rem == halfway && (q & 1u))) ++q;
+        return (uint16_t)(sign | q);
+    }
+    // normal
+    uint32_t e = (ax >> 23) - 112u;  // rebias 127 -> 15
+    uint32_t m = ax & 0x7fffffu;
+    uint32_t h = (e << 10) | (m >> 13);
+    uint32_t rem = m & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // may carry into the exponent: still correct
+    return (uint16_t)(sign | h);
+#endif
+}
+
+GP_INLINE float bf16_to_fp32(uint16_t h) { return u2f((uint32_t)h << 16); }
+GP_INLINE uint16_t fp32_to_bf16(float f) {
+    uint32_t u = f2u(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64u);  // quiet NaN
+    return (uint16_t)((u + (0x7fffu + ((u >> 16) & 1u))) >> 16);
+}
+
+GP_INLINE int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+GP_INLINE int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+GP_INLINE float fminf_(float a, float b) { return a < b ? a : b; }
+GP_INLINE float fmaxf_(float a, float b) { return a > b ? a : b; }
+
+// Split n items over nth threads: [*i0, *i1) for thread ith.
+GP_INLINE void split_range(int64_t n, int ith, int nth, int64_t* i0, int64_t* i1) {
+    int64_t per = (n + nth - 1) / nth;
+    *i0 = imin(n, per * ith);
+    *i1 = imin(n, *i0 + per);
+}
+
+// Small work runs on one thread (others only reach the barrier).
+GP_INLINE bool take_small(int64_t work, int& ith, int& nth, int64_t threshold = 4096) {
+    if (work < threshold && nth > 1) {
+        if (ith != 0) return false;
+        nth = 1;
+    }
+    return true;
+}
+
+GP_INLINE void set_error(const ExecCtx& ctx, const char* msg) {
+    int expected = 0;
+    if (ctx.error->compare_exchange_strong(expected, 1)) {
+        size_t n = strlen(msg);
+        if (n >= ERRMSG_LEN) n = ERRMSG_LEN - 1;
+        memcpy(ctx.errmsg, msg, n);
+        ctx.errmsg[n] = 0;
+    }
+}
+
+// Scalar math of the activations (double where cheap for accuracy).
+GP_INLINE float gelu_f(float x) {
+    const float c = 0.7978845608028654f;  // sqrt(2/pi)
+    return 0.5f * x * (1.0f + tanhf(c * x * (1.0f + 0.044715f * x * x)));
+}
+GP_INLINE float silu_f(float x) { return (float)((double)x / (1.0 + exp(-(double)x))); }
+GP_INLINE float sigmoid_f(float x) { return (float)(1.0 / (1.0 + exp(-(double)x))); }
+
+#if GP_AVX2
+// ---------------------------------------------------------------------------------------------------------------
+// AVX2 helpers
+
+GP_INLINE float hsum(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v);
+    __m128 hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    __m128 sh = _mm_movehdup_ps(lo);
+    __m128 s = _mm_add_ps(lo, sh);
+    sh = _mm_movehl_ps(sh, s);
+    s = _mm_add_ss(s, sh);
+    return _mm_cvtss_f32(s);
+}
+GP_INLINE float hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+GP_INLINE int hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+GP_INLINE __m256 load_f16x8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+GP_INLINE __m256 load_bf16x8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+GP_INLINE void store_f16x8(uint16_t* p, __m256 v) {
+    _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+// exp(x) with ~1 ulp error over the whole float range; exp(-inf) = 0, exp(inf) = inf, NaN stays NaN.
+GP_INLINE __m256 exp_ps(__m256 x0) {
+    const __m256 hi = _mm256_set1_ps(88.72283f);
+    const __m256 lo = _mm256_set1_ps(-104.0f);
+    __m256 x = _mm256_min_ps(hi, _mm256_max_ps(lo, x0));  // NaN passes through (second operand)
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 r2 = _mm256_mul_ps(r, r);
+    p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i ni = _mm256_cvtps_epi32(n);
+    __m256i n1 = _mm256_srai_epi32(ni, 1);
+    __m256i n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    p = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+    __m256 big = _mm256_cmp_ps(x0, hi, _CMP_GT_OQ);
+    return _mm256_blendv_ps(p, _mm256_set1_ps(INFINITY), big);
+}
+
+GP_INLINE __m256 tanh_ps(__m256 x) {
+    const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+    __m256 ax = _mm256_andnot_ps(sign_mask, x);
+    __m256 sgn = _mm256_and_ps(sign_mask, x);
+    // large: 1 - 2 / (exp(2|x|) + 1)
+    __m256 e = exp_ps(_mm256_add_ps(ax, ax));
+    __m256 big = _mm256_sub_ps(_mm256_set1_ps(1.0f),
+                               _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+    // small (|x| < 0.625): odd polynomial
+    __m256 z = _mm256_mul_ps(x, x);
+    __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
+    __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), ax, ax);
+    __m256 use_small = _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ);
+    __m256 r = _mm256_blendv_ps(big, small, use_small);
+    return _mm256_or_ps(r, sgn);
+}
+
+GP_INLINE __m256 sigmoid_ps(__m256 x) {
+    __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), x));
+    return _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+GP_INLINE __m256 silu_ps(__m256 x) {
+    __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), x));
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+GP_INLINE __m256 gelu_ps(__m256 x) {
+    const __m256 c = _mm256_set1_ps(0.7978845608028654f);
+    __m256 x2 = _mm256_mul_ps(x, x);
+    __m256 inner = _mm256_mul_ps(_mm256_mul_ps(c, x), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x2,
+                                                                     _mm256_set1_ps(1.0f)));
+    __m256 t = tanh_ps(inner);
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), _mm256_add_ps(_mm256_set1_ps(1.0f), t));
+}
+
+// mask of the first n (0..8) lanes
+GP_INLINE __m256i tail_mask(int64_t n) {
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), idx);
+}
+#endif  // GP_AVX2
+
+// ---------------------------------------------------------------------------------------------------------------
+// declarations of the kernels of this level (defined in the k_*.cpp files)
+void k_get_rows(Node&, int, int, int, const ExecCtx&);
+void k_set_rows(Node&, int, int, int, const ExecCtx&);
+void k_binary(Node&, int, int, int, const ExecCtx&);
+void k_unary(Node&, int, int, int, const ExecCtx&);
+void k_glu(Node&, int, int, int, const ExecCtx&);
+void k_norm(Node&, int, int, int, const ExecCtx&);
+void k_rms_norm(Node&, int, int, int, const ExecCtx&);
+void k_mul_mat(Node&, int, int, int, const ExecCtx&);
+void k_soft_max(Node&, int, int, int, const ExecCtx&);
+void k_rope(Node&, int, int, int, const ExecCtx&);
+void k_diag_mask_inf(Node&, int, int, int, const ExecCtx&);
+void k_flash_attn_ext(Node&, int, int, int, const ExecCtx&);
+void k_cpy(Node&, int, int, int, const ExecCtx&);
+void k_concat(Node&, int, int, int, const ExecCtx&);
+void k_sum_rows(Node&, int, int, int, const ExecCtx&);
+void k_argmax(Node&, int, int, int, const ExecCtx&);
+void k_repeat(Node&, int, int, int, const ExecCtx&);
+void k_pad(Node&, int, int, int, const ExecCtx&);
+
+// quants (k_quants.cpp)
+void dequantize_row(int type, const void* src, float* dst, int64_t n);
+void quantize_row_ref(int type, const float* src, void* dst, int64_t n);
+void convert_row_from_f32(int type, const float* src, void* dst, int64_t n);  // F32/F16/BF16/quant dst
+void quantize_a32(const float* x, uint8_t* row, int64_t k);
+void quantize_a256(const float* x, uint8_t* row, int64_t k);
+// dot of one weight row with one activation row in the weight's vec_dot format
+float vec_dot_w(int type, const void* w, const uint8_t* act, int64_t k);
+// nr consecutive weight rows (stride wstride) against one activation row -> out[nr]
+void gemv_rows(int type, const uint8_t* w, int64_t wstride, int64_t nr, const uint8_t* act, int64_t k, float* out);
+// ngroups groups of 8 repacked rows ("x8", see common.h) against one A32 activation row -> out[8 * ngroups]
+void gemv_x8(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, int64_t k, float* out);
+float dot_f32(const float* a, const float* b, int64_t n);
+float dot_f16_f32(const uint16_t* a, const float* b, int64_t n);
+float dot_bf16_f32(const uint16_t* a, const float* b, int64_t n);
+double stream_read(const uint8_t* p, size_t n);
+
+const KernelTable* table();
+
+}  // namespace GP_NS
+}  // namespace gp

@@ -1,0 +1,409 @@
+// FLASH_ATTN_EXT: softmax(q k^T * scale [softcap] + slope * mask) v with an online softmax over tiles of 8 keys.
+// ggml layout: q [D, Nq, H, B] F32, k [D, Nkv, Hk, B] F16/F32, v [Dv, Nkv, Hk, B] F16/F32, mask [Nkv, >=Nq, *, *]
+// F16/F32 (optional), dst [Dv, H, Nq, B] F32. fp: scale, max_bias, softcap. Rows whose every key is masked give 0.
+#include "isa.h"
+
+namespace gp {
+namespace GP_NS {
+
+GP_INLINE float alibi_slope_fa(float max_bias, int64_t h, int64_t n_head) {
+    if (max_bias <= 0.0f) return 1.0f;
+    const uint32_t n_log2 = 1u << (uint32_t)floor(log2((double)n_head));
+    const float m0 = powf(2.0f, -max_bias / (float)n_log2);
+    const float m1 = powf(2.0f, -(max_bias / 2.0f) / (float)n_log2);
+    return (uint32_t)h < n_log2 ? powf(m0, (float)(h + 1)) : powf(m1, (float)(2 * (h - n_log2) + 1));
+}
+
+GP_INLINE float load_elem(const uint8_t* p, int type) {
+    return type == T_F16 ? fp16_to_fp32(*(const uint16_t*)p) : *(const float*)p;
+}
+
+#if GP_AVX2
+GP_INLINE __m256 load8(const uint8_t* p, bool f16) {
+    return f16 ? load_f16x8((const uint16_t*)p) : _mm256_loadu_ps((const float*)p);
+}
+
+// One query row against all keys, accumulator of DV8*8 floats in registers. Returns the softmax denominator S;
+// the unnormalised output is left in out[0..Dv).
+template <int DV8>
+static double fa_row_reg(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bool kf16, const uint8_t* vb,
+                         int64_t vs, bool vf16, int64_t Nkv, const uint8_t* mp, int64_t ms_stride, int mtype,
+                         float slope, float scale, float softcap, float* out) {
+    __m256 acc[DV8];
+    for (int i = 0; i < DV8; ++i) acc[i] = _mm256_setzero_ps();
+    float M = -INFINITY;
+    double S = 0.0;
+    for (int64_t j0 = 0; j0 < Nkv; j0 += 8) {
+        const int64_t nt = imin(8, Nkv - j0);
+        alignas(32) float mv[8];
+        bool any = false;
+        for (int t = 0; t < 8; ++t) {
+            if (t < nt) {
+                if (mp) {
+                    const uint8_t* e = mp + (j0 + t) * ms_stride;
+                    mv[t] = slope * (mtype == T_F16 ? fp16_to_fp32(*(const uint16_t*)e) : *(const float*)e);
+                } else {
+                    mv[t] = 0.0f;
+                }
+                any |= mv[t] != -INFINITY;
+            } else {
+                mv[t] = -INFINITY;
+            }
+        }
+        if (!any) continue;
+        __m256 part[8];
+        for (int t = 0; t < 8; ++t) {
+            part[t] = _mm256_setzero_ps();
+            if (mv[t] == -INFINITY) continue;
+            const uint8_t* kr = kb + (j0 + t) * ks;
+            const int64_t es = kf16 ? 2 : 4;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            int64_t i = 0;
+            for (; i + 16 <= D; i += 16) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load8(kr + i * es, kf16), a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i + 8), load8(kr + (i + 8) * es, kf16), a1);
+            }
+            for (; i < D; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load8(kr + i * es, kf16), a0);
+            part[t] = _mm256_add_ps(a0, a1);
+        }
+        __m256 t0 = _mm256_hadd_ps(part[0], part[1]);
+        __m256 t1 = _mm256_hadd_ps(part[2], part[3]);
+        __m256 t2 = _mm256_hadd_ps(part[4], part[5]);
+        __m256 t3 = _mm256_hadd_ps(part[6], part[7]);
+        t0 = _mm256_hadd_ps(t0, t1);
+        t2 = _mm256_hadd_ps(t2, t3);
+        __m256 sc = _mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20), _mm256_permute2f128_ps(t0, t2, 0x31));
+        sc = _mm256_mul_ps(sc, _mm256_set1_ps(scale));
+        if (softcap != 0.0f) sc = _mm256_mul_ps(_mm256_set1_ps(softcap), tanh_ps(sc));
+        const __m256 vmv = _mm256_load_ps(mv);
+        sc = _mm256_add_ps(sc, vmv);
+        sc = _mm256_blendv_ps(sc, _mm256_set1_ps(-INFINITY), _mm256_cmp_ps(vmv, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
+        const float mt = hmax(sc);
+        if (!(mt > -INFINITY)) continue;
+        if (mt > M) {
+            const float msc = M == -INFINITY ? 0.0f : expf(M - mt);
+            M = mt;
+            S *= msc;
+            const __m256 vms = _mm256_set1_ps(msc);
+            for (int i = 0; i < DV8; ++i) acc[i] = _mm256_mul_ps(acc[i], vms);
+        }
+        const __m256 p = exp_ps(_mm256_sub_ps(sc, _mm256_set1_ps(M)));
+        alignas(32) float pv[8];
+        _mm256_store_ps(pv, p);
+        S += (double)hsum(p);
+        for (int t = 0; t < 8; ++t) {
+            if (pv[t] == 0.0f) continue;
+            const __m256 w = _mm256_set1_ps(pv[t]);
+            const uint8_t* vr = vb + (j0 + t) * vs;
+            if (vf16) {
+                for (int i = 0; i < DV8; ++i) acc[i] = _mm256_fmadd_ps(w, load_f16x8((const uint16_t*)vr + 8 * i), acc[i]);
+            } else {
+                for (int i = 0; i < DV8; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps((const float*)vr + 8 * i), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < DV8; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
+    return S;
+}
+#endif
+
+#if GP_AVX2
+// All G query heads that share one KV head, for one query row: each tile of 8 keys and values is converted to F32
+// once and used by every head (GQA). scratch: 8*D + 8*Dv + G*(D + Dv) floats + G*2 doubles.
+static void fa_group(const Node& n, int64_t iq, int64_t hk, int64_t b, float* scratch) {
+    const Tensor& dst = n.dst;
+    const Tensor& q = n.src[0];
+    const Tensor& k = n.src[1];
+    const Tensor& v = n.src[2];
+    const bool has_mask = n.has[3];
+    const Tensor& mk = n.src[3];
+    const int64_t D = q.ne[0], H = q.ne[2], Nkv = k.ne[1], Hk = k.ne[2], Dv = v.ne[0];
+    const int64_t G = H / Hk;
+    float scale = n.fp[0];
+    const float max_bias = n.fp[1], softcap = n.fp[2];
+    if (softcap != 0.0f) scale /= softcap;
+    float* kt = scratch;              // 8 x D
+    float* vt = kt + 8 * D;           // 8 x Dv
+    float* qs = vt + 8 * Dv;          // G x D
+    float* acc = qs + G * D;          // G x Dv
+    float* Ms = acc + G * Dv;         // G
+    double* Ss = (double*)(((uintptr_t)(Ms + G) + 7) & ~(uintptr_t)7);  // G
+    float slope[64];
+    const int64_t h0 = hk * G;
+    for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* qp = q.data + iq * q.nb[1] + (h0 + g) * q.nb[2] + b * q.nb[3];
+        for (int64_t i = 0; i < D; ++i) qs[g * D + i] = *(const float*)(qp + i * q.nb[0]);
+        for (int64_t i = 0; i < Dv; ++i) acc[g * Dv + i] = 0.0f;
+        Ms[g] = -INFINITY;
+        Ss[g] = 0.0;
+        if (g < 64) slope[g] = alibi_slope_fa(max_bias, h0 + g, H);
+    }
+    const uint8_t* kb = k.data + hk * k.nb[2] + b * k.nb[3];
+    const uint8_t* vb = v.data + hk * v.nb[2] + b * v.nb[3];
+    const bool kf = k.type == T_F16, vf = v.type == T_F16;
+    const uint8_t* mp = has_mask ? mk.data + iq * mk.nb[1] + (h0 % mk.ne[2]) * mk.nb[2] + (b % mk.ne[3]) * mk.nb[3]
+                                 : nullptr;
+    for (int64_t j0 = 0; j0 < Nkv; j0 += 8) {
+        const int64_t nt = imin(8, Nkv - j0);
+        alignas(32) float mraw[8];
+        bool any = false;
+        for (int t = 0; t < 8; ++t) {
+            if (t < nt) {
+                mraw[t] = mp ? load_elem(mp + (j0 + t) * mk.nb[0], mk.type) : 0.0f;
+                any |= mraw[t] != -INFINITY;
+            } else {
+                mraw[t] = -INFINITY;
+            }
+        }
+        if (!any) continue;
+        for (int t = 0; t < 8; ++t) {  // convert the tile (masked keys: zeros)
+            float* kd = kt + t * D;
+            float* vd = vt + t * Dv;
+            if (mraw[t] == -INFINITY) {
+                for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(kd + i, _mm256_setzero_ps());
+                for (int64_t i = 0; i < Dv; i += 8) _mm256_storeu_ps(vd + i, _mm256_setzero_ps());
+                continue;
+            }
+            const uint8_t* kr = kb + (j0 + t) * k.nb[1];
+            const uint8_t* vr = vb + (j0 + t) * v.nb[1];
+            for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(kd + i, load8(kr + i * (kf ? 2 : 4), kf));
+            for (int64_t i = 0; i < Dv; i += 8) _mm256_storeu_ps(vd + i, load8(vr + i * (vf ? 2 : 4), vf));
+        }
+        const __m256 vmr = _mm256_load_ps(mraw);
+        const __m256 masked = _mm256_cmp_ps(vmr, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+        for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qs + g * D;
+            __m256 part[8];
+            for (int t = 0; t < 8; ++t) {
+                const float* kd = kt + t * D;
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                int64_t i = 0;
+                for (; i + 16 <= D; i += 16) {
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kd + i), a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 8), _mm256_loadu_ps(kd + i + 8), a1);
+                }
+                for (; i < D; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kd + i), a0);
+                part[t] = _mm256_add_ps(a0, a1);
+            }
+            __m256 t0 = _mm256_hadd_ps(part[0], part[1]);
+            __m256 t1 = _mm256_hadd_ps(part[2], part[3]);
+            __m256 t2 = _mm256_hadd_ps(part[4], part[5]);
+            __m256 t3 = _mm256_hadd_ps(part[6], part[7]);
+            t0 = _mm256_hadd_ps(t0, t1);
+            t2 = _mm256_hadd_ps(t2, t3);
+            __m256 sc = _mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20), _mm256_permute2f128_ps(t0, t2, 0x31));
+            sc = _mm256_mul_ps(sc, _mm256_set1_ps(scale));
+            if (softcap != 0.0f) sc = _mm256_mul_ps(_mm256_set1_ps(softcap), tanh_ps(sc));
+            const float sl = g < 64 ? slope[g] : alibi_slope_fa(max_bias, h0 + g, H);
+            sc = _mm256_add_ps(sc, _mm256_mul_ps(_mm256_set1_ps(sl), _mm256_blendv_ps(vmr, _mm256_setzero_ps(), masked)));
+            sc = _mm256_blendv_ps(sc, _mm256_set1_ps(-INFINITY), masked);
+            const float mt = hmax(sc);
+            if (!(mt > -INFINITY)) continue;
+            float* ag = acc + g * Dv;
+            if (mt > Ms[g]) {
+                const float msc = Ms[g] == -INFINITY ? 0.0f : expf(Ms[g] - mt);
+                Ms[g] = mt;
+                Ss[g] *= msc;
+                const __m256 vms = _mm256_set1_ps(msc);
+                for (int64_t i = 0; i < Dv; i += 8) _mm256_storeu_ps(ag + i, _mm256_mul_ps(_mm256_loadu_ps(ag + i), vms));
+            }
+            const __m256 p = exp_ps(_mm256_sub_ps(sc, _mm256_set1_ps(Ms[g])));
+            Ss[g] += (double)hsum(p);
+            alignas(32) float pv[8];
+            _mm256_store_ps(pv, p);
+            const __m256 p0 = _mm256_set1_ps(pv[0]), p1 = _mm256_set1_ps(pv[1]), p2 = _mm256_set1_ps(pv[2]),
+                         p3 = _mm256_set1_ps(pv[3]), p4 = _mm256_set1_ps(pv[4]), p5 = _mm256_set1_ps(pv[5]),
+                         p6 = _mm256_set1_ps(pv[6]), p7 = _mm256_set1_ps(pv[7]);
+            for (int64_t i = 0; i < Dv; i += 8) {
+                __m256 a = _mm256_loadu_ps(ag + i);
+                __m256 x = _mm256_mul_ps(p0, _mm256_loadu_ps(vt + i));
+                x = _mm256_fmadd_ps(p1, _mm256_loadu_ps(vt + Dv + i), x);
+                x = _mm256_fmadd_ps(p2, _mm256_loadu_ps(vt + 2 * Dv + i), x);
+                x = _mm256_fmadd_ps(p3, _mm256_loadu_ps(vt + 3 * Dv + i), x);
+                a = _mm256_add_ps(a, x);
+                __m256 y = _mm256_mul_ps(p4, _mm256_loadu_ps(vt + 4 * Dv + i));
+                y = _mm256_fmadd_ps(p5, _mm256_loadu_ps(vt + 5 * Dv + i), y);
+                y = _mm256_fmadd_ps(p6, _mm256_loadu_ps(vt + 6 * Dv + i), y);
+                y = _mm256_fmadd_ps(p7, _mm256_loadu_ps(vt + 7 * Dv + i), y);
+                _mm256_storeu_ps(ag + i, _mm256_add_ps(a, y));
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        const float inv = Ss[g] == 0.0 ? 0.0f : (float)(1.0 / Ss[g]);
+        uint8_t* op = dst.data + (h0 + g) * dst.nb[1] + iq * dst.nb[2] + b * dst.nb[3];
+        const float* ag = acc + g * Dv;
+        for (int64_t i = 0; i < Dv; ++i) *(float*)(op + i * dst.nb[0]) = ag[i] * inv;
+    }
+}
+#endif
+
+void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
+    (void)phase;
+    const Tensor& dst = n.dst;
+    const Tensor& q = n.src[0];
+    const Tensor& k = n.src[1];
+    const Tensor& v = n.src[2];
+    const bool has_mask = n.has[3];
+    const Tensor& mk = n.src[3];
+    const int64_t D = q.ne[0], Nq = q.ne[1], H = q.ne[2], B = q.ne[3];
+    const int64_t Nkv = k.ne[1], Hk = k.ne[2], Dv = v.ne[0];
+    const int64_t rep = H / Hk;
+    float scale = n.fp[0];
+    const float max_bias = n.fp[1], softcap = n.fp[2];
+    if (softcap != 0.0f) scale /= softcap;
+
+#if GP_AVX2
+    // grouped heads (one conversion of each key/value tile for all heads sharing it) when there are enough groups
+    // to keep every thread busy; a decode step with few KV heads balances better head by head
+    if (rep >= 2 && Nq * Hk * B >= 8 && (D % 8) == 0 && (Dv % 8) == 0 && k.nb[0] == type_size(k.type) &&
+        v.nb[0] == type_size(v.type)) {
+        const int64_t gunits = Nq * Hk * B;
+        int64_t g0, g1;
+        split_range(gunits, ith, nth, &g0, &g1);
+        for (int64_t u = g0; u < g1; ++u)
+            fa_group(n, (u / Hk) % Nq, u % Hk, u / (Hk * Nq), (float*)ctx.thread_scratch(ith));
+        return;
+    }
+#endif
+    const int64_t units = Nq * H * B;
+    int64_t u0, u1;
+    split_range(units, ith, nth, &u0, &u1);
+    float* acc = (float*)ctx.thread_scratch(ith);
+    float* qf = acc + ((Dv + 15) & ~15);
+    float* kt = qf + ((D + 15) & ~15);  // one converted row (strided/generic path)
+
+#if GP_AVX2
+    const bool vec = (D % 8) == 0 && (Dv % 8) == 0 && k.nb[0] == type_size(k.type) &&
+                     v.nb[0] == type_size(v.type);
+#endif
+    for (int64_t u = u0; u < u1; ++u) {
+        const int64_t h = u % H, iq = (u / H) % Nq, b = u / (H * Nq);
+        const int64_t hk = h / rep;
+        const uint8_t* qp = q.data + iq * q.nb[1] + h * q.nb[2] + b * q.nb[3];
+        for (int64_t i = 0; i < D; ++i) qf[i] = *(const float*)(qp + i * q.nb[0]);
+        const uint8_t* kb = k.data + hk * k.nb[2] + b * k.nb[3];
+        const uint8_t* vb = v.data + hk * v.nb[2] + b * v.nb[3];
+        const uint8_t* mp = has_mask ? mk.data + iq * mk.nb[1] + (h % mk.ne[2]) * mk.nb[2] + (b % mk.ne[3]) * mk.nb[3]
+                                     : nullptr;
+        const float slope = alibi_slope_fa(max_bias, h, H);
+        for (int64_t i = 0; i < Dv; ++i) acc[i] = 0.0f;
+        float M = -INFINITY;
+        double S = 0.0;
+#if GP_AVX2
+        if (vec && (Dv == 32 || Dv == 64 || Dv == 128)) {
+            const bool kf = k.type == T_F16, vf = v.type == T_F16;
+            const int64_t ms = has_mask ? mk.nb[0] : 0;
+            if (Dv == 64)
+                S = fa_row_reg<8>(qf, D, kb, k.nb[1], kf, vb, v.nb[1], vf, Nkv, mp, ms, mk.type, slope, scale, softcap, acc);
+            else if (Dv == 128)
+                S = fa_row_reg<16>(qf, D, kb, k.nb[1], kf, vb, v.nb[1], vf, Nkv, mp, ms, mk.type, slope, scale, softcap, acc);
+            else
+                S = fa_row_reg<4>(qf, D, kb, k.nb[1], kf, vb, v.nb[1], vf, Nkv, mp, ms, mk.type, slope, scale, softcap, acc);
+        } else if (vec) {
+            for (int64_t j0 = 0; j0 < Nkv; j0 += 8) {
+                const int64_t nt = imin(8, Nkv - j0);
+                float mv[8];
+                bool any = false;
+                for (int t = 0; t < 8; ++t) {
+                    if (t < nt) {
+                        mv[t] = mp ? slope * load_elem(mp + (j0 + t) * mk.nb[0], mk.type) : 0.0f;
+                        any |= mv[t] != -INFINITY;
+                    } else {
+                        mv[t] = -INFINITY;
+                    }
+                }
+                if (!any) continue;
+                __m256 part[8];
+                for (int t = 0; t < 8; ++t) {
+                    part[t] = _mm256_setzero_ps();
+                    if (mv[t] == -INFINITY) continue;
+                    const uint8_t* kr = kb + (j0 + t) * k.nb[1];
+                    if (k.type == T_F16) {
+                        for (int64_t i = 0; i < D; i += 8)
+                            part[t] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load_f16x8((const uint16_t*)kr + i),
+                                                      part[t]);
+                    } else {
+                        for (int64_t i = 0; i < D; i += 8)
+                            part[t] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), _mm256_loadu_ps((const float*)kr + i),
+                                                      part[t]);
+                    }
+                }
+                __m256 t0 = _mm256_hadd_ps(part[0], part[1]);
+                __m256 t1 = _mm256_hadd_ps(part[2], part[3]);
+                __m256 t2 = _mm256_hadd_ps(part[4], part[5]);
+                __m256 t3 = _mm256_hadd_ps(part[6], part[7]);
+                t0 = _mm256_hadd_ps(t0, t1);
+                t2 = _mm256_hadd_ps(t2, t3);
+                __m256 sc = _mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20), _mm256_permute2f128_ps(t0, t2, 0x31));
+                sc = _mm256_mul_ps(sc, _mm256_set1_ps(scale));
+                if (softcap != 0.0f) sc = _mm256_mul_ps(_mm256_set1_ps(softcap), tanh_ps(sc));
+                __m256 vmv = _mm256_loadu_ps(mv);
+                sc = _mm256_add_ps(sc, vmv);
+                // masked lanes: -inf (the product above is finite there)
+                sc = _mm256_blendv_ps(sc, _mm256_set1_ps(-INFINITY),
+                                      _mm256_cmp_ps(vmv, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
+                const float mt = hmax(sc);
+                if (!(mt > -INFINITY)) continue;
+                if (mt > M) {
+                    const float ms = M == -INFINITY ? 0.0f : expf(M - mt);
+                    M = mt;
+                    S *= ms;
+                    const __m256 vms = _mm256_set1_ps(ms);
+                    for (int64_t i = 0; i < Dv; i += 8) _mm256_storeu_ps(acc + i, _mm256_mul_ps(_mm256_loadu_ps(acc + i), vms));
+                }
+                __m256 p = exp_ps(_mm256_sub_ps(sc, _mm256_set1_ps(M)));
+                float pv[8];
+                _mm256_storeu_ps(pv, p);
+                for (int t = 0; t < 8; ++t) {
+                    if (pv[t] == 0.0f) continue;
+                    S += pv[t];
+                    const __m256 w = _mm256_set1_ps(pv[t]);
+                    const uint8_t* vr = vb + (j0 + t) * v.nb[1];
+                    if (v.type == T_F16) {
+                        for (int64_t i = 0; i < Dv; i += 8)
+                            _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(w, load_f16x8((const uint16_t*)vr + i),
+                                                                      _mm256_loadu_ps(acc + i)));
+                    } else {
+                        for (int64_t i = 0; i < Dv; i += 8)
+                            _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(w, _mm256_loadu_ps((const float*)vr + i),
+                                                                      _mm256_loadu_ps(acc + i)));
+                    }
+                }
+            }
+        } else
+#endif
+        {
+            for (int64_t j = 0; j < Nkv; ++j) {
+                const float mvj = mp ? slope * load_elem(mp + j * mk.nb[0], mk.type) : 0.0f;
+                if (mvj == -INFINITY) continue;
+                const uint8_t* kr = kb + j * k.nb[1];
+                double s = 0.0;
+                for (int64_t i = 0; i < D; ++i) s += (double)qf[i] * load_elem(kr + i * k.nb[0], k.type);
+                float sf = (float)s * scale;
+                if (softcap != 0.0f) sf = softcap * tanhf(sf);
+                sf += mvj;
+                float w;
+                if (sf > M) {
+                    const float ms = M == -INFINITY ? 0.0f : expf(M - sf);
+                    M = sf;
+                    S *= ms;
+                    for (int64_t i = 0; i < Dv; ++i) acc[i] *= ms;
+                    w = 1.0f;
+                } else {
+                    w = expf(sf - M);
+                }
+                S += w;
+                const uint8_t* vr = vb + j * v.nb[1];
+                for (int64_t i = 0; i < Dv; ++i) kt[i] = load_elem(vr + i * v.nb[0], v.type);
+                for (int64_t i = 0; i < Dv; ++i) acc[i] += w * kt[i];
+            }
+        }
+        const float inv = S == 0.0 ? 0.0f : (float)(1.0 / S);
+        uint8_t* op = dst.data + h * dst.nb[1] + iq * dst.nb[2] + b * dst.nb[3];
+        for (int64_t i = 0; i < Dv; ++i) *(float*)(op + i * dst.nb[0]) = acc[i] * inv;
+    }
+}
+
+}  // namespace GP_NS
+}  // namespace gp

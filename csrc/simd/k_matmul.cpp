@@ -1,0 +1,362 @@
+// MUL_MAT: dst[M, N, b2, b3] = src1[K, N, b2, b3] . src0[K, M, b2/r2, b3/r3]^T (weights repeated as ggml).
+//
+// GEMV path (N < GEMM_MIN_ROWS): quantized weights use integer dot products against activations quantized once per
+// row in phase 0 (A32 blocks for the 32-element types, A256 = Q8_K granularity for the K-quants); float weights use
+// float dots. Work: chunks of weight rows, handed out by an atomic counter.
+// GEMM path: BLIS-style packed F32 GEMM (6x16 micro tiles, K blocked by 256); weights of any type are dequantized
+// while their panel is packed, so every weight is decoded once per block of up to GEMM_MC activation rows.
+#include "isa.h"
+
+namespace gp {
+namespace GP_NS {
+
+// ---------------------------------------------------------------------------------------------------------------
+// packing
+
+// 16 x kc panel from rows of floats: out[k*16 + r] = rows[r][k]; missing rows are zero.
+static void pack_w_panel(const float* const* rows, int nr, int64_t kc, float* out) {
+#if GP_AVX2
+    if (nr == 16) {
+        int64_t k = 0;
+        for (; k + 8 <= kc; k += 8) {
+            for (int h = 0; h < 2; ++h) {
+                __m256 r0 = _mm256_loadu_ps(rows[8 * h + 0] + k), r1 = _mm256_loadu_ps(rows[8 * h + 1] + k);
+                __m256 r2 = _mm256_loadu_ps(rows[8 * h + 2] + k), r3 = _mm256_loadu_ps(rows[8 * h + 3] + k);
+                __m256 r4 = _mm256_loadu_ps(rows[8 * h + 4] + k), r5 = _mm256_loadu_ps(rows[8 * h + 5] + k);
+                __m256 r6 = _mm256_loadu_ps(rows[8 * h + 6] + k), r7 = _mm256_loadu_ps(rows[8 * h + 7] + k);
+                __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+                __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+                __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+                __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+                __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xee);
+                __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xee);
+                __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xee);
+                __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xee);
+                float* o = out + k * 16 + 8 * h;
+                _mm256_storeu_ps(o + 0 * 16, _mm256_permute2f128_ps(s0, s4, 0x20));
+                _mm256_storeu_ps(o + 1 * 16, _mm256_permute2f128_ps(s1, s5, 0x20));
+                _mm256_storeu_ps(o + 2 * 16, _mm256_permute2f128_ps(s2, s6, 0x20));
+                _mm256_storeu_ps(o + 3 * 16, _mm256_permute2f128_ps(s3, s7, 0x20));
+                _mm256_storeu_ps(o + 4 * 16, _mm256_permute2f128_ps(s0, s4, 0x31));
+                _mm256_storeu_ps(o + 5 * 16, _mm256_permute2f128_ps(s1, s5, 0x31));
+                _mm256_storeu_ps(o + 6 * 16, _mm256_permute2f128_ps(s2, s6, 0x31));
+                _mm256_storeu_ps(o + 7 * 16, _mm256_permute2f128_ps(s3, s7, 0x31));
+            }
+        }
+        for (; k < kc; ++k)
+            for (int r = 0; r < 16; ++r) out[k * 16 + r] = rows[r][k];
+        return;
+    }
+#endif
+    for (int64_t k = 0; k < kc; ++k) {
+        for (int r = 0; r < nr; ++r) out[k * 16 + r] = rows[r][k];
+        for (int r = nr; r < 16; ++r) out[k * 16 + r] = 0.0f;
+    }
+}
+
+// Pack weight rows [m0, m0+mc) x cols [pc, pc+kc) into 16-row panels (dequantizing). tmp: 16*kc floats.
+static void pack_weights(const Tensor& w, const uint8_t* wbase, int64_t m0, int64_t mc, int64_t pc, int64_t kc,
+                         float* wp, float* tmp) {
+    const int64_t col_off = row_bytes(w.type, pc);
+    for (int64_t p = 0; p < mc; p += 16) {
+        const int nr = (int)imin(16, mc - p);
+        const float* rows[16];
+        for (int r = 0; r < nr; ++r) {
+            const uint8_t* src = wbase + (m0 + p + r) * w.nb[1] + col_off;
+            if (w.type == T_F32) {
+                rows[r] = (const float*)src;
+            } else {
+                dequantize_row(w.type, src, tmp + r * kc, kc);
+                rows[r] = tmp + r * kc;
+            }
+        }
+        pack_w_panel(rows, nr, kc, wp + p * kc);
+    }
+}
+
+#if GP_AVX2
+// 8x8 transpose of r[0..7] in place
+GP_INLINE void transpose8(__m256* r) {
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xee);
+    __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xee);
+    __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xee);
+    __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xee);
+    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+    r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+    r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+    r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+    r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+#endif
+
+// Pack activation rows [n0, n0+nc) x cols [pc, pc+kc) into 6-row panels: out[k*6 + i]. `out` needs 8 floats of
+// slack after each panel (the vector path writes 8 lanes where 6 are meant and the next store covers the rest).
+static void pack_acts(const Tensor& x, const uint8_t* xbase, int64_t n0, int64_t nc, int64_t pc, int64_t kc,
+                      float* ap) {
+    for (int64_t p = 0; p < nc; p += GEMM_MR) {
+        const int nr = (int)imin(GEMM_MR, nc - p);
+        float* o = ap + p * kc;
+        const uint8_t* rows[GEMM_MR];
+        for (int i = 0; i < nr; ++i) rows[i] = xbase + (n0 + p + i) * x.nb[1] + pc * x.nb[0];
+        int64_t k = 0;
+#if GP_AVX2
+        if (x.nb[0] == 4 && nr == GEMM_MR) {
+            for (; k + 8 <= kc; k += 8) {
+                __m256 r[8];
+                for (int i = 0; i < 6; ++i) r[i] = _mm256_loadu_ps((const float*)rows[i] + k);
+                r[6] = r[7] = _mm256_setzero_ps();
+                transpose8(r);
+                for (int j = 0; j < 8; ++j) _mm256_storeu_ps(o + (k + j) * GEMM_MR, r[j]);
+            }
+        }
+#endif
+        if (x.nb[0] == 4) {
+            for (; k < kc; ++k) {
+                for (int i = 0; i < nr; ++i) o[k * GEMM_MR + i] = ((const float*)rows[i])[k];
+                for (int i = nr; i < GEMM_MR; ++i) o[k * GEMM_MR + i] = 0.0f;
+            }
+        } else {
+            for (; k < kc; ++k) {
+                for (int i = 0; i < nr; ++i) o[k * GEMM_MR + i] = *(const float*)(rows[i] + k * x.nb[0]);
+                for (int i = nr; i < GEMM_MR; ++i) o[k * GEMM_MR + i] = 0.0f;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// micro kernel: C[6 x 16] (+)= A[kc x 6] . B[kc x 16]; C rows are dst rows (stride ldc bytes)
+
+static void micro(int64_t kc, const float* GP_RESTRICT A, const float* GP_RESTRICT B, uint8_t* C, int64_t ldc,
+                  bool acc, int mr, int nr) {
+#if GP_AVX2
+    __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(),
+           c11 = _mm256_setzero_ps(), c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(),
+           c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps(), c40 = _mm256_setzero_ps(),
+           c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < kc; ++k) {
+        const __m256 b0 = _mm256_loadu_ps(B + 16 * k), b1 = _mm256_loadu_ps(B + 16 * k + 8);
+        const float* a = A + 6 * k;
+        __m256 av = _mm256_broadcast_ss(a + 0);
+        c00 = _mm256_fmadd_ps(av, b0, c00);
+        c01 = _mm256_fmadd_ps(av, b1, c01);
+        av = _mm256_broadcast_ss(a + 1);
+        c10 = _mm256_fmadd_ps(av, b0, c10);
+        c11 = _mm256_fmadd_ps(av, b1, c11);
+        av = _mm256_broadcast_ss(a + 2);
+        c20 = _mm256_fmadd_ps(av, b0, c20);
+        c21 = _mm256_fmadd_ps(av, b1, c21);
+        av = _mm256_broadcast_ss(a + 3);
+        c30 = _mm256_fmadd_ps(av, b0, c30);
+        c31 = _mm256_fmadd_ps(av, b1, c31);
+        av = _mm256_broadcast_ss(a + 4);
+        c40 = _mm256_fmadd_ps(av, b0, c40);
+        c41 = _mm256_fmadd_ps(av, b1, c41);
+        av = _mm256_broadcast_ss(a + 5);
+        c50 = _mm256_fmadd_ps(av, b0, c50);
+        c51 = _mm256_fmadd_ps(av, b1, c51);
+    }
+    __m256 cs[12] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
+    if (mr == 6 && nr == 16) {
+        for (int i = 0; i < 6; ++i) {
+            float* c = (float*)(C + i * ldc);
+            if (acc) {
+                _mm256_storeu_ps(c, _mm256_add_ps(_mm256_loadu_ps(c), cs[2 * i]));
+                _mm256_storeu_ps(c + 8, _mm256_add_ps(_mm256_loadu_ps(c + 8), cs[2 * i + 1]));
+            } else {
+                _mm256_storeu_ps(c, cs[2 * i]);
+                _mm256_storeu_ps(c + 8, cs[2 * i + 1]);
+            }
+        }
+        return;
+    }
+    float t[6 * 16];
+    for (int i = 0; i < 6; ++i) {
+        _mm256_storeu_ps(t + 16 * i, cs[2 * i]);
+        _mm256_storeu_ps(t + 16 * i + 8, cs[2 * i + 1]);
+    }
+#else
+    float t[6 * 16];
+    for (int i = 0; i < 6 * 16; ++i) t[i] = 0.0f;
+    for (int64_t k = 0; k < kc; ++k) {
+        const float* b = B + 16 * k;
+        const float* a = A + 6 * k;
+        for (int i = 0; i < 6; ++i) {
+            const float ai = a[i];
+            for (int j = 0; j < 16; ++j) t[16 * i + j] += ai * b[j];
+        }
+    }
+#endif
+    for (int i = 0; i < mr; ++i) {
+        float* c = (float*)(C + i * ldc);
+        if (acc) {
+            for (int j = 0; j < nr; ++j) c[j] += t[16 * i + j];
+        } else {
+            for (int j = 0; j < nr; ++j) c[j] = t[16 * i + j];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+
+GP_INLINE bool mm_gemv(const Node& n) { return n.src[1].ne[1] < GEMM_MIN_ROWS; }
+
+static void gemm_unit(const Node& n, int64_t b2, int64_t b3, int64_t m0, int64_t m1, float* scratch) {
+    const Tensor& w = n.src[0];
+    const Tensor& x = n.src[1];
+    const Tensor& d = n.dst;
+    const int64_t K = w.ne[0], N = x.ne[1];
+    const int64_t r2 = x.ne[2] / w.ne[2], r3 = x.ne[3] / w.ne[3];
+    const uint8_t* wbase = w.data + (b2 / r2) * w.nb[2] + (b3 / r3) * w.nb[3];
+    const uint8_t* xbase = x.data + b2 * x.nb[2] + b3 * x.nb[3];
+    uint8_t* dbase = d.data + b2 * d.nb[2] + b3 * d.nb[3];
+    float* wp = scratch;                                   // GEMM_NC x GEMM_KC
+    float* ap = wp + (size_t)GEMM_NC * GEMM_KC;            // GEMM_MC x GEMM_KC (rounded to panels)
+    float* tmp = ap + (size_t)(GEMM_MC + GEMM_MR) * GEMM_KC + 64;  // 16 x GEMM_KC (after the packing slack)
+    const int64_t mc = m1 - m0;
+    for (int64_t pc = 0; pc < K; pc += GEMM_KC) {
+        const int64_t kc = imin(GEMM_KC, K - pc);
+        pack_weights(w, wbase, m0, mc, pc, kc, wp, tmp);
+        for (int64_t ic = 0; ic < N; ic += GEMM_MC) {
+            const int64_t nc = imin(GEMM_MC, N - ic);
+            pack_acts(x, xbase, ic, nc, pc, kc, ap);
+            for (int64_t jr = 0; jr < mc; jr += 16) {
+                const int nr = (int)imin(16, mc - jr);
+                const float* B = wp + jr * kc;
+                for (int64_t ir = 0; ir < nc; ir += GEMM_MR) {
+                    const int mr = (int)imin(GEMM_MR, nc - ir);
+                    uint8_t* C = dbase + (ic + ir) * d.nb[1] + (m0 + jr) * 4;
+                    micro(kc, ap + ir * kc, B, C, d.nb[1], pc > 0, mr, nr);
+                }
+            }
+        }
+    }
+}
+
+void k_mul_mat(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
+    const Tensor& w = n.src[0];
+    const Tensor& x = n.src[1];
+    const Tensor& d = n.dst;
+    const int64_t K = w.ne[0], M = w.ne[1], N = x.ne[1];
+    const int64_t B2 = x.ne[2], B3 = x.ne[3];
+    const int64_t r2 = B2 / w.ne[2], r3 = B3 / w.ne[3];
+    const bool quant = type_is_quant(w.type);
+    const bool gemv = mm_gemv(n);
+    const int compute_phase = n.n_phases - 1;
+
+    if (gemv && quant) {
+        const bool k256 = weight_is_k_quant(w.type);
+        const size_t ars = k256 ? a256_row_size(K) : a32_row_size(K);
+        if (phase == 0) {  // quantize all activation rows
+            const int64_t rows = N * B2 * B3;
+            int64_t q0, q1;
+            int ith2 = ith, nth2 = nth;
+            if (!take_small(rows * K, ith2, nth2, 8192)) return;
+            split_range(rows, ith2, nth2, &q0, &q1);
+            float* tmp = (float*)ctx.thread_scratch(ith);
+            for (int64_t r = q0; r < q1; ++r) {
+                const int64_t i1 = r % N, i2 = (r / N) % B2, i3 = r / (N * B2);
+                const uint8_t* xp = x.data + i1 * x.nb[1] + i2 * x.nb[2] + i3 * x.nb[3];
+                const float* xf = (const float*)xp;
+                if (x.nb[0] != 4) {
+                    for (int64_t k = 0; k < K; ++k) tmp[k] = *(const float*)(xp + k * x.nb[0]);
+                    xf = tmp;
+                }
+                uint8_t* arow = ctx.wdata + (size_t)r * ars;
+                if (k256) quantize_a256(xf, arow, K);
+                else quantize_a32(xf, arow, K);
+            }
+            return;
+        }
+        // phase 1: chunks of weight rows (multiples of 8 when the weight is repacked)
+        const bool x8 = n.repack != nullptr;
+        int64_t chunk = (M + (int64_t)nth * 8 - 1) / ((int64_t)nth * 8);
+        chunk = x8 ? imax(16, (chunk + 7) & ~(int64_t)7) : imax(16, (chunk + 3) & ~(int64_t)3);
+        const int64_t nchunks = (M + chunk - 1) / chunk;
+        const int64_t units = nchunks * B2 * B3;
+        const int64_t full = x8 ? (M / 8) * 8 : 0;  // rows covered by the repacked groups
+        const int64_t rec_row = x8 ? repack_row_bytes(w.type, K) : 0;  // bytes per repacked row
+        for (;;) {
+            const int64_t u = n.counter->fetch_add(1, std::memory_order_relaxed);
+            if (u >= units) break;
+            const int64_t c = u % nchunks, bb = u / nchunks;
+            const int64_t b2 = bb % B2, b3 = bb / B2;
+            const int64_t m0 = c * chunk, m1 = imin(M, m0 + chunk);
+            const uint8_t* wbase = w.data + (b2 / r2) * w.nb[2] + (b3 / r3) * w.nb[3];
+            for (int64_t i1 = 0; i1 < N; ++i1) {
+                const uint8_t* arow = ctx.wdata + (size_t)((b3 * B2 + b2) * N + i1) * ars;
+                float* out = (float*)(d.data + i1 * d.nb[1] + b2 * d.nb[2] + b3 * d.nb[3]);
+                int64_t m = m0;
+                if (x8 && m < full) {
+                    const int64_t me = imin(m1, full);
+                    gemv_x8(w.type, n.repack + m * rec_row, (me - m) / 8, arow, K, out + m);
+                    m = me;
+                }
+                if (m < m1) gemv_rows(w.type, wbase + m * w.nb[1], w.nb[1], m1 - m, arow, K, out + m);
+            }
+        }
+        return;
+    }
+    if (phase != compute_phase) return;
+
+    if (gemv) {  // float weights, few rows
+        int64_t chunk = (M + (int64_t)nth * 8 - 1) / ((int64_t)nth * 8);
+        chunk = imax(16, (chunk + 3) & ~(int64_t)3);
+        const int64_t nchunks = (M + chunk - 1) / chunk;
+        const int64_t units = nchunks * B2 * B3;
+        float* tmp = (float*)ctx.thread_scratch(ith);
+        for (;;) {
+            const int64_t u = n.counter->fetch_add(1, std::memory_order_relaxed);
+            if (u >= units) break;
+            const int64_t c = u % nchunks, bb = u / nchunks;
+            const int64_t b2 = bb % B2, b3 = bb / B2;
+            const int64_t m0 = c * chunk, m1 = imin(M, m0 + chunk);
+            const uint8_t* wbase = w.data + (b2 / r2) * w.nb[2] + (b3 / r3) * w.nb[3];
+            for (int64_t i1 = 0; i1 < N; ++i1) {
+                const uint8_t* xp = x.data + i1 * x.nb[1] + b2 * x.nb[2] + b3 * x.nb[3];
+                const float* xf = (const float*)xp;
+                if (x.nb[0] != 4) {
+                    for (int64_t k = 0; k < K; ++k) tmp[k] = *(const float*)(xp + k * x.nb[0]);
+                    xf = tmp;
+                }
+                float* out = (float*)(d.data + i1 * d.nb[1] + b2 * d.nb[2] + b3 * d.nb[3]);
+                for (int64_t m = m0; m < m1; ++m) {
+                    const uint8_t* wr = wbase + m * w.nb[1];
+                    float v;
+                    if (w.type == T_F32) v = dot_f32((const float*)wr, xf, K);
+                    else if (w.type == T_F16) v = dot_f16_f32((const uint16_t*)wr, xf, K);
+                    else v = dot_bf16_f32((const uint16_t*)wr, xf, K);
+                    out[m] = v;
+                }
+            }
+        }
+        return;
+    }
+
+    // GEMM: units = (batch, block of weight rows)
+    int64_t nc_rows = (M + 2 * nth - 1) / (2 * nth);
+    nc_rows = (nc_rows + 15) & ~(int64_t)15;
+    if (nc_rows > GEMM_NC) nc_rows = GEMM_NC;
+    if (nc_rows < 16) nc_rows = 16;
+    const int64_t nblk = (M + nc_rows - 1) / nc_rows;
+    const int64_t units = nblk * B2 * B3;
+    float* scratch = (float*)ctx.thread_scratch(ith);
+    for (;;) {
+        const int64_t u = n.counter->fetch_add(1, std::memory_order_relaxed);
+        if (u >= units) break;
+        const int64_t c = u % nblk, bb = u / nblk;
+        const int64_t m0 = c * nc_rows, m1 = imin(M, m0 + nc_rows);
+        gemm_unit(n, bb % B2, bb / B2, m0, m1, scratch);
+    }
+}
+
+}  // namespace GP_NS
+}  // namespace gp

@@ -1,0 +1,333 @@
+// Row kernels: NORM, RMS_NORM, SUM_ROWS, MEAN, ARGMAX, SOFT_MAX, DIAG_MASK_INF.
+#include "isa.h"
+
+namespace gp {
+namespace GP_NS {
+
+GP_INLINE uint8_t* rowp(const Tensor& t, int64_t r) {
+    const int64_t i1 = r % t.ne[1], i2 = (r / t.ne[1]) % t.ne[2], i3 = r / (t.ne[1] * t.ne[2]);
+    return t.data + i1 * t.nb[1] + i2 * t.nb[2] + i3 * t.nb[3];
+}
+
+// load a row into contiguous floats if it is strided (tmp has room for n floats)
+GP_INLINE const float* row_in(const uint8_t* p, int64_t stride, int64_t n, float* tmp) {
+    if (stride == 4) return (const float*)p;
+    for (int64_t i = 0; i < n; ++i) tmp[i] = *(const float*)(p + i * stride);
+    return tmp;
+}
+GP_INLINE void row_out(uint8_t* p, int64_t stride, const float* v, int64_t n) {
+    if (stride == 4) {
+        if ((const void*)p != (const void*)v) memmove(p, v, (size_t)n * 4);
+        return;
+    }
+    for (int64_t i = 0; i < n; ++i) *(float*)(p + i * stride) = v[i];
+}
+
+static double sum_f(const float* x, int64_t n) {
+    int64_t i = 0;
+    double s = 0.0;
+#if GP_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        a0 = _mm256_add_ps(a0, _mm256_loadu_ps(x + i));
+        a1 = _mm256_add_ps(a1, _mm256_loadu_ps(x + i + 8));
+    }
+    for (; i + 8 <= n; i += 8) a0 = _mm256_add_ps(a0, _mm256_loadu_ps(x + i));
+    float l[8];
+    _mm256_storeu_ps(l, _mm256_add_ps(a0, a1));
+    for (int j = 0; j < 8; ++j) s += l[j];
+#endif
+    for (; i < n; ++i) s += x[i];
+    return s;
+}
+
+static double sumsq_f(const float* x, int64_t n, float shift) {
+    int64_t i = 0;
+    double s = 0.0;
+#if GP_AVX2
+    const __m256 vs = _mm256_set1_ps(shift);
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        __m256 v0 = _mm256_sub_ps(_mm256_loadu_ps(x + i), vs);
+        __m256 v1 = _mm256_sub_ps(_mm256_loadu_ps(x + i + 8), vs);
+        a0 = _mm256_fmadd_ps(v0, v0, a0);
+        a1 = _mm256_fmadd_ps(v1, v1, a1);
+    }
+    for (; i + 8 <= n; i += 8) {
+        __m256 v0 = _mm256_sub_ps(_mm256_loadu_ps(x + i), vs);
+        a0 = _mm256_fmadd_ps(v0, v0, a0);
+    }
+    float l[8];
+    _mm256_storeu_ps(l, _mm256_add_ps(a0, a1));
+    for (int j = 0; j < 8; ++j) s += l[j];
+#endif
+    for (; i < n; ++i) {
+        const double v = (double)x[i] - shift;
+        s += v * v;
+    }
+    return s;
+}
+
+static void scale_shift_row(float* d, const float* x, int64_t n, float shift, float scale) {
+    int64_t i = 0;
+#if GP_AVX2
+    const __m256 vs = _mm256_set1_ps(shift), vk = _mm256_set1_ps(scale);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), vs), vk));
+#endif
+    for (; i < n; ++i) d[i] = (x[i] - shift) * scale;
+}
+
+static void norm_impl(Node& n, int ith, int nth, const ExecCtx& ctx, bool rms) {
+    const Tensor& d = n.dst;
+    const Tensor& a = n.src[0];
+    const int64_t nr = nrows(d), ne0 = d.ne[0];
+    if (!take_small(nr * ne0, ith, nth)) return;
+    int64_t r0, r1;
+    split_range(nr, ith, nth, &r0, &r1);
+    const double eps = n.fp[0];
+    float* tmp = (float*)ctx.thread_scratch(ith);
+    for (int64_t r = r0; r < r1; ++r) {
+        const float* x = row_in(rowp(a, r), a.nb[0], ne0, tmp);
+        float mean = 0.0f;
+        if (!rms) mean = (float)(sum_f(x, ne0) / (double)ne0);
+        const double var = sumsq_f(x, ne0, mean) / (double)ne0;
+        const float scale = (float)(1.0 / sqrt(var + eps));
+        uint8_t* dp = rowp(d, r);
+        if (d.nb[0] == 4) {
+            scale_shift_row((float*)dp, x, ne0, mean, scale);
+        } else {
+            for (int64_t i = 0; i < ne0; ++i) *(float*)(dp + i * d.nb[0]) = (x[i] - mean) * scale;
+        }
+    }
+}
+
+void k_norm(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
+    (void)phase;
+    norm_impl(n, ith, nth, ctx, false);
+}
+void k_rms_norm(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
+    (void)phase;
+    norm_impl(n, ith, nth, ctx, true);
+}
+
+void k_sum_rows(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
+    (void)phase;
+    const Tensor& d = n.dst;
+    const Tensor& a = n.src[0];
+    const int64_t nr = nrows(a), ne0 = a.ne[0];
+    if (!take_small(nr * ne0, ith, nth)) return;
+    int64_t r0, r1;
+    split_range(nr, ith, nth, &r0, &r1);
+    float* tmp = (float*)ctx.thread_scratch(ith);
+    for (int64_t r = r0; r < r1; ++r) {
+        const float* x = row_in(rowp(a, r), a.nb[0], ne0, tmp);
+        double s = sum_f(x, ne0);
+        if (n.op == OP_MEAN) s /= (double)ne0;
+        *(float*)rowp(d, r) = (float)s;
+    }
+}
+
+// first index of the maximum; a NaN counts as the maximum (as numpy.argmax)
+static int64_t argmax_row(const float* x, int64_t n) {
+    int64_t i = 0;
+#if GP_AVX2
+    if (n >= 16) {
+        __m256 m = _mm256_loadu_ps(x);
+        __m256 nan = _mm256_cmp_ps(m, m, _CMP_UNORD_Q);
+        for (i = 8; i + 8 <= n; i += 8) {
+            __m256 v = _mm256_loadu_ps(x + i);
+            m = _mm256_max_ps(m, v);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        float mv = hmax(m);
+        bool has_nan = _mm256_movemask_ps(nan) != 0;
+        for (int64_t j = i; j < n; ++j) {
+            has_nan |= x[j] != x[j];
+            mv = x[j] > mv ? x[j] : mv;
+        }
+        if (!has_nan) {
+            const __m256 vm = _mm256_set1_ps(mv);
+            int64_t j = 0;
+            for (; j + 8 <= n; j += 8) {
+                int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), vm, _CMP_EQ_OQ));
+                if (mask) return j + __builtin_ctz((unsigned)mask);
+            }
+            for (; j < n; ++j)
+                if (x[j] == mv) return j;
+            return 0;
+        }
+        i = 0;
+    }
+#endif
+    int64_t best = 0;
+    float bv = x[0];
+    for (i = 1; i < n; ++i) {
+        if (bv != bv) break;
+        if (x[i] > bv || x[i] != x[i]) { bv = x[i]; best = i; }
+    }
+    return best;
+}
+
+void k_argmax(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
+    (void)phase;
+    const Tensor& d = n.dst;
+    const Tensor& a = n.src[0];
+    const int64_t nr = nrows(a), ne0 = a.ne[0];
+    if (!take_small(nr * ne0, ith, nth)) return;
+    int64_t r0, r1;
+    split_range(nr, ith, nth, &r0, &r1);
+    int32_t* out = (int32_t*)d.data;
+    float* tmp = (float*)ctx.thread_scratch(ith);
+    for (int64_t r = r0; r < r1; ++r) {
+        const float* x = row_in(rowp(a, r), a.nb[0], ne0, tmp);
+        out[r] = (int32_t)argmax_row(x, ne0);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// SOFT_MAX: softmax(x*scale + slope*mask) per row. fp[0] = scale, fp[1] = max_bias.
+
+static float max_row(const float* x, int64_t n) {
+    int64_t i = 0;
+    float m = -INFINITY;
+#if GP_AVX2
+    if (n >= 8) {
+        __m256 v = _mm256_set1_ps(-INFINITY);
+        for (; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(x + i));
+        m = hmax(v);
+    }
+#endif
+    for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+// y = exp(x - m) in place, returns the sum
+static double exp_sum_row(float* x, int64_t n, float m) {
+    int64_t i = 0;
+    double s = 0.0;
+#if GP_AVX2
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+        _mm256_storeu_ps(x + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float l[8];
+    _mm256_storeu_ps(l, acc);
+    for (int j = 0; j < 8; ++j) s += l[j];
+#endif
+    for (; i < n; ++i) {
+        const float e = expf(x[i] - m);
+        x[i] = e;
+        s += e;
+    }
+    return s;
+}
+
+static void scale_row(float* x, int64_t n, float k) {
+    int64_t i = 0;
+#if GP_AVX2
+    const __m256 vk = _mm256_set1_ps(k);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), vk));
+#endif
+    for (; i < n; ++i) x[i] *= k;
+}
+
+GP_INLINE float alibi_slope(float max_bias, int64_t h, int64_t n_head) {
+    if (max_bias <= 0.0f) return 1.0f;
+    const uint32_t n_log2 = 1u << (uint32_t)floor(log2((double)n_head));
+    const float m0 = powf(2.0f, -max_bias / (float)n_log2);
+    const float m1 = powf(2.0f, -(max_bias / 2.0f) / (float)n_log2);
+    return (uint32_t)h < n_log2 ? powf(m0, (float)(h + 1)) : powf(m1, (float)(2 * (h - n_log2) + 1));
+}
+
+void k_soft_max(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
+    (void)phase;
+    const Tensor& d = n.dst;
+    const Tensor& a = n.src[0];
+    const bool has_mask = n.has[1];
+    const Tensor& mk = n.src[1];
+    const int64_t nr = nrows(a), ne0 = a.ne[0];
+    if (!take_small(nr * ne0, ith, nth, 2048)) return;
+    int64_t r0, r1;
+    split_range(nr, ith, nth, &r0, &r1);
+    const float scale = n.fp[0], max_bias = n.fp[1];
+    float* tmp = (float*)ctx.thread_scratch(ith);
+    for (int64_t r = r0; r < r1; ++r) {
+        const int64_t i1 = r % a.ne[1], i2 = (r / a.ne[1]) % a.ne[2], i3 = r / (a.ne[1] * a.ne[2]);
+        const uint8_t* sp = a.data + i1 * a.nb[1] + i2 * a.nb[2] + i3 * a.nb[3];
+        uint8_t* dp = d.data + i1 * d.nb[1] + i2 * d.nb[2] + i3 * d.nb[3];
+        float* w = d.nb[0] == 4 ? (float*)dp : tmp;
+        const float slope = alibi_slope(max_bias, i2, a.ne[2]);
+        // w = x * scale (+ slope * mask)
+        if (a.nb[0] == 4) {
+            const float* x = (const float*)sp;
+            int64_t i = 0;
+#if GP_AVX2
+            const __m256 vs = _mm256_set1_ps(scale);
+            for (; i + 8 <= ne0; i += 8) _mm256_storeu_ps(w + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), vs));
+#endif
+            for (; i < ne0; ++i) w[i] = x[i] * scale;
+        } else {
+            for (int64_t i = 0; i < ne0; ++i) w[i] = *(const float*)(sp + i * a.nb[0]) * scale;
+        }
+        if (has_mask) {
+            const uint8_t* mp = mk.data + i1 * mk.nb[1] + (i2 % mk.ne[2]) * mk.nb[2] + (i3 % mk.ne[3]) * mk.nb[3];
+            if (mk.type == T_F16) {
+                const uint16_t* m16 = (const uint16_t*)mp;
+                (void)m16;
+                int64_t i = 0;
+#if GP_AVX2
+                if (mk.nb[0] == 2) {
+                    const __m256 vsl = _mm256_set1_ps(slope);
+                    for (; i + 8 <= ne0; i += 8)
+                        _mm256_storeu_ps(w + i, _mm256_add_ps(_mm256_loadu_ps(w + i),
+                                                              _mm256_mul_ps(vsl, load_f16x8(m16 + i))));
+                }
+#endif
+                for (; i < ne0; ++i) w[i] += slope * fp16_to_fp32(*(const uint16_t*)(mp + i * mk.nb[0]));
+            } else {
+                int64_t i = 0;
+#if GP_AVX2
+                if (mk.nb[0] == 4) {
+                    const float* m32 = (const float*)mp;
+                    const __m256 vsl = _mm256_set1_ps(slope);
+                    for (; i + 8 <= ne0; i += 8)
+                        _mm256_storeu_ps(w + i, _mm256_add_ps(_mm256_loadu_ps(w + i),
+                                                              _mm256_mul_ps(vsl, _mm256_loadu_ps(m32 + i))));
+                }
+#endif
+                for (; i < ne0; ++i) w[i] += slope * *(const float*)(mp + i * mk.nb[0]);
+            }
+        }
+        const float mx = max_row(w, ne0);
+        const double s = exp_sum_row(w, ne0, mx);
+        scale_row(w, ne0, (float)(1.0 / s));
+        if (w == tmp) row_out(dp, d.nb[0], w, ne0);
+    }
+}
+
+void k_diag_mask_inf(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
+    (void)phase;
+    (void)ctx;
+    const Tensor& d = n.dst;
+    const Tensor& a = n.src[0];
+    const int64_t nr = nrows(a), ne0 = a.ne[0];
+    if (!take_small(nr * ne0, ith, nth)) return;
+    int64_t r0, r1;
+    split_range(nr, ith, nth, &r0, &r1);
+    const int64_t n_past = n.ip[0];
+    for (int64_t r = r0; r < r1; ++r) {
+        const int64_t i1 = r % a.ne[1];
+        const uint8_t* sp = rowp(a, r);
+        uint8_t* dp = rowp(d, r);
+        for (int64_t i = 0; i < ne0; ++i) {
+            const float v = *(const float*)(sp + i * a.nb[0]);
+            *(float*)(dp + i * d.nb[0]) = i > n_past + i1 ? -INFINITY : v;
+        }
+    }
+}
+
+}  // namespace GP_NS
+}  // namespace gp

@@ -1,0 +1,1125 @@
+// Block formats: dequantization, ggml's reference quantization, activation quantization for MUL_MAT, and the
+// integer dot products of weight rows with quantized activation rows (the GEMV path).
+#include "blocks.h"
+#include "isa.h"
+
+namespace gp {
+namespace GP_NS {
+
+// ===============================================================================================================
+// dequantization
+
+static void deq_q4_0(const blk_q4_0* x, float* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i) {
+        const float d = fp16_to_fp32(x[i].d);
+#if GP_AVX2
+        __m128i q = _mm_loadu_si128((const __m128i*)x[i].qs);
+        __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0f));
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0f));
+        const __m256 vd = _mm256_set1_ps(d);
+        const __m256 off = _mm256_set1_ps(-8.0f);
+        __m128i parts[2] = {lo, hi};
+        for (int h = 0; h < 2; ++h) {
+            __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[h]));
+            __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(parts[h], 8)));
+            _mm256_storeu_ps(y + 32 * i + 16 * h, _mm256_mul_ps(_mm256_add_ps(a, off), vd));
+            _mm256_storeu_ps(y + 32 * i + 16 * h + 8, _mm256_mul_ps(_mm256_add_ps(b, off), vd));
+        }
+#else
+        for (int j = 0; j < 16; ++j) {
+            y[32 * i + j] = (float)((x[i].qs[j] & 0x0f) - 8) * d;
+            y[32 * i + j + 16] = (float)((x[i].qs[j] >> 4) - 8) * d;
+        }
+#endif
+    }
+}
+
+static void deq_q4_1(const blk_q4_1* x, float* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i) {
+        const float d = fp16_to_fp32(x[i].d), m = fp16_to_fp32(x[i].m);
+#if GP_AVX2
+        __m128i q = _mm_loadu_si128((const __m128i*)x[i].qs);
+        __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0f));
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0f));
+        const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+        __m128i parts[2] = {lo, hi};
+        for (int h = 0; h < 2; ++h) {
+            __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[h]));
+            __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(parts[h], 8)));
+            _mm256_storeu_ps(y + 32 * i + 16 * h, _mm256_add_ps(_mm256_mul_ps(a, vd), vm));
+            _mm256_storeu_ps(y + 32 * i + 16 * h + 8, _mm256_add_ps(_mm256_mul_ps(b, vd), vm));
+        }
+#else
+        for (int j = 0; j < 16; ++j) {
+            y[32 * i + j] = (float)(x[i].qs[j] & 0x0f) * d + m;
+            y[32 * i + j + 16] = (float)(x[i].qs[j] >> 4) * d + m;
+        }
+#endif
+    }
+}
+
+static void deq_q5_0(const blk_q5_0* x, float* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i) {
+        const float d = fp16_to_fp32(x[i].d);
+        uint32_t qh;
+        memcpy(&qh, x[i].qh, 4);
+        for (int j = 0; j < 16; ++j) {
+            const int h0 = ((qh >> j) << 4) & 0x10;
+            const int h1 = (qh >> (j + 12)) & 0x10;
+            y[32 * i + j] = (float)(((x[i].qs[j] & 0x0f) | h0) - 16) * d;
+            y[32 * i + j + 16] = (float)(((x[i].qs[j] >> 4) | h1) - 16) * d;
+        }
+    }
+}
+
+static void deq_q5_1(const blk_q5_1* x, float* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i) {
+        const float d = fp16_to_fp32(x[i].d), m = fp16_to_fp32(x[i].m);
+        uint32_t qh;
+        memcpy(&qh, x[i].qh, 4);
+        for (int j = 0; j < 16; ++j) {
+            const int h0 = ((qh >> j) << 4) & 0x10;
+            const int h1 = (qh >> (j + 12)) & 0x10;
+            y[32 * i + j] = (float)((x[i].qs[j] & 0x0f) | h0) * d + m;
+            y[32 * i + j + 16] = (float)((x[i].qs[j] >> 4) | h1) * d + m;
+        }
+    }
+}
+
+static void deq_q8_0(const blk_q8_0* x, float* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i) {
+        const float d = fp16_to_fp32(x[i].d);
+#if GP_AVX2
+        const __m256 vd = _mm256_set1_ps(d);
+        for (int h = 0; h < 4; ++h) {
+            __m128i q = _mm_loadl_epi64((const __m128i*)(x[i].qs + 8 * h));
+            _mm256_storeu_ps(y + 32 * i + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), vd));
+        }
+#else
+        for (int j = 0; j < 32; ++j) y[32 * i + j] = (float)x[i].qs[j] * d;
+#endif
+    }
+}
+
+static void deq_q4_K(const blk_q4_K* x, float* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i) {
+        const float d = fp16_to_fp32(x[i].d), dmin = fp16_to_fp32(x[i].dmin);
+        uint8_t sm[16];
+        unpack_k_scales(x[i].scales, sm);
+        const uint8_t* q = x[i].qs;
+        float* out = y + 256 * i;
+        for (int c = 0; c < 4; ++c) {
+            const float d1 = d * sm[2 * c], m1 = dmin * sm[8 + 2 * c];
+            const float d2 = d * sm[2 * c + 1], m2 = dmin * sm[8 + 2 * c + 1];
+#if GP_AVX2
+            const __m256 vd1 = _mm256_set1_ps(d1), vm1 = _mm256_set1_ps(m1);
+            const __m256 vd2 = _mm256_set1_ps(d2), vm2 = _mm256_set1_ps(m2);
+            for (int l = 0; l < 32; l += 8) {
+                __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + l)));
+                __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0f)));
+                __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+                _mm256_storeu_ps(out + l, _mm256_sub_ps(_mm256_mul_ps(vd1, lo), vm1));
+                _mm256_storeu_ps(out + 32 + l, _mm256_sub_ps(_mm256_mul_ps(vd2, hi), vm2));
+            }
+#else
+            for (int l = 0; l < 32; ++l) out[l] = d1 * (float)(q[l] & 0x0f) - m1;
+            for (int l = 0; l < 32; ++l) out[32 + l] = d2 * (float)(q[l] >> 4) - m2;
+#endif
+            q += 32;
+            out += 64;
+        }
+    }
+}
+
+static void deq_q5_K(const blk_q5_K* x, float* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i) {
+        const float d = fp16_to_fp32(x[i].d), dmin = fp16_to_fp32(x[i].dmin);
+        uint8_t sm[16];
+        unpack_k_scales(x[i].scales, sm);
+        const uint8_t* ql = x[i].qs;
+        const uint8_t* qh = x[i].qh;
+        float* out = y + 256 * i;
+        uint8_t u1 = 1, u2 = 2;
+        for (int c = 0; c < 4; ++c) {
+            const float d1 = d * sm[2 * c], m1 = dmin * sm[8 + 2 * c];
+            const float d2 = d * sm[2 * c + 1], m2 = dmin * sm[8 + 2 * c + 1];
+            for (int l = 0; l < 32; ++l) out[l] = d1 * (float)((ql[l] & 0x0f) + (qh[l] & u1 ? 16 : 0)) - m1;
+            for (int l = 0; l < 32; ++l) out[32 + l] = d2 * (float)((ql[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
+            ql += 32;
+            out += 64;
+            u1 <<= 2;
+            u2 <<= 2;
+        }
+    }
+}
+
+static void deq_q6_K(const blk_q6_K* x, float* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i) {
+        const float d = fp16_to_fp32(x[i].d);
+        const uint8_t* ql = x[i].ql;
+        const uint8_t* qh = x[i].qh;
+        const int8_t* sc = x[i].scales;
+        float* out = y + 256 * i;
+        for (int h = 0; h < 2; ++h) {
+            for (int l = 0; l < 32; ++l) {
+                const int is = l / 16;
+                const int q1 = (int)((ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                const int q2 = (int)((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                out[l] = d * (float)sc[is] * (float)q1;
+                out[l + 32] = d * (float)sc[is + 2] * (float)q2;
+                out[l + 64] = d * (float)sc[is + 4] * (float)q3;
+                out[l + 96] = d * (float)sc[is + 6] * (float)q4;
+            }
+            out += 128;
+            ql += 64;
+            qh += 32;
+            sc += 8;
+        }
+    }
+}
+
+void dequantize_row(int type, const void* src, float* dst, int64_t n) {
+    switch (type) {
+        case T_F32: memcpy(dst, src, (size_t)n * 4); return;
+        case T_F16: {
+            const uint16_t* s = (const uint16_t*)src;
+            int64_t i = 0;
+#if GP_AVX2
+            for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_f16x8(s + i));
+#endif
+            for (; i < n; ++i) dst[i] = fp16_to_fp32(s[i]);
+            return;
+        }
+        case T_BF16: {
+            const uint16_t* s = (const uint16_t*)src;
+            int64_t i = 0;
+#if GP_AVX2
+            for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(s + i));
+#endif
+            for (; i < n; ++i) dst[i] = bf16_to_fp32(s[i]);
+            return;
+        }
+        case T_Q4_0: deq_q4_0((const blk_q4_0*)src, dst, n / 32); return;
+        case T_Q4_1: deq_q4_1((const blk_q4_1*)src, dst, n / 32); return;
+        case T_Q5_0: deq_q5_0((const blk_q5_0*)src, dst, n / 32); return;
+        case T_Q5_1: deq_q5_1((const blk_q5_1*)src, dst, n / 32); return;
+        case T_Q8_0: deq_q8_0((const blk_q8_0*)src, dst, n / 32); return;
+        case T_Q4_K: deq_q4_K((const blk_q4_K*)src, dst, n / 256); return;
+        case T_Q5_K: deq_q5_K((const blk_q5_K*)src, dst, n / 256); return;
+        case T_Q6_K: deq_q6_K((const blk_q6_K*)src, dst, n / 256); return;
+        default: return;
+    }
+}
+
+// ===============================================================================================================
+// ggml's reference quantization (bit-exact with ggml-quants.c / gguf.quants; compiled with -ffp-contract=off)
+
+static void q_q8_0(const float* x, blk_q8_0* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; ++j) amax = fmaxf_(amax, fabsf(x[32 * i + j]));
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        y[i].d = fp32_to_fp16(d);
+        for (int j = 0; j < 32; ++j) y[i].qs[j] = (int8_t)roundf(x[32 * i + j] * id);
+    }
+}
+
+static void q_q4_0(const float* x, blk_q4_0* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i) {
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < 32; ++j) {
+            const float v = x[32 * i + j];
+            if (amax < fabsf(v)) { amax = fabsf(v); max = v; }
+        }
+        const float d = max / -8.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        y[i].d = fp32_to_fp16(d);
+        for (int j = 0; j < 16; ++j) {
+            const float x0 = x[32 * i + j] * id;
+            const float x1 = x[32 * i + 16 + j] * id;
+            int a = (int)(int8_t)(x0 + 8.5f), b = (int)(int8_t)(x1 + 8.5f);
+            a = a > 15 ? 15 : a;
+            b = b > 15 ? 15 : b;
+            y[i].qs[j] = (uint8_t)((uint8_t)a | ((uint8_t)b << 4));
+        }
+    }
+}
+
+static void q_q4_1(const float* x, blk_q4_1* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i) {
+        float min = INFINITY, max = -INFINITY;
+        for (int j = 0; j < 32; ++j) {
+            const float v = x[32 * i + j];
+            if (v < min) min = v;
+            if (v > max) max = v;
+        }
+        const float d = (max - min) / 15.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        y[i].d = fp32_to_fp16(d);
+        y[i].m = fp32_to_fp16(min);
+        for (int j = 0; j < 16; ++j) {
+            const float x0 = (x[32 * i + j] - min) * id;
+            const float x1 = (x[32 * i + 16 + j] - min) * id;
+            int a = (int)(int8_t)(x0 + 0.5f), b = (int)(int8_t)(x1 + 0.5f);
+            a = a > 15 ? 15 : a;
+            b = b > 15 ? 15 : b;
+            y[i].qs[j] = (uint8_t)((uint8_t)a | ((uint8_t)b << 4));
+        }
+    }
+}
+
+static void q_q5_0(const float* x, blk_q5_0* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i) {
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < 32; ++j) {
+            const float v = x[32 * i + j];
+            if (amax < fabsf(v)) { amax = fabsf(v); max = v; }
+        }
+        const float d = max / -16.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        y[i].d = fp32_to_fp16(d);
+        uint32_t qh = 0;
+        for (int j = 0; j < 16; ++j) {
+            const float x0 = x[32 * i + j] * id;
+            const float x1 = x[32 * i + 16 + j] * id;
+            int a = (int)(int8_t)(x0 + 16.5f), b = (int)(int8_t)(x1 + 16.5f);
+            a = a > 31 ? 31 : a;
+            b = b > 31 ? 31 : b;
+            y[i].qs[j] = (uint8_t)((a & 0x0f) | ((b & 0x0f) << 4));
+            qh |= (uint32_t)((a & 0x10) >> 4) << j;
+            qh |= (uint32_t)((b & 0x10) >> 4) << (j + 16);
+        }
+        memcpy(y[i].qh, &qh, 4);
+    }
+}
+
+static void q_q5_1(const float* x, blk_q5_1* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i) {
+        float min = INFINITY, max = -INFINITY;
+        for (int j = 0; j < 32; ++j) {
+            const float v = x[32 * i + j];
+            if (v < min) min = v;
+            if (v > max) max = v;
+        }
+        const float d = (max - min) / 31.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        y[i].d = fp32_to_fp16(d);
+        y[i].m = fp32_to_fp16(min);
+        uint32_t qh = 0;
+        for (int j = 0; j < 16; ++j) {
+            const float x0 = (x[32 * i + j] - min) * id;
+            const float x1 = (x[32 * i + 16 + j] - min) * id;
+            const uint8_t a = (uint8_t)(x0 + 0.5f), b = (uint8_t)(x1 + 0.5f);
+            y[i].qs[j] = (uint8_t)((a & 0x0f) | ((b & 0x0f) << 4));
+            qh |= (uint32_t)((a & 0x10) >> 4) << j;
+            qh |= (uint32_t)((b & 0x10) >> 4) << (j + 16);
+        }
+        memcpy(y[i].qh, &qh, 4);
+    }
+}
+
+void quantize_row_ref(int type, const float* src, void* dst, int64_t n) {
+    switch (type) {
+        case T_Q8_0: q_q8_0(src, (blk_q8_0*)dst, n / 32); return;
+        case T_Q4_0: q_q4_0(src, (blk_q4_0*)dst, n / 32); return;
+        case T_Q4_1: q_q4_1(src, (blk_q4_1*)dst, n / 32); return;
+        case T_Q5_0: q_q5_0(src, (blk_q5_0*)dst, n / 32); return;
+        case T_Q5_1: q_q5_1(src, (blk_q5_1*)dst, n / 32); return;
+        default: return;
+    }
+}
+
+void convert_row_from_f32(int type, const float* src, void* dst, int64_t n) {
+    switch (type) {
+        case T_F32: memmove(dst, src, (size_t)n * 4); return;
+        case T_F16: {
+            uint16_t* d = (uint16_t*)dst;
+            int64_t i = 0;
+#if GP_AVX2
+            for (; i + 8 <= n; i += 8) store_f16x8(d + i, _mm256_loadu_ps(src + i));
+#endif
+            for (; i < n; ++i) d[i] = fp32_to_fp16(src[i]);
+            return;
+        }
+        case T_BF16: {
+            uint16_t* d = (uint16_t*)dst;
+            for (int64_t i = 0; i < n; ++i) d[i] = fp32_to_bf16(src[i]);
+            return;
+        }
+        default: quantize_row_ref(type, src, dst, n); return;
+    }
+}
+
+// ===============================================================================================================
+// activation quantization (MUL_MAT): A32 (Q8_0/Q8_1 granularity) and A256 (Q8_K granularity), see common.h
+
+void quantize_a32(const float* x, uint8_t* row, int64_t k) {
+    const int64_t nb = k / 32;
+    int8_t* qs = (int8_t*)row;
+    float* dd = (float*)(row + k);
+    float* ss = dd + nb;
+    for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + 32 * b;
+#if GP_AVX2
+        __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
+        __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
+        const __m256 sgn = _mm256_set1_ps(-0.0f);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sgn, v0), _mm256_andnot_ps(sgn, v1)),
+                                 _mm256_max_ps(_mm256_andnot_ps(sgn, v2), _mm256_andnot_ps(sgn, v3)));
+        const float amax = hmax(m);
+        const float d = amax / 127.0f;
+        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vid));
+        __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vid));
+        __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vid));
+        __m256i q3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vid));
+        const int sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3)));
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i*)(qs + 32 * b), p);
+#else
+        float amax = 0.0f;
+        for (int j = 0; j < 32; ++j) amax = fmaxf_(amax, fabsf(xb[j]));
+        const float d = amax / 127.0f;
+        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < 32; ++j) {
+            int q = (int)nearbyintf(xb[j] * id);
+            q = q > 127 ? 127 : (q < -127 ? -127 : q);
+            qs[32 * b + j] = (int8_t)q;
+            sum += q;
+        }
+#endif
+        dd[b] = d;
+        ss[b] = d * (float)sum;
+    }
+}
+
+void quantize_a256(const float* x, uint8_t* row, int64_t k) {
+    const int64_t nb = k / 256;
+    int8_t* qs = (int8_t*)row;
+    float* dd = (float*)(row + k);
+    int16_t* bs = (int16_t*)(dd + nb);
+    for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + 256 * b;
+        float amax = 0.0f;
+#if GP_AVX2
+        {
+            const __m256 sgn = _mm256_set1_ps(-0.0f);
+            __m256 m = _mm256_setzero_ps();
+            for (int j = 0; j < 256; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sgn, _mm256_loadu_ps(xb + j)));
+            amax = hmax(m);
+        }
+#else
+        for (int j = 0; j < 256; ++j) amax = fmaxf_(amax, fabsf(xb[j]));
+#endif
+        const float d = amax / 127.0f;
+        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        int8_t* q = qs + 256 * b;
+#if GP_AVX2
+        const __m256 vid = _mm256_set1_ps(id);
+        for (int j = 0; j < 256; j += 32) {
+            __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j), vid));
+            __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j + 8), vid));
+            __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j + 16), vid));
+            __m256i q3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j + 24), vid));
+            bs[16 * b + j / 16] = (int16_t)hsum_i32(_mm256_add_epi32(q0, q1));
+            bs[16 * b + j / 16 + 1] = (int16_t)hsum_i32(_mm256_add_epi32(q2, q3));
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+            p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i*)(q + j), p);
+        }
+#else
+        for (int g = 0; g < 16; ++g) {
+            int s = 0;
+            for (int j = 0; j < 16; ++j) {
+                int v = (int)nearbyintf(xb[16 * g + j] * id);
+                v = v > 127 ? 127 : (v < -127 ? -127 : v);
+                q[16 * g + j] = (int8_t)v;
+                s += v;
+            }
+            bs[16 * b + g] = (int16_t)s;
+        }
+#endif
+        dd[b] = d;
+    }
+}
+
+// ===============================================================================================================
+// dot products: weight rows x quantized activation rows
+
+#if GP_AVX2
+GP_INLINE __m256i bits_to_bytes(uint32_t x) {  // byte j = 0xff where bit j of x is set
+    const __m256i shuf = _mm256_setr_epi64x(0x0000000000000000LL, 0x0101010101010101LL, 0x0202020202020202LL,
+                                            0x0303030303030303LL);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x), shuf);
+    v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL));
+    return _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1));
+}
+GP_INLINE __m256i nibbles32(const uint8_t* qs) {  // 16 bytes -> 32 values: low nibbles then high nibbles
+    __m128i t = _mm_loadu_si128((const __m128i*)qs);
+    __m256i b = _mm256_insertf128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1);
+    return _mm256_and_si256(b, _mm256_set1_epi8(0x0f));
+}
+GP_INLINE __m256 mul_sum_us8(__m256i u, __m256i s) {  // sum of u8*s8 in 8 i32 lanes as float
+    __m256i p = _mm256_maddubs_epi16(u, s);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+GP_INLINE __m256 mul_sum_ss8(__m256i a, __m256i b) {  // signed x signed
+    __m256i ax = _mm256_sign_epi8(a, a);
+    __m256i sb = _mm256_sign_epi8(b, a);
+    return mul_sum_us8(ax, sb);
+}
+
+// Decode one 32-element block of weight type T to (unsigned values, d, m) with w = d*q + m.
+template <int T>
+GP_TINLINE __m256i dec32(const uint8_t* blk, float* d, float* m);
+template <>
+GP_TINLINE __m256i dec32<T_Q4_0>(const uint8_t* blk, float* d, float* m) {
+    const blk_q4_0* b = (const blk_q4_0*)blk;
+    *d = fp16_to_fp32(b->d);
+    *m = -8.0f * *d;
+    return nibbles32(b->qs);
+}
+template <>
+GP_TINLINE __m256i dec32<T_Q4_1>(const uint8_t* blk, float* d, float* m) {
+    const blk_q4_1* b = (const blk_q4_1*)blk;
+    int dm_bits;
+    memcpy(&dm_bits, blk, 4);
+    __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits));
+    *d = _mm_cvtss_f32(dm);
+    *m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+    return nibbles32(b->qs);
+}
+template <>
+GP_TINLINE __m256i dec32<T_Q5_0>(const uint8_t* blk, float* d, float* m) {
+    const blk_q5_0* b = (const blk_q5_0*)blk;
+    *d = fp16_to_fp32(b->d);
+    *m = -16.0f * *d;
+    uint32_t qh;
+    memcpy(&qh, b->qh, 4);
+    __m256i hb = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
+    return _mm256_or_si256(nibbles32(b->qs), hb);
+}
+template <>
+GP_TINLINE __m256i dec32<T_Q5_1>(const uint8_t* blk, float* d, float* m) {
+    const blk_q5_1* b = (const blk_q5_1*)blk;
+    *d = fp16_to_fp32(b->d);
+    *m = fp16_to_fp32(b->m);
+    uint32_t qh;
+    memcpy(&qh, b->qh, 4);
+    __m256i hb = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
+    return _mm256_or_si256(nibbles32(b->qs), hb);
+}
+
+template <int T>
+struct Blk;
+template <> struct Blk<T_Q4_0> { enum { size = 18 }; };
+template <> struct Blk<T_Q4_1> { enum { size = 20 }; };
+template <> struct Blk<T_Q5_0> { enum { size = 22 }; };
+template <> struct Blk<T_Q5_1> { enum { size = 24 }; };
+template <> struct Blk<T_Q8_0> { enum { size = 34 }; };
+
+// R weight rows (unsigned-with-offset types) against one A32 activation row.
+template <int T, int R>
+static void gemv_u32(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t k, float* out) {
+    const int64_t nb = k / 32;
+    const int8_t* aq = (const int8_t*)act;
+    const float* ad = (const float*)(act + k);
+    const float* as = ad + nb;
+    __m256 acc[R];
+    float summ[R];
+    for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); summ[r] = 0.0f; }
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m256i av = _mm256_loadu_si256((const __m256i*)(aq + 32 * b));
+        const float da = ad[b], sa = as[b];
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* blk = w + r * ws + b * Blk<T>::size;
+            float d, m;
+            __m256i wv = dec32<T>(blk, &d, &m);
+            acc[r] = _mm256_fmadd_ps(mul_sum_us8(wv, av), _mm256_set1_ps(d * da), acc[r]);
+            summ[r] += m * sa;
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + summ[r];
+}
+
+template <int R>
+static void gemv_q8_0(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t k, float* out) {
+    const int64_t nb = k / 32;
+    const int8_t* aq = (const int8_t*)act;
+    const float* ad = (const float*)(act + k);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m256i av = _mm256_loadu_si256((const __m256i*)(aq + 32 * b));
+        const float da = ad[b];
+        for (int r = 0; r < R; ++r) {
+            const blk_q8_0* blk = (const blk_q8_0*)(w + r * ws + b * 34);
+            __m256i wv = _mm256_loadu_si256((const __m256i*)blk->qs);
+            acc[r] = _mm256_fmadd_ps(mul_sum_ss8(wv, av), _mm256_set1_ps(fp16_to_fp32(blk->d) * da), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+
+// broadcast i16 lane `lane` of a 128-bit vector of 8 i16 to all 16 lanes of a 256-bit vector
+GP_INLINE __m256i bcast_i16(__m256i v2, int lane) {
+    const __m256i idx = _mm256_set1_epi16((short)(0x0100 * (2 * lane + 1) + 2 * lane));
+    return _mm256_shuffle_epi8(v2, idx);
+}
+
+// Q4_K against A256, R rows at a time (activations loaded once for all rows)
+template <int R>
+static void gemv_q4_K(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t k, float* out) {
+    const int64_t nb = k / 256;
+    const int8_t* aq = (const int8_t*)act;
+    const float* ad = (const float*)(act + k);
+    const int16_t* bs = (const int16_t*)(ad + nb);
+    __m256 acc[R];
+    float summ[R];
+    for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); summ[r] = 0.0f; }
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int64_t i = 0; i < nb; ++i) {
+        const __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i*)(bs + 16 * i)),
+                                             _mm_loadu_si128((const __m128i*)(bs + 16 * i + 8)));
+        const int8_t* a = aq + 256 * i;
+        __m256i av[8];
+        for (int j = 0; j < 8; ++j) av[j] = _mm256_loadu_si256((const __m256i*)(a + 32 * j));
+        for (int r = 0; r < R; ++r) {
+            const blk_q4_K* x = (const blk_q4_K*)(w + r * ws + i * 144);
+            const float d = fp16_to_fp32(x->d) * ad[i];
+            const float dmin = fp16_to_fp32(x->dmin) * ad[i];
+            uint8_t sm[16];
+            unpack_k_scales(x->scales, sm);
+            const __m128i sm16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)sm));
+            const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(sm + 8)));
+            __m128i pm = _mm_madd_epi16(mins, pairs);
+            pm = _mm_add_epi32(pm, _mm_shuffle_epi32(pm, 0x4e));
+            pm = _mm_add_epi32(pm, _mm_shuffle_epi32(pm, 0xb1));
+            summ[r] -= dmin * (float)_mm_cvtsi128_si32(pm);
+            const __m256i sc2 = _mm256_broadcastsi128_si256(sm16);
+            __m256i sumi = _mm256_setzero_si256();
+            for (int c = 0; c < 4; ++c) {
+                const __m256i q = _mm256_loadu_si256((const __m256i*)(x->qs + 32 * c));
+                const __m256i lo = _mm256_and_si256(q, m4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, av[2 * c]), bcast_i16(sc2, 2 * c));
+                const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, av[2 * c + 1]), bcast_i16(sc2, 2 * c + 1));
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + summ[r];
+}
+
+static float dot_q4_K(const uint8_t* w, const uint8_t* act, int64_t k) {
+    float out;
+    gemv_q4_K<1>(w, 0, act, k, &out);
+    return out;
+}
+
+static float dot_q5_K(const uint8_t* w, const uint8_t* act, int64_t k) {
+    const int64_t nb = k / 256;
+    const int8_t* aq = (const int8_t*)act;
+    const float* ad = (const float*)(act + k);
+    const int16_t* bs = (const int16_t*)(ad + nb);
+    __m256 acc = _mm256_setzero_ps();
+    float summ = 0.0f;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i one = _mm256_set1_epi8(1);
+    for (int64_t i = 0; i < nb; ++i) {
+        const blk_q5_K* x = (const blk_q5_K*)(w + i * 176);
+        const float d = fp16_to_fp32(x->d) * ad[i];
+        const float dmin = fp16_to_fp32(x->dmin) * ad[i];
+        uint8_t sm[16];
+        unpack_k_scales(x->scales, sm);
+        __m128i b0 = _mm_loadu_si128((const __m128i*)(bs + 16 * i));
+        __m128i b1 = _mm_loadu_si128((const __m128i*)(bs + 16 * i + 8));
+        __m128i pairs = _mm_hadd_epi16(b0, b1);
+        __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(sm + 8)));
+        __m128i pm = _mm_madd_epi16(mins, pairs);
+        pm = _mm_add_epi32(pm, _mm_shuffle_epi32(pm, 0x4e));
+        pm = _mm_add_epi32(pm, _mm_shuffle_epi32(pm, 0xb1));
+        summ -= dmin * (float)_mm_cvtsi128_si32(pm);
+        const __m256i hb = _mm256_loadu_si256((const __m256i*)x->qh);
+        __m256i sumi = _mm256_setzero_si256();
+        const int8_t* a = aq + 256 * i;
+        for (int c = 0; c < 4; ++c) {
+            __m256i q = _mm256_loadu_si256((const __m256i*)(x->qs + 32 * c));
+            __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4);
+            __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4);
+            __m256i lo = _mm256_or_si256(_mm256_and_si256(q, m4), h0);
+            __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), h1);
+            __m256i a0 = _mm256_loadu_si256((const __m256i*)(a + 64 * c));
+            __m256i a1 = _mm256_loadu_si256((const __m256i*)(a + 64 * c + 32));
+            __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), _mm256_set1_epi16(sm[2 * c]));
+            __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), _mm256_set1_epi16(sm[2 * c + 1]));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum(acc) + summ;
+}
+
+static float dot_q6_K(const uint8_t* w, const uint8_t* act, int64_t k) {
+    const int64_t nb = k / 256;
+    const int8_t* aq = (const int8_t*)act;
+    const float* ad = (const float*)(act + k);
+    const int16_t* bs = (const int16_t*)(ad + nb);
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i m2 = _mm256_set1_epi8(3);
+    for (int64_t i = 0; i < nb; ++i) {
+        const blk_q6_K* x = (const blk_q6_K*)(w + i * 210);
+        const float d = fp16_to_fp32(x->d) * ad[i];
+        // 32 * sum(sc * bsum)
+        __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)x->scales));
+        __m256i bsv = _mm256_loadu_si256((const __m256i*)(bs + 16 * i));
+        const int corr = hsum_i32(_mm256_madd_epi16(sc16, bsv));
+        __m256i sumi = _mm256_setzero_si256();
+        const int8_t* a = aq + 256 * i;
+        for (int h = 0; h < 2; ++h) {
+            const uint8_t* ql = x->ql + 64 * h;
+            const __m256i L0 = _mm256_loadu_si256((const __m256i*)ql);
+            const __m256i L1 = _mm256_loadu_si256((const __m256i*)(ql + 32));
+            const __m256i H = _mm256_loadu_si256((const __m256i*)(x->qh + 32 * h));
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(L0, m4), _mm256_slli_epi16(_mm256_and_si256(H, m2), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(L1, m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), m2), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), m2), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), m2), 4));
+            const int8_t* sc = x->scales + 8 * h;
+            for (int j = 0; j < 4; ++j) {
+                __m256i av = _mm256_loadu_si256((const __m256i*)(a + 128 * h + 32 * j));
+                __m256i p = _mm256_maddubs_epi16(q[j], av);
+                __m256i s = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * j]), _mm_set1_epi16(sc[2 * j + 1]));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s));
+            }
+        }
+        sumi = _mm256_sub_epi32(sumi, _mm256_setr_epi32(32 * corr, 0, 0, 0, 0, 0, 0, 0));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum(acc);
+}
+
+#else  // scalar
+
+template <int T>
+static float dot32_scalar(const uint8_t* w, const uint8_t* act, int64_t k) {
+    const int64_t nb = k / 32;
+    const int8_t* aq = (const int8_t*)act;
+    const float* ad = (const float*)(act + k);
+    const float* as = ad + nb;
+    float acc = 0.0f, summ = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+        const int8_t* a = aq + 32 * b;
+        int q[32];
+        float d = 0.0f, m = 0.0f;
+        if (T == T_Q8_0) {
+            const blk_q8_0* x = (const blk_q8_0*)(w + b * 34);
+            d = fp16_to_fp32(x->d);
+            for (int j = 0; j < 32; ++j) q[j] = x->qs[j];
+        } else if (T == T_Q4_0 || T == T_Q4_1) {
+            const uint8_t* qs;
+            if (T == T_Q4_0) {
+                const blk_q4_0* x = (const blk_q4_0*)(w + b * 18);
+                d = fp16_to_fp32(x->d); m = -8.0f * d; qs = x->qs;
+            } else {
+                const blk_q4_1* x = (const blk_q4_1*)(w + b * 20);
+                d = fp16_to_fp32(x->d); m = fp16_to_fp32(x->m); qs = x->qs;
+            }
+            for (int j = 0; j < 16; ++j) { q[j] = qs[j] & 0x0f; q[j + 16] = qs[j] >> 4; }
+        } else {
+            const uint8_t* qs;
+            uint32_t qh;
+            if (T == T_Q5_0) {
+                const blk_q5_0* x = (const blk_q5_0*)(w + b * 22);
+                d = fp16_to_fp32(x->d); m = -16.0f * d; qs = x->qs; memcpy(&qh, x->qh, 4);
+            } else {
+                const blk_q5_1* x = (const blk_q5_1*)(w + b * 24);
+                d = fp16_to_fp32(x->d); m = fp16_to_fp32(x->m); qs = x->qs; memcpy(&qh, x->qh, 4);
+            }
+            for (int j = 0; j < 16; ++j) {
+                q[j] = (qs[j] & 0x0f) | (((qh >> j) & 1) << 4);
+                q[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+            }
+        }
+        int s = 0;
+        for (int j = 0; j < 32; ++j) s += q[j] * a[j];
+        acc += (float)s * (d * ad[b]);
+        summ += m * as[b];
+    }
+    return acc + summ;
+}
+
+static float dot_qK_scalar(int type, const uint8_t* w, const uint8_t* act, int64_t k) {
+    const int64_t nb = k / 256;
+    const int8_t* aq = (const int8_t*)act;
+    const float* ad = (const float*)(act + k);
+    const int16_t* bs = (const int16_t*)(ad + nb);
+    float acc = 0.0f;
+    for (int64_t i = 0; i < nb; ++i) {
+        const int8_t* a = aq + 256 * i;
+        const int16_t* b = bs + 16 * i;
+        if (type == T_Q6_K) {
+            const blk_q6_K* x = (const blk_q6_K*)(w + i * 210);
+            int sumi = 0;
+            for (int h = 0; h < 2; ++h) {
+                const uint8_t* ql = x->ql + 64 * h;
+                const uint8_t* qh = x->qh + 32 * h;
+                const int8_t* sc = x->scales + 8 * h;
+                const int8_t* ah = a + 128 * h;
+                for (int l = 0; l < 32; ++l) {
+                    const int is = l / 16;
+                    const int q1 = (int)((ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                    const int q2 = (int)((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                    const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                    const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                    sumi += sc[is] * q1 * ah[l] + sc[is + 2] * q2 * ah[l + 32] + sc[is + 4] * q3 * ah[l + 64] +
+                            sc[is + 6] * q4 * ah[l + 96];
+                }
+            }
+            acc += fp16_to_fp32(x->d) * ad[i] * (float)sumi;
+            continue;
+        }
+        const uint8_t* qs;
+        const uint8_t* qh = nullptr;
+        const uint8_t* scales;
+        float d, dmin;
+        if (type == T_Q4_K) {
+            const blk_q4_K* x = (const blk_q4_K*)(w + i * 144);
+            d = fp16_to_fp32(x->d); dmin = fp16_to_fp32(x->dmin); qs = x->qs; scales = x->scales;
+        } else {
+            const blk_q5_K* x = (const blk_q5_K*)(w + i * 176);
+            d = fp16_to_fp32(x->d); dmin = fp16_to_fp32(x->dmin); qs = x->qs; scales = x->scales; qh = x->qh;
+        }
+        uint8_t sm[16];
+        unpack_k_scales(scales, sm);
+        int sumi = 0, summ = 0;
+        for (int c = 0; c < 4; ++c) {
+            int s0 = 0, s1 = 0;
+            for (int l = 0; l < 32; ++l) {
+                int lo = qs[32 * c + l] & 0x0f, hi = qs[32 * c + l] >> 4;
+                if (qh) {
+                    lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+                    hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+                }
+                s0 += lo * a[64 * c + l];
+                s1 += hi * a[64 * c + 32 + l];
+            }
+            sumi += s0 * sm[2 * c] + s1 * sm[2 * c + 1];
+            summ += sm[8 + 2 * c] * (b[4 * c] + b[4 * c + 1]) + sm[8 + 2 * c + 1] * (b[4 * c + 2] + b[4 * c + 3]);
+        }
+        acc += d * ad[i] * (float)sumi - dmin * ad[i] * (float)summ;
+    }
+    return acc;
+}
+#endif
+
+float vec_dot_w(int type, const void* w, const uint8_t* act, int64_t k) {
+    const uint8_t* wb = (const uint8_t*)w;
+#if GP_AVX2
+    float out;
+    switch (type) {
+        case T_Q4_0: gemv_u32<T_Q4_0, 1>(wb, 0, act, k, &out); return out;
+        case T_Q4_1: gemv_u32<T_Q4_1, 1>(wb, 0, act, k, &out); return out;
+        case T_Q5_0: gemv_u32<T_Q5_0, 1>(wb, 0, act, k, &out); return out;
+        case T_Q5_1: gemv_u32<T_Q5_1, 1>(wb, 0, act, k, &out); return out;
+        case T_Q8_0: gemv_q8_0<1>(wb, 0, act, k, &out); return out;
+        case T_Q4_K: return dot_q4_K(wb, act, k);
+        case T_Q5_K: return dot_q5_K(wb, act, k);
+        case T_Q6_K: return dot_q6_K(wb, act, k);
+        default: return 0.0f;
+    }
+#else
+    switch (type) {
+        case T_Q4_0: return dot32_scalar<T_Q4_0>(wb, act, k);
+        case T_Q4_1: return dot32_scalar<T_Q4_1>(wb, act, k);
+        case T_Q5_0: return dot32_scalar<T_Q5_0>(wb, act, k);
+        case T_Q5_1: return dot32_scalar<T_Q5_1>(wb, act, k);
+        case T_Q8_0: return dot32_scalar<T_Q8_0>(wb, act, k);
+        case T_Q4_K: case T_Q5_K: case T_Q6_K: return dot_qK_scalar(type, wb, act, k);
+        default: return 0.0f;
+    }
+#endif
+}
+
+void gemv_rows(int type, const uint8_t* w, int64_t ws, int64_t nr, const uint8_t* act, int64_t k, float* out) {
+    int64_t r = 0;
+#if GP_AVX2
+    switch (type) {
+        case T_Q4_0: for (; r + 4 <= nr; r += 4) gemv_u32<T_Q4_0, 4>(w + r * ws, ws, act, k, out + r); break;
+        case T_Q4_1: for (; r + 4 <= nr; r += 4) gemv_u32<T_Q4_1, 4>(w + r * ws, ws, act, k, out + r); break;
+        case T_Q5_0: for (; r + 4 <= nr; r += 4) gemv_u32<T_Q5_0, 4>(w + r * ws, ws, act, k, out + r); break;
+        case T_Q5_1: for (; r + 4 <= nr; r += 4) gemv_u32<T_Q5_1, 4>(w + r * ws, ws, act, k, out + r); break;
+        case T_Q8_0: for (; r + 4 <= nr; r += 4) gemv_q8_0<4>(w + r * ws, ws, act, k, out + r); break;
+        case T_Q4_K: break;
+        default: break;
+    }
+#endif
+    for (; r < nr; ++r) out[r] = vec_dot_w(type, w + r * ws, act, k);
+}
+
+// ===============================================================================================================
+// GEMV on interleaved weights: 8 rows in the 8 lanes of one register, no horizontal sums
+
+#if GP_AVX2
+static void gemv_x8_q4_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act, int64_t k, float* out) {
+    const int64_t nb = k / 256;
+    const int8_t* aq = (const int8_t*)act;
+    const float* ad = (const float*)(act + k);
+    const int16_t* bs = (const int16_t*)(ad + nb);
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int64_t g = 0; g < ngroups; ++g) {
+        const uint8_t* p = rec + g * nb * 1184;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t s = 0; s < nb; ++s, p += 1184) {
+            const int32_t* a32 = (const int32_t*)(aq + 256 * s);
+            const int16_t* b = bs + 16 * s;
+            __m256i sumi = _mm256_setzero_si256(), mi = _mm256_setzero_si256();
+            for (int j = 0; j < 8; ++j) {
+                const uint8_t* q = p + 128 * j;
+                _mm_prefetch((const char*)(q + 2368), _MM_HINT_T0);
+                _mm_prefetch((const char*)(q + 2368 + 64), _MM_HINT_T0);
+                __m256i s16 = _mm256_setzero_si256();
+                for (int c = 0; c < 4; ++c) {
+                    const __m256i L = _mm256_loadu_si256((const __m256i*)(q + 32 * c));
+                    const __m256i lo = _mm256_and_si256(L, m4);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(L, 4), m4);
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a32[8 * j + 2 * c])));
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a32[8 * j + 2 * c + 1])));
+                }
+                const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 1024 + 8 * j)));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(s16, _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16))));
+                const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 1088 + 8 * j)));
+                const int pair = (int)b[2 * j] + (int)b[2 * j + 1];
+                mi = _mm256_add_epi32(mi, _mm256_madd_epi16(mn, _mm256_set1_epi32(pair & 0xffff)));
+            }
+            const __m256 vda = _mm256_set1_ps(ad[s]);
+            const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 1152))), vda);
+            const __m256 dmin = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 1168))), vda);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), d, acc);
+            acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mi), dmin, acc);
+        }
+        _mm256_storeu_ps(out + 8 * g, acc);
+    }
+}
+#endif
+
+void gemv_x8(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, int64_t k, float* out) {
+    const int64_t nb = k / 32;
+#if GP_AVX2
+    if (type == T_Q4_K) {
+        gemv_x8_q4_K(rec, ngroups, act, k, out);
+        return;
+    }
+#endif
+    if (type == T_Q4_K) {  // portable version of the layout
+        const int64_t ns = k / 256;
+        const int8_t* aq = (const int8_t*)act;
+        const float* ad = (const float*)(act + k);
+        const int16_t* bs = (const int16_t*)(ad + ns);
+        for (int64_t g = 0; g < ngroups; ++g)
+            for (int r = 0; r < 8; ++r) {
+                float acc = 0.0f;
+                for (int64_t s = 0; s < ns; ++s) {
+                    const uint8_t* p = rec + (g * ns + s) * 1184;
+                    const int8_t* a = aq + 256 * s;
+                    int sumi = 0, mi = 0;
+                    for (int j = 0; j < 8; ++j) {
+                        int sj = 0;
+                        for (int c = 0; c < 4; ++c)
+                            for (int i = 0; i < 4; ++i) {
+                                const uint8_t byte = p[128 * j + 32 * c + 4 * r + i];
+                                sj += (byte & 0x0f) * a[32 * j + 8 * c + i] + (byte >> 4) * a[32 * j + 8 * c + 4 + i];
+                            }
+                        sumi += sj * p[1024 + 8 * j + r];
+                        mi += p[1088 + 8 * j + r] * (bs[16 * s + 2 * j] + bs[16 * s + 2 * j + 1]);
+                    }
+                    acc += fp16_to_fp32(((const uint16_t*)(p + 1152))[r]) * ad[s] * (float)sumi -
+                           fp16_to_fp32(((const uint16_t*)(p + 1168))[r]) * ad[s] * (float)mi;
+                }
+                out[8 * g + r] = acc;
+            }
+        return;
+    }
+    const int8_t* aq = (const int8_t*)act;
+    const float* ad = (const float*)(act + k);
+    const float* as = ad + nb;
+#if GP_AVX2
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (type == T_Q4_1) {
+        for (int64_t g = 0; g < ngroups; ++g) {
+            const uint8_t* p = rec + g * nb * 160;
+            __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; ++b, p += 160) {
+                _mm_prefetch((const char*)(p + 1280), _MM_HINT_T0);
+                _mm_prefetch((const char*)(p + 1280 + 64), _MM_HINT_T0);
+                _mm_prefetch((const char*)(p + 1280 + 128), _MM_HINT_T0);
+                const int32_t* a32 = (const int32_t*)(aq + 32 * b);
+                __m256i s16 = _mm256_setzero_si256();
+                for (int c = 0; c < 4; ++c) {
+                    const __m256i L = _mm256_loadu_si256((const __m256i*)(p + 32 * c));
+                    const __m256i lo = _mm256_and_si256(L, m4);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(L, 4), m4);
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a32[2 * c])));
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a32[2 * c + 1])));
+                }
+                const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+                const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 128)));
+                const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 144)));
+                acc = _mm256_fmadd_ps(s, _mm256_mul_ps(dw, _mm256_set1_ps(ad[b])), acc);
+                accm = _mm256_fmadd_ps(mw, _mm256_set1_ps(as[b]), accm);
+            }
+            _mm256_storeu_ps(out + 8 * g, _mm256_add_ps(acc, accm));
+        }
+        return;
+    }
+    if (type == T_Q8_0) {
+        for (int64_t g = 0; g < ngroups; ++g) {
+            const uint8_t* p = rec + g * nb * 272;
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; ++b, p += 272) {
+                _mm_prefetch((const char*)(p + 2176), _MM_HINT_T0);
+                _mm_prefetch((const char*)(p + 2176 + 64), _MM_HINT_T0);
+                _mm_prefetch((const char*)(p + 2176 + 128), _MM_HINT_T0);
+                _mm_prefetch((const char*)(p + 2176 + 192), _MM_HINT_T0);
+                const int32_t* a32 = (const int32_t*)(aq + 32 * b);
+                __m256i s32 = _mm256_setzero_si256();
+                for (int kk = 0; kk < 8; ++kk) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i*)(p + 32 * kk));
+                    const __m256i av = _mm256_set1_epi32(a32[kk]);
+                    const __m256i pr = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(av, w));
+                    s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(pr, ones));
+                }
+                const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 256)));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(dw, _mm256_set1_ps(ad[b])), acc);
+            }
+            _mm256_storeu_ps(out + 8 * g, acc);
+        }
+        return;
+    }
+#endif
+    // portable version of the same layouts
+    for (int64_t g = 0; g < ngroups; ++g) {
+        const int rs = type == T_Q4_1 ? 160 : 272;
+        for (int r = 0; r < 8; ++r) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; ++b) {
+                const uint8_t* p = rec + (g * nb + b) * rs;
+                const int8_t* a = aq + 32 * b;
+                int s = 0;
+                if (type == T_Q4_1) {
+                    for (int c = 0; c < 4; ++c)
+                        for (int i = 0; i < 4; ++i) {
+                            const uint8_t byte = p[32 * c + 4 * r + i];
+                            s += (byte & 0x0f) * a[8 * c + i] + (byte >> 4) * a[8 * c + 4 + i];
+                        }
+                    acc += (float)s * fp16_to_fp32(((const uint16_t*)(p + 128))[r]) * ad[b] +
+                           fp16_to_fp32(((const uint16_t*)(p + 144))[r]) * as[b];
+                } else {
+                    for (int kk = 0; kk < 8; ++kk)
+                        for (int i = 0; i < 4; ++i) s += (int8_t)p[32 * kk + 4 * r + i] * a[4 * kk + i];
+                    acc += (float)s * fp16_to_fp32(((const uint16_t*)(p + 256))[r]) * ad[b];
+                }
+            }
+            out[8 * g + r] = acc;
+        }
+    }
+}
+
+// ===============================================================================================================
+// float dots
+
+float dot_f32(const float* a, const float* b, int64_t n) {
+    int64_t i = 0;
+#if GP_AVX2
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+    for (; i + 32 <= n; i += 32) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
+    }
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    float s = hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+#else
+    double s = 0.0;
+#endif
+    for (; i < n; ++i) s += a[i] * b[i];
+    return (float)s;
+}
+
+float dot_f16_f32(const uint16_t* a, const float* b, int64_t n) {
+    int64_t i = 0;
+#if GP_AVX2
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(load_f16x8(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(load_f16x8(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(load_f16x8(a + i), _mm256_loadu_ps(b + i), s0);
+    float s = hsum(_mm256_add_ps(s0, s1));
+#else
+    double s = 0.0;
+#endif
+    for (; i < n; ++i) s += fp16_to_fp32(a[i]) * b[i];
+    return (float)s;
+}
+
+float dot_bf16_f32(const uint16_t* a, const float* b, int64_t n) {
+    int64_t i = 0;
+#if GP_AVX2
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(load_bf16x8(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(load_bf16x8(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(load_bf16x8(a + i), _mm256_loadu_ps(b + i), s0);
+    float s = hsum(_mm256_add_ps(s0, s1));
+#else
+    double s = 0.0;
+#endif
+    for (; i < n; ++i) s += bf16_to_fp32(a[i]) * b[i];
+    return (float)s;
+}
+
+double stream_read(const uint8_t* p, size_t n) {
+    size_t i = 0;
+#if GP_AVX2
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    __m256i s2 = _mm256_setzero_si256(), s3 = _mm256_setzero_si256();
+    for (; i + 128 <= n; i += 128) {
+        s0 = _mm256_add_epi64(s0, _mm256_loadu_si256((const __m256i*)(p + i)));
+        s1 = _mm256_add_epi64(s1, _mm256_loadu_si256((const __m256i*)(p + i + 32)));
+        s2 = _mm256_add_epi64(s2, _mm256_loadu_si256((const __m256i*)(p + i + 64)));
+        s3 = _mm256_add_epi64(s3, _mm256_loadu_si256((const __m256i*)(p + i + 96)));
+    }
+    __m256i s = _mm256_add_epi64(_mm256_add_epi64(s0, s1), _mm256_add_epi64(s2, s3));
+    int64_t v[4];
+    _mm256_storeu_si256((__m256i*)v, s);
+    uint64_t acc = (uint64_t)v[0] + (uint64_t)v[1] + (uint64_t)v[2] + (uint64_t)v[3];
+#else
+    uint64_t acc = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t x;
+        memcpy(&x, p + i, 8);
+        acc += x;
+    }
+#endif
+    for (; i < n; ++i) acc += p[i];
+    return (double)(acc & 0xffffffu);
+}
+
+}  // namespace GP_NS
+}  // namespace gp

@@ -1,0 +1,110 @@
+// Interleaved ("x8") layouts of constant Q4_1 / Q8_0 weights for the GEMV kernels (see common.h), made once per
+// weight and shared by every plan through a cache keyed by the weight's unique id, address and shape.
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "blocks.h"
+#include "runtime.h"
+
+namespace gp {
+
+RepackBuf::~RepackBuf() { free(data); }
+
+static void repack_q4_1(const Tensor& w, uint8_t* out) {
+    const int64_t K = w.ne[0], groups = w.ne[1] / 8, nb = K / 32;
+    for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t b = 0; b < nb; ++b) {
+            uint8_t* rec = out + (g * nb + b) * 160;
+            uint16_t* dd = (uint16_t*)(rec + 128);
+            uint16_t* mm = (uint16_t*)(rec + 144);
+            for (int r = 0; r < 8; ++r) {
+                const blk_q4_1* x = (const blk_q4_1*)(w.data + (8 * g + r) * w.nb[1]) + b;
+                uint8_t q[32];
+                for (int j = 0; j < 16; ++j) {
+                    q[j] = x->qs[j] & 0x0f;
+                    q[j + 16] = x->qs[j] >> 4;
+                }
+                for (int c = 0; c < 4; ++c)
+                    for (int i = 0; i < 4; ++i) rec[32 * c + 4 * r + i] = (uint8_t)(q[8 * c + i] | (q[8 * c + 4 + i] << 4));
+                memcpy(&dd[r], &x->d, 2);
+                memcpy(&mm[r], &x->m, 2);
+            }
+        }
+    }
+}
+
+static void repack_q8_0(const Tensor& w, uint8_t* out) {
+    const int64_t K = w.ne[0], groups = w.ne[1] / 8, nb = K / 32;
+    for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t b = 0; b < nb; ++b) {
+            uint8_t* rec = out + (g * nb + b) * 272;
+            uint16_t* dd = (uint16_t*)(rec + 256);
+            for (int r = 0; r < 8; ++r) {
+                const blk_q8_0* x = (const blk_q8_0*)(w.data + (8 * g + r) * w.nb[1]) + b;
+                for (int k = 0; k < 8; ++k)
+                    for (int i = 0; i < 4; ++i) rec[32 * k + 4 * r + i] = (uint8_t)x->qs[4 * k + i];
+                memcpy(&dd[r], &x->d, 2);
+            }
+        }
+    }
+}
+
+static void repack_q4_K(const Tensor& w, uint8_t* out) {
+    const int64_t K = w.ne[0], groups = w.ne[1] / 8, nb = K / 256;
+    for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t s = 0; s < nb; ++s) {
+            uint8_t* rec = out + (g * nb + s) * 1184;
+            for (int r = 0; r < 8; ++r) {
+                const blk_q4_K* x = (const blk_q4_K*)(w.data + (8 * g + r) * w.nb[1]) + s;
+                uint8_t sm[16];
+                unpack_k_scales(x->scales, sm);
+                for (int j = 0; j < 8; ++j) {
+                    // sub-block j: elements 32j..32j+31 = low nibbles (j even) or high nibbles (j odd) of qs[32(j/2)..]
+                    const uint8_t* q = x->qs + 32 * (j / 2);
+                    uint8_t v[32];
+                    for (int l = 0; l < 32; ++l) v[l] = (j & 1) ? (q[l] >> 4) : (q[l] & 0x0f);
+                    for (int c = 0; c < 4; ++c)
+                        for (int i = 0; i < 4; ++i)
+                            rec[128 * j + 32 * c + 4 * r + i] = (uint8_t)(v[8 * c + i] | (v[8 * c + 4 + i] << 4));
+                    rec[1024 + 8 * j + r] = sm[j];
+                    rec[1088 + 8 * j + r] = sm[8 + j];
+                }
+                memcpy(rec + 1152 + 2 * r, &x->d, 2);
+                memcpy(rec + 1168 + 2 * r, &x->dmin, 2);
+            }
+        }
+    }
+}
+
+std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w) {
+    using Key = std::tuple<int64_t, uintptr_t, int, int64_t, int64_t, int64_t>;
+    static std::mutex mu;
+    static std::map<Key, std::weak_ptr<RepackBuf>>* cache = new std::map<Key, std::weak_ptr<RepackBuf>>();
+    if (!repack_supported(w.type) || w.ne[1] < 8 || w.ne[2] != 1 || w.ne[3] != 1 || w.nb[0] != type_size(w.type))
+        return nullptr;
+    const Key key{const_id, (uintptr_t)w.data, w.type, w.ne[0], w.ne[1], w.nb[1]};
+    std::lock_guard<std::mutex> lk(mu);
+    for (auto it = cache->begin(); it != cache->end();) {  // drop dead entries
+        if (it->second.expired()) it = cache->erase(it);
+        else ++it;
+    }
+    auto it = cache->find(key);
+    if (it != cache->end()) {
+        if (auto sp = it->second.lock()) return sp;
+    }
+    auto buf = std::make_shared<RepackBuf>();
+    buf->size = (size_t)(w.ne[1] / 8) * 8 * (size_t)repack_row_bytes(w.type, w.ne[0]);
+    void* p = nullptr;
+    if (posix_memalign(&p, 64, buf->size ? buf->size : 64) != 0) throw std::bad_alloc();
+    buf->data = (uint8_t*)p;
+    if (w.type == T_Q4_1) repack_q4_1(w, buf->data);
+    else if (w.type == T_Q8_0) repack_q8_0(w, buf->data);
+    else repack_q4_K(w, buf->data);
+    (*cache)[key] = buf;
+    return buf;
+}
+
+}  // namespace gp

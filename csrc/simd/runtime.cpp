@@ -1,0 +1,868 @@
+// Thread pool, barrier, node validation and scratch sizing, and the plan executor.
+#include "runtime.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <sys/mman.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+namespace gp {
+
+static inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#else
+    std::this_thread::yield();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// memory
+
+uint8_t* aligned_alloc_bytes(size_t size, bool* mmapped) {
+    if (size == 0) size = 64;
+    if (size >= (1u << 20)) {
+        void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) throw std::bad_alloc();
+        *mmapped = true;
+        return (uint8_t*)p;  // zeroed, page aligned
+    }
+    void* p = nullptr;
+    if (posix_memalign(&p, 64, (size + 63) & ~(size_t)63) != 0) throw std::bad_alloc();
+    memset(p, 0, size);
+    *mmapped = false;
+    return (uint8_t*)p;
+}
+
+void aligned_free_bytes(uint8_t* p, size_t size, bool mmapped) {
+    if (!p) return;
+    if (size == 0) size = 64;
+    if (mmapped) munmap(p, size);
+    else free(p);
+}
+
+void Plan::Free::operator()(uint8_t* p) const { free(p); }
+
+static uint8_t* scratch_alloc(size_t size) {
+    void* p = nullptr;
+    if (posix_memalign(&p, 64, size < 64 ? 64 : size) != 0) throw std::bad_alloc();
+    return (uint8_t*)p;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// barrier and pool
+
+static int spin_before_yield() {
+    static int v = [] {
+        const char* e = getenv("GGML_PY_SIMD_SPIN");
+        return e ? atoi(e) : 2000;
+    }();
+    return v;
+}
+
+// spin with pause, then yield the CPU (a descheduled partner must get to run)
+struct Backoff {
+    int spins = 0;
+    void pause() {
+        if (++spins < spin_before_yield()) cpu_relax();
+        else sched_yield();
+    }
+};
+
+static void pool_after_fork_child() { ThreadPool::instance().after_fork_in_child(); }
+
+ThreadPool& ThreadPool::instance() {
+    static ThreadPool* pool = [] {
+        ThreadPool* p = new ThreadPool();  // never destroyed: workers may outlive static destruction order
+        pthread_atfork(nullptr, nullptr, pool_after_fork_child);
+        return p;
+    }();
+    return *pool;
+}
+
+// A forked child has none of the parent's workers: forget them (without touching the std::thread objects) and
+// start afresh.
+void ThreadPool::after_fork_in_child() {
+    threads_ = new std::vector<std::thread>();
+    new (&run_mutex_) std::mutex();
+    new (&m_) std::mutex();
+    new (&cv_) std::condition_variable();
+    gen_.store(0);
+    done_.store(0);
+    busy_.store(0);
+    sleeping_.store(0);
+    job_.store(nullptr);
+}
+
+ThreadPool::~ThreadPool() {
+    stop_.store(true);
+    {
+        std::lock_guard<std::mutex> lk(m_);
+        gen_.fetch_add(1);
+    }
+    cv_.notify_all();
+    for (auto& t : *threads_) t.join();
+}
+
+void ThreadPool::ensure_workers(int n) {
+    while ((int)threads_->size() < n) {
+        const int index = (int)threads_->size() + 1;
+        threads_->emplace_back([this, index] { worker(index); });
+    }
+}
+
+static int64_t idle_spin_us() {
+    static int64_t v = [] {
+        const char* e = getenv("GGML_PY_SIMD_IDLE_US");
+        return e ? (int64_t)atoll(e) : (int64_t)2000;
+    }();
+    return v;
+}
+
+void ThreadPool::worker(int index) {
+    uint64_t seen = 0;
+    for (;;) {
+        // wait for a new generation: spin for a while, then sleep
+        auto t0 = std::chrono::steady_clock::now();
+        int spins = 0;
+        while (gen_.load(std::memory_order_acquire) == seen) {
+            cpu_relax();
+            if (++spins % 1024 == 0) {
+                const auto us = std::chrono::duration_cast<std::chrono::microseconds>(
+                                    std::chrono::steady_clock::now() - t0).count();
+                if (us > idle_spin_us()) {
+                    std::unique_lock<std::mutex> lk(m_);
+                    sleeping_.fetch_add(1);
+                    cv_.wait(lk, [&] { return gen_.load() != seen; });
+                    sleeping_.fetch_sub(1);
+                    break;
+                }
+                if (spins % 16384 == 0) sched_yield();
+            }
+        }
+        seen = gen_.load(std::memory_order_acquire);
+        if (stop_.load()) return;
+        busy_.fetch_add(1, std::memory_order_seq_cst);
+        const bool classic = classic_.load(std::memory_order_seq_cst);
+        Job* job = job_.load(std::memory_order_seq_cst);
+        const int nth = nth_.load(std::memory_order_seq_cst);
+        if (job && index < nth) job->run(index, nth);
+        busy_.fetch_sub(1, std::memory_order_seq_cst);
+        if (classic) done_.fetch_add(1, std::memory_order_acq_rel);
+    }
+}
+
+void ThreadPool::wake(Job* job, int nth, bool classic) {
+    ensure_workers(nth - 1);
+    job_.store(job, std::memory_order_seq_cst);
+    nth_.store(nth, std::memory_order_seq_cst);
+    classic_.store(classic, std::memory_order_seq_cst);
+    done_.store(0, std::memory_order_relaxed);
+    gen_.fetch_add(1, std::memory_order_seq_cst);
+    if (sleeping_.load(std::memory_order_seq_cst) > 0) {
+        { std::lock_guard<std::mutex> lk(m_); }
+        cv_.notify_all();
+    }
+}
+
+void ThreadPool::run(Job* job, int nth) {
+    if (nth <= 1) {
+        job->run(0, 1);
+        return;
+    }
+    std::lock_guard<std::mutex> guard(run_mutex_);
+    // helpers of an earlier helper job may still be finishing: classic jobs count every worker
+    Backoff bo;
+    while (busy_.load(std::memory_order_seq_cst) > 0) bo.pause();
+    wake(job, nth, true);
+    const int nworkers = (int)threads_->size();
+    job->run(0, nth);
+    Backoff bo2;
+    while (done_.load(std::memory_order_acquire) < nworkers) bo2.pause();
+    job_.store(nullptr, std::memory_order_seq_cst);
+}
+
+void ThreadPool::start(Job* job, int nth) {
+    if (nth <= 1) return;
+    wake(job, nth, false);
+}
+
+void ThreadPool::quiesce(Job* job) {
+    Job* expected = job;
+    job_.compare_exchange_strong(expected, nullptr, std::memory_order_seq_cst);
+    Backoff bo;
+    while (busy_.load(std::memory_order_seq_cst) > 0) bo.pause();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// validation
+
+int64_t tensor_extent(const Tensor& t) {
+    for (int i = 0; i < 4; ++i)
+        if (t.ne[i] == 0) return 0;
+    __int128 e;
+    if (type_is_quant(t.type)) e = row_bytes(t.type, t.ne[0]);
+    else e = (__int128)(t.ne[0] - 1) * t.nb[0] + type_size(t.type);
+    for (int i = 1; i < 4; ++i) e += (__int128)(t.ne[i] - 1) * t.nb[i];
+    if (e > ((__int128)1 << 62)) return -1;
+    return (int64_t)e;
+}
+
+static std::string shape_str(const Tensor& t) {
+    std::ostringstream o;
+    o << "[" << t.ne[0] << "," << t.ne[1] << "," << t.ne[2] << "," << t.ne[3] << "]";
+    return o.str();
+}
+
+static bool same_shape(const Tensor& a, const Tensor& b) {
+    for (int i = 0; i < 4; ++i)
+        if (a.ne[i] != b.ne[i]) return false;
+    return true;
+}
+static bool tiles(const Tensor& small, const Tensor& big) {  // each dim of small divides big's
+    for (int i = 0; i < 4; ++i) {
+        if (small.ne[i] == 0) {
+            if (big.ne[i] != 0) return false;
+            continue;
+        }
+        if (big.ne[i] % small.ne[i]) return false;
+    }
+    return true;
+}
+static bool is_float_storage(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
+static bool is_weight_type(int t) {
+    return is_float_storage(t) || t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0 ||
+           t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
+}
+static bool is_cpy_dst(int t) {
+    return is_float_storage(t) || t == T_Q8_0 || t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1;
+}
+
+std::string validate_node(const Node& n) {
+    const char* op = (n.op > 0 && n.op < OP_COUNT) ? OP_NAMES[n.op] : "?";
+    auto fail = [&](const std::string& m) { return std::string(op) + ": " + m; };
+    if (n.op <= 0 || n.op >= OP_COUNT) return "unknown op code " + std::to_string(n.op);
+    // generic tensor checks
+    auto check_t = [&](const Tensor& t, const char* role) -> std::string {
+        if (type_size(t.type) == 0) return fail(std::string(role) + " has unsupported type id " + std::to_string(t.type));
+        for (int i = 0; i < 4; ++i) {
+            if (t.ne[i] < 0 || t.ne[i] > ((int64_t)1 << 40)) return fail(std::string(role) + " has a bad dimension " + shape_str(t));
+            if (t.nb[i] < 0 || t.nb[i] > ((int64_t)1 << 44)) return fail(std::string(role) + " has a bad stride");
+        }
+        if (type_is_quant(t.type)) {
+            if (t.ne[0] % type_block(t.type)) return fail(std::string(role) + " row length is not a multiple of the block size");
+            if (t.nb[0] != type_size(t.type)) return fail(std::string(role) + " quantized rows must be contiguous");
+        }
+        if (tensor_extent(t) < 0) return fail(std::string(role) + " is too large");
+        return "";
+    };
+    std::string e = check_t(n.dst, "dst");
+    if (!e.empty()) return e;
+    static const char* names[4] = {"src0", "src1", "src2", "src3"};
+    for (int i = 0; i < MAX_SRC; ++i) {
+        if (!n.has[i]) continue;
+        e = check_t(n.src[i], names[i]);
+        if (!e.empty()) return e;
+    }
+    const Tensor& d = n.dst;
+    const Tensor& a = n.src[0];
+    const Tensor& b = n.src[1];
+    auto need = [&](int count) -> bool {
+        for (int i = 0; i < count; ++i)
+            if (!n.has[i]) return false;
+        return true;
+    };
+    auto f32 = [](const Tensor& t) { return t.type == T_F32; };
+    switch (n.op) {
+        case OP_GET_ROWS:
+            if (!need(2)) return fail("needs 2 sources");
+            if (!(is_weight_type(a.type) || a.type == T_I32)) return fail("unsupported source type");
+            if (b.type != T_I32 && b.type != T_I64) return fail("indices must be I32/I64");
+            if (a.type == T_I32 ? d.type != T_I32 : d.type != T_F32) return fail("bad dst type");
+            if (d.ne[0] != a.ne[0] || d.ne[1] != b.ne[0] || d.ne[2] != b.ne[1] || d.ne[3] != b.ne[2] || b.ne[3] != 1 ||
+                a.ne[2] != b.ne[1] || a.ne[3] != b.ne[2])
+                return fail("shapes " + shape_str(a) + " " + shape_str(b) + " -> " + shape_str(d) + " do not fit");
+            return "";
+        case OP_SET_ROWS:
+            if (!need(2)) return fail("needs 2 sources (rows, indices)");
+            if (!is_cpy_dst(d.type)) return fail("unsupported destination type");
+            if (!f32(a)) return fail("rows must be F32");
+            if (b.type != T_I32 && b.type != T_I64) return fail("indices must be I32/I64");
+            if (a.ne[0] != d.ne[0] || b.ne[0] != a.ne[1] || a.ne[2] != d.ne[2] || a.ne[3] != d.ne[3] || b.ne[3] != 1)
+                return fail("shapes " + shape_str(a) + " " + shape_str(b) + " -> " + shape_str(d) + " do not fit");
+            if ((b.ne[1] == 0 || a.ne[2] % b.ne[1]) && a.ne[2]) return fail("index broadcast does not fit");
+            if ((b.ne[2] == 0 || a.ne[3] % b.ne[2]) && a.ne[3]) return fail("index broadcast does not fit");
+            return "";
+        case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV:
+            if (!need(2)) return fail("needs 2 sources");
+            if (!f32(a) || !f32(b) || !f32(d)) return fail("only F32");
+            if (!same_shape(a, d)) return fail("dst shape differs from src0");
+            if (!tiles(b, a)) return fail("src1 " + shape_str(b) + " does not tile src0 " + shape_str(a));
+            return "";
+        case OP_SCALE: case OP_SQR: case OP_SQRT: case OP_NEG: case OP_ABS: case OP_EXP: case OP_LOG: case OP_SILU:
+        case OP_GELU: case OP_RELU: case OP_TANH: case OP_SIGMOID: case OP_CLAMP: case OP_NORM: case OP_RMS_NORM:
+        case OP_DIAG_MASK_INF:
+            if (!need(1)) return fail("needs a source");
+            if (!f32(a) || !f32(d)) return fail("only F32");
+            if (!same_shape(a, d)) return fail("dst shape differs from src0");
+            return "";
+        case OP_SWIGLU: case OP_GEGLU:
+            if (!need(1)) return fail("needs a source");
+            if (!f32(a) || !f32(d) || (n.has[1] && !f32(b))) return fail("only F32");
+            if (n.has[1]) {
+                if (!same_shape(a, d) || !same_shape(b, d)) return fail("gate, value and dst must have one shape");
+            } else {
+                if (a.ne[0] != 2 * d.ne[0] || a.ne[1] != d.ne[1] || a.ne[2] != d.ne[2] || a.ne[3] != d.ne[3])
+                    return fail("src0 must be twice as wide as dst");
+            }
+            return "";
+        case OP_MUL_MAT:
+            if (!need(2)) return fail("needs 2 sources");
+            if (!is_weight_type(a.type)) return fail("unsupported weight type");
+            if (!f32(b) || !f32(d)) return fail("activations and dst must be F32");
+            if (a.nb[0] != type_size(a.type)) return fail("weight rows must be contiguous");
+            if (d.nb[0] != 4) return fail("dst rows must be contiguous");
+            if (a.ne[0] != b.ne[0]) return fail("inner dimensions differ");
+            if (d.ne[0] != a.ne[1] || d.ne[1] != b.ne[1] || d.ne[2] != b.ne[2] || d.ne[3] != b.ne[3])
+                return fail("dst " + shape_str(d) + " does not fit " + shape_str(a) + " x " + shape_str(b));
+            if (a.ne[2] == 0 || a.ne[3] == 0 || b.ne[2] % a.ne[2] || b.ne[3] % a.ne[3])
+                return fail("weight batch dims must divide the activation batch dims");
+            return "";
+        case OP_SOFT_MAX:
+            if (!need(1)) return fail("needs a source");
+            if (!f32(a) || !f32(d)) return fail("only F32");
+            if (!same_shape(a, d)) return fail("dst shape differs from src0");
+            if (n.has[1]) {
+                if (b.type != T_F32 && b.type != T_F16) return fail("mask must be F32/F16");
+                if (b.ne[0] != a.ne[0] || b.ne[1] < a.ne[1]) return fail("mask " + shape_str(b) + " too small for " + shape_str(a));
+                if (b.ne[2] == 0 || b.ne[3] == 0 || a.ne[2] % b.ne[2] || a.ne[3] % b.ne[3]) return fail("mask broadcast does not fit");
+            }
+            return "";
+        case OP_ROPE:
+            if (!need(2)) return fail("needs 2 sources");
+            if (!f32(a) || !f32(d)) return fail("only F32");
+            if (!same_shape(a, d)) return fail("dst shape differs from src0");
+            if (b.type != T_I32 || b.ne[0] != a.ne[2] || b.ne[1] != 1 || b.ne[2] != 1 || b.ne[3] != 1)
+                return fail("positions must be I32 [n_tokens]");
+            if (n.ip[0] <= 0 || n.ip[0] % 2 || n.ip[0] > a.ne[0]) return fail("bad n_dims");
+            if (n.ip[1] != 0 && n.ip[1] != 2) return fail("only modes 0 (normal) and 2 (neox)");
+            return "";
+        case OP_FLASH_ATTN_EXT: {
+            if (!need(3)) return fail("needs q, k, v");
+            const Tensor& k = n.src[1];
+            const Tensor& v = n.src[2];
+            if (!f32(a) || !f32(d)) return fail("q and dst must be F32");
+            if ((k.type != T_F16 && k.type != T_F32) || (v.type != T_F16 && v.type != T_F32)) return fail("k, v must be F16/F32");
+            if (a.ne[0] != k.ne[0] || k.ne[1] != v.ne[1] || k.ne[2] != v.ne[2] || a.ne[3] != k.ne[3] || a.ne[3] != v.ne[3])
+                return fail("q " + shape_str(a) + " k " + shape_str(k) + " v " + shape_str(v) + " do not fit");
+            if (k.ne[2] == 0 || a.ne[2] % k.ne[2]) return fail("q heads must be a multiple of kv heads");
+            if (d.ne[0] != v.ne[0] || d.ne[1] != a.ne[2] || d.ne[2] != a.ne[1] || d.ne[3] != a.ne[3])
+                return fail("dst " + shape_str(d) + " does not fit");
+            if (n.has[3]) {
+                const Tensor& m = n.src[3];
+                if (m.type != T_F16 && m.type != T_F32) return fail("mask must be F16/F32");
+                if (m.ne[0] != k.ne[1] || m.ne[1] < a.ne[1]) return fail("mask " + shape_str(m) + " too small");
+                if (m.ne[2] == 0 || m.ne[3] == 0 || a.ne[2] % m.ne[2] || a.ne[3] % m.ne[3]) return fail("mask broadcast does not fit");
+            }
+            return "";
+        }
+        case OP_CPY: case OP_DUP: case OP_CONT:
+            if (!need(1)) return fail("needs a source");
+            if (!(is_float_storage(a.type) || a.type == T_I32)) return fail("unsupported source type");
+            if (!is_cpy_dst(d.type) && d.type != T_I32) return fail("unsupported destination type");
+            if ((a.type == T_I32) != (d.type == T_I32)) return fail("I32 copies only to I32");
+            if (type_is_quant(d.type) && a.type != T_F32 && a.type != T_F16) return fail("only F32/F16 can be quantized");
+            if (nelements(a) != nelements(d)) return fail("element counts differ");
+            return "";
+        case OP_CONCAT: {
+            if (!need(2)) return fail("needs 2 sources");
+            if (a.type != d.type || b.type != d.type || type_is_quant(d.type)) return fail("types differ");
+            const int dim = n.ip[0];
+            if (dim < 0 || dim > 3) return fail("bad dim");
+            for (int i = 0; i < 4; ++i) {
+                if (i == dim) {
+                    if (d.ne[i] != a.ne[i] + b.ne[i]) return fail("dst size along dim is not the sum");
+                } else if (a.ne[i] != d.ne[i] || b.ne[i] != d.ne[i]) {
+                    return fail("shapes differ outside dim");
+                }
+            }
+            return "";
+        }
+        case OP_SUM_ROWS: case OP_MEAN:
+            if (!need(1)) return fail("needs a source");
+            if (!f32(a) || !f32(d)) return fail("only F32");
+            if (d.ne[0] != 1 || d.ne[1] != a.ne[1] || d.ne[2] != a.ne[2] || d.ne[3] != a.ne[3]) return fail("dst shape must be [1, ...]");
+            return "";
+        case OP_ARGMAX:
+            if (!need(1)) return fail("needs a source");
+            if (!f32(a) || d.type != T_I32) return fail("F32 -> I32");
+            if (!is_contiguous(d)) return fail("dst must be contiguous");
+            if (nelements(d) != nrows(a)) return fail("dst must have one element per row");
+            if (a.ne[0] == 0 && nrows(a) > 0) return fail("empty rows");
+            return "";
+        case OP_REPEAT:
+            if (!need(1)) return fail("needs a source");
+            if (a.type != d.type || type_is_quant(d.type)) return fail("types differ");
+            if (!tiles(a, d)) return fail("src does not tile dst");
+            return "";
+        case OP_PAD:
+            if (!need(1)) return fail("needs a source");
+            if (a.type != d.type || type_is_quant(d.type)) return fail("types differ");
+            for (int i = 0; i < 4; ++i)
+                if (d.ne[i] < a.ne[i]) return fail("dst smaller than src");
+            return "";
+        default:
+            return fail("not supported");
+    }
+}
+
+static size_t pad64(size_t x) { return (x + 63) & ~(size_t)63; }
+
+Scratch node_scratch(const Node& n) {
+    Scratch s;
+    const Tensor& a = n.src[0];
+    switch (n.op) {
+        case OP_MUL_MAT: {
+            const Tensor& w = n.src[0];
+            const Tensor& x = n.src[1];
+            const int64_t K = w.ne[0];
+            const int64_t rows = x.ne[1] * x.ne[2] * x.ne[3];
+            if (type_is_quant(w.type) && x.ne[1] < GEMM_MIN_ROWS)
+                s.shared = (size_t)rows * (weight_is_k_quant(w.type) ? a256_row_size(K) : a32_row_size(K));
+            s.per_thread = pad64((size_t)K * 4 + 64);
+            if (x.ne[1] >= GEMM_MIN_ROWS) s.per_thread = pad64(s.per_thread > gemm_thread_scratch() ? s.per_thread : gemm_thread_scratch());
+            break;
+        }
+        case OP_FLASH_ATTN_EXT: {
+            const int64_t D = a.ne[0], Dv = n.src[2].ne[0], H = a.ne[2];
+            const size_t single = (size_t)(((Dv + 15) & ~15) + ((D + 15) & ~15) + Dv + 64) * 4;
+            const size_t group = (size_t)(8 * D + 8 * Dv + H * (D + Dv) + 3 * H + 64) * 4;  // GQA tiles
+            s.per_thread = pad64(single > group ? single : group);
+            break;
+        }
+        case OP_ROPE: s.per_thread = pad64((size_t)(2 * n.ip[0] + 16) * 4); break;
+        case OP_NORM: case OP_RMS_NORM: case OP_SUM_ROWS: case OP_MEAN: case OP_ARGMAX: case OP_SOFT_MAX:
+            s.per_thread = pad64((size_t)(a.ne[0] + 16) * 4);
+            break;
+        case OP_CPY: case OP_DUP: case OP_CONT: case OP_GET_ROWS: case OP_SET_ROWS: {
+            const int64_t ne0 = n.op == OP_SET_ROWS ? a.ne[0] : n.dst.ne[0];
+            s.per_thread = pad64((size_t)((ne0 + 15) & ~15) * 4 + (size_t)ne0 * 8 + 64);
+            break;
+        }
+        default: break;
+    }
+    return s;
+}
+
+bool node_is_small(const Node& n) {
+    static const int64_t scale = [] {
+        const char* e = getenv("GGML_PY_SIMD_SMALL");
+        return e ? (int64_t)atoll(e) : (int64_t)1;
+    }();
+    const Tensor& d = n.dst;
+    const Tensor& a = n.src[0];
+    int64_t work, threshold;
+    switch (n.op) {
+        case OP_MUL_MAT:
+            work = a.ne[0] * a.ne[1] * n.src[1].ne[1] * n.src[1].ne[2] * n.src[1].ne[3];
+            threshold = 96 * 1024;
+            break;
+        case OP_FLASH_ATTN_EXT:
+            work = a.ne[1] * a.ne[2] * a.ne[3] * n.src[1].ne[1] * (a.ne[0] + n.src[2].ne[0]);
+            threshold = 64 * 1024;
+            break;
+        case OP_EXP: case OP_SILU: case OP_GELU: case OP_TANH: case OP_SIGMOID: case OP_SWIGLU: case OP_GEGLU:
+        case OP_SOFT_MAX: case OP_ROPE: case OP_LOG:
+            work = nelements(d) * 4;
+            threshold = 64 * 1024;
+            break;
+        case OP_SET_ROWS:
+            work = nelements(a) * (type_is_quant(d.type) ? 8 : 1);
+            threshold = 64 * 1024;
+            break;
+        case OP_CPY: case OP_DUP: case OP_CONT: case OP_GET_ROWS:
+            work = nelements(d) * (type_is_quant(d.type) || type_is_quant(a.type) ? 8 : 1);
+            threshold = 64 * 1024;
+            break;
+        default:
+            work = nelements(d) > nelements(a) ? nelements(d) : nelements(a);
+            threshold = 64 * 1024;
+            break;
+    }
+    return work < threshold * scale;
+}
+
+int node_phases(const Node& n, bool n_rows_symbolic) {
+    if (n.op == OP_MUL_MAT && type_is_quant(n.src[0].type)) {
+        if (n_rows_symbolic || n.src[1].ne[1] < GEMM_MIN_ROWS) return 2;
+    }
+    return 1;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// plan
+
+static bool node_symbolic_src0(const NodeDesc& d) {
+    const TensorDesc& t = d.src[0];
+    for (int i = 0; i < 4; ++i)
+        if (t.ne[i].symbolic() || t.nb[i].symbolic()) return true;
+    return t.offset.symbolic();
+}
+
+Plan::Plan(const std::vector<NodeDesc>& descs, const std::vector<Range>& ranges, const std::vector<int64_t>& sym_max,
+           int n_threads, int level, bool validate_only)
+    : ranges_(ranges), sym_max_(sym_max), level_(level) {
+    kt_ = level_table(level);
+    n_threads_ = n_threads > 0 ? n_threads : physical_cores();
+    if (n_threads_ > 256) n_threads_ = 256;
+    for (int64_t m : sym_max_)
+        if (m < 0) throw PlanError("symbol bounds must be >= 0");
+    const int nsym = (int)sym_max_.size();
+    nodes_.resize(descs.size());
+    counters_.reset(new std::atomic<int64_t>[descs.size() > 0 ? descs.size() : 1]);
+    std::vector<bool> node_symbolic(descs.size(), false);
+    for (size_t i = 0; i < descs.size(); ++i) {
+        const NodeDesc& nd = descs[i];
+        Node& n = nodes_[i];
+        n.op = nd.op;
+        n.index = (int)i;
+        n.counter = &counters_[i];
+        if (nd.op <= 0 || nd.op >= OP_COUNT) throw PlanError("node " + std::to_string(i) + ": unknown op code " + std::to_string(nd.op));
+        if (nd.ip.size() > N_IPARAMS || nd.fp.size() > N_FPARAMS) throw PlanError("node " + std::to_string(i) + ": too many op params");
+        for (size_t k = 0; k < nd.ip.size(); ++k) n.ip[k] = nd.ip[k];
+        for (size_t k = 0; k < nd.fp.size(); ++k) n.fp[k] = nd.fp[k];
+        if (!nd.dst.present) throw PlanError("node " + std::to_string(i) + ": missing dst");
+        for (int s = -1; s < MAX_SRC; ++s) {
+            const TensorDesc& td = s < 0 ? nd.dst : nd.src[s];
+            if (s >= 0) n.has[s] = td.present;
+            if (!td.present) continue;
+            Tensor& t = s < 0 ? n.dst : n.src[s];
+            t.type = td.type;
+            auto add = [&](int64_t* target, const Affine& ex) {
+                for (int k = 0; k < ex.n; ++k)
+                    if (ex.sym[k] < 0 || ex.sym[k] >= nsym)
+                        throw PlanError("node " + std::to_string(i) + ": symbol index " + std::to_string(ex.sym[k]) +
+                                        " out of range");
+                if (ex.symbolic()) {
+                    patches_.push_back({target, ex});
+                    node_symbolic[i] = true;
+                } else {
+                    *target = ex.c0;
+                }
+            };
+            for (int d = 0; d < 4; ++d) {
+                add(&t.ne[d], td.ne[d]);
+                add(&t.nb[d], td.nb[d]);
+            }
+            for (int k = 0; k < td.offset.n; ++k)
+                if (td.offset.sym[k] < 0 || td.offset.sym[k] >= nsym) throw PlanError("symbol index out of range");
+            if (td.offset.symbolic()) {
+                addr_patches_.push_back({&t.data, td.base, td.offset});
+                node_symbolic[i] = true;
+            } else {
+                t.data = (uint8_t*)(uintptr_t)(td.base + (uint64_t)td.offset.c0);
+            }
+        }
+    }
+    for (size_t i = 0; i < nodes_.size(); ++i)
+        if (node_symbolic[i]) symbolic_nodes_.push_back(i);
+
+    // validate every node at the corners of the symbol box (each symbol at 1 and at its bound); size scratch
+    std::vector<int64_t> s(nsym);
+    const int ncorner_bits = nsym < 6 ? nsym : 6;
+    const int ncorners = 1 << ncorner_bits;
+    Scratch need;
+    for (int c = ncorners - 1; c >= 0; --c) {
+        for (int k = 0; k < nsym; ++k) {
+            const bool hi = k < ncorner_bits ? ((c >> k) & 1) : true;
+            s[k] = hi ? sym_max_[k] : (sym_max_[k] > 0 ? 1 : 0);
+        }
+        bind(s.data());
+        const bool all = c == ncorners - 1;
+        for (size_t i = 0; i < nodes_.size(); ++i) {
+            if (!all && !node_symbolic[i]) continue;
+            std::string e = check_node(nodes_[i], i, false);
+            if (!e.empty()) {
+                std::ostringstream o;
+                o << e;
+                if (nsym) {
+                    o << " (symbols:";
+                    for (int k = 0; k < nsym; ++k) o << " " << s[k];
+                    o << ")";
+                }
+                throw PlanError(o.str());
+            }
+            Scratch sc = node_scratch(nodes_[i]);
+            if (sc.shared > need.shared) need.shared = sc.shared;
+            if (sc.per_thread > need.per_thread) need.per_thread = sc.per_thread;
+        }
+    }
+    for (int k = 0; k < nsym; ++k) s[k] = sym_max_[k];
+    bind(s.data());
+    wsize_ = pad64(need.shared);
+    tsize_ = pad64(need.per_thread);
+    if (validate_only) return;
+
+    // tasks
+    for (size_t i = 0; i < nodes_.size(); ++i) {
+        Node& n = nodes_[i];
+        bool rows_sym = false;
+        if (n.op == OP_MUL_MAT)
+            for (const Patch& p : patches_)
+                if (p.target == &n.src[1].ne[1]) rows_sym = true;
+        // constant Q4_1/Q8_0 weights of matrix-vector products: interleave 8 rows once (shared by all plans)
+        if (n.op == OP_MUL_MAT && kt_->uses_repack && descs[i].src[0].const_id != 0 && !node_symbolic_src0(descs[i]) &&
+            (rows_sym || n.src[1].ne[1] < GEMM_MIN_ROWS) && repack_supported(n.src[0].type)) {
+            auto rp = get_repacked(descs[i].src[0].const_id, n.src[0]);
+            if (rp) {
+                n.repack = rp->data;
+                repacks_.push_back(rp);
+            }
+        }
+        n.n_phases = node_phases(n, rows_sym);
+        KernelFn fn = kt_->ops[n.op];
+        if (!fn) throw PlanError(std::string(OP_NAMES[n.op]) + ": no kernel at level " + level_name(level_));
+        for (int p = 0; p < n.n_phases; ++p) tasks_.push_back({fn, &n, p});
+    }
+    tstate_.reset(new TaskState[tasks_.size() > 0 ? tasks_.size() : 1]);
+    ctx_.error = &error_;
+    ctx_.errmsg = errmsg_;
+    errmsg_[0] = 0;
+    schedule_tasks();
+    alloc_scratch();
+}
+
+// Which tasks are small (one unit, run by whoever claims it: in practice the driving thread) and into how many
+// units the others are cut: a few per thread, so that a thread the OS deschedules holds back little work.
+void Plan::schedule_tasks() {
+    all_single_ = true;
+    for (size_t i = 0; i < tasks_.size(); ++i) {
+        const Task& t = tasks_[i];
+        const Node& n = *t.node;
+        // the activation quantization of a matrix-vector product is tiny: no need to spread it
+        const bool small_quantize = n.op == OP_MUL_MAT && n.n_phases == 2 && t.phase == 0 &&
+                                    n.src[1].ne[0] * n.src[1].ne[1] * n.src[1].ne[2] * n.src[1].ne[3] < 32768;
+        const bool single = n_threads_ <= 1 || (!force_parallel_ && (node_is_small(n) || small_quantize));
+        uint32_t units = 1;
+        if (!single) {
+            const bool counter_based = t.node->op == OP_MUL_MAT && t.phase == t.node->n_phases - 1;
+            units = (uint32_t)(counter_based ? n_threads_ : 4 * n_threads_);
+            all_single_ = false;
+        }
+        tstate_[i].single.store(single, std::memory_order_relaxed);
+        tstate_[i].units.store(units, std::memory_order_relaxed);
+    }
+}
+
+void Plan::alloc_scratch() {
+    if (!wdata_ && wsize_) wdata_.reset(scratch_alloc(wsize_));
+    if (tdata_threads_ < (size_t)n_threads_) {
+        tdata_.reset(tsize_ ? scratch_alloc(tsize_ * (size_t)n_threads_) : nullptr);
+        tdata_threads_ = (size_t)n_threads_;
+    }
+    ctx_.wdata = wdata_.get();
+    ctx_.wsize = wsize_;
+    ctx_.tdata = tdata_.get();
+    ctx_.tsize = tsize_;
+    tctx_.assign((size_t)n_threads_, ctx_);
+    for (int i = 0; i < n_threads_; ++i) tctx_[(size_t)i].tdata = tdata_ ? tdata_.get() + (size_t)i * tsize_ : nullptr;
+}
+
+void Plan::set_n_threads(int n) {
+    std::lock_guard<std::mutex> lk(mutex_);
+    ThreadPool::instance().quiesce(this);  // no worker may hold the old per-thread contexts
+    n_threads_ = n > 0 ? (n > 256 ? 256 : n) : physical_cores();
+    schedule_tasks();
+    alloc_scratch();
+}
+
+void Plan::set_force_parallel(bool v) {
+    std::lock_guard<std::mutex> lk(mutex_);
+    force_parallel_ = v;
+    schedule_tasks();
+}
+
+void Plan::bind(const int64_t* s) {
+    for (const Patch& p : patches_) *p.target = p.expr.eval(s);
+    for (const AddrPatch& p : addr_patches_) *p.target = (uint8_t*)(uintptr_t)(p.base + (uint64_t)p.off.eval(s));
+}
+
+std::string Plan::check_node(const Node& n, size_t index, bool check_scratch) const {
+    std::string e = validate_node(n);
+    auto where = [&](const std::string& m) { return "node " + std::to_string(index) + " " + m; };
+    if (!e.empty()) return where(e);
+    for (int s = -1; s < MAX_SRC; ++s) {
+        if (s >= 0 && !n.has[s]) continue;
+        const Tensor& t = s < 0 ? n.dst : n.src[s];
+        const int64_t ext = tensor_extent(t);
+        if (ext <= 0) continue;
+        const uint64_t p = (uint64_t)(uintptr_t)t.data;
+        bool inside = false;
+        for (const Range& r : ranges_) {
+            if (p >= r.base && p - r.base <= r.size && (uint64_t)ext <= r.size - (p - r.base)) {
+                inside = true;
+                break;
+            }
+        }
+        if (!inside) {
+            std::ostringstream o;
+            o << OP_NAMES[n.op] << ": " << (s < 0 ? std::string("dst") : "src" + std::to_string(s)) << " "
+              << shape_str(t) << " at 0x" << std::hex << p << std::dec << " spanning " << ext
+              << " bytes is outside every registered buffer";
+            return where(o.str());
+        }
+    }
+    if (check_scratch) {
+        Scratch sc = node_scratch(n);
+        if (sc.shared > wsize_ || sc.per_thread > tsize_)
+            return where(std::string(OP_NAMES[n.op]) + ": needs more scratch than planned for the symbol bounds");
+    }
+    return "";
+}
+
+void Plan::compute(const std::vector<int64_t>& syms) {
+    std::lock_guard<std::mutex> lk(mutex_);
+    if (syms.size() != sym_max_.size())
+        throw PlanError("expected " + std::to_string(sym_max_.size()) + " symbol values, got " + std::to_string(syms.size()));
+    for (size_t k = 0; k < syms.size(); ++k)
+        if (syms[k] < 0 || syms[k] > sym_max_[k])
+            throw PlanError("symbol " + std::to_string(k) + " = " + std::to_string(syms[k]) + " is outside 0.." +
+                            std::to_string(sym_max_[k]));
+    if (!symbolic_nodes_.empty()) {
+        bind(syms.data());
+        for (size_t i : symbolic_nodes_) {
+            std::string e = check_node(nodes_[i], i, true);
+            if (!e.empty()) throw PlanError(e);
+        }
+        schedule_tasks();
+    }
+    for (size_t i = 0; i < nodes_.size(); ++i) counters_[i].store(0, std::memory_order_relaxed);
+    error_.store(0, std::memory_order_relaxed);
+    const int nth = all_single_ ? 1 : n_threads_;
+    ThreadPool& pool = ThreadPool::instance();
+    if (nth <= 1) {
+        // a new generation, published as finished: a worker still looking at an earlier compute claims nothing
+        const uint64_t gen = ++gen_ & 0xffffffffu;
+        for (size_t t = 0; t < tasks_.size(); ++t) tstate_[t].claim.store(gen << 32 | 0xffffffffu, std::memory_order_relaxed);
+        cur_.store((gen << 32) | tasks_.size(), std::memory_order_release);
+        run_nth_ = 1;
+        for (size_t t = 0; t < tasks_.size(); ++t) {
+            const Task& tk = tasks_[t];
+            const uint32_t units = tstate_[t].units.load(std::memory_order_relaxed);
+            std::chrono::steady_clock::time_point t0;
+            if (profiling_) t0 = std::chrono::steady_clock::now();
+            if (!error_.load(std::memory_order_relaxed))
+                for (uint32_t u = 0; u < units; ++u) tk.fn(*tk.node, tk.phase, (int)u, (int)units, tctx_[0]);
+            if (profiling_)
+                node_seconds_[(size_t)tk.node->index] +=
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        }
+    } else {
+        auto guard = pool.lock();
+        const uint64_t gen = ++gen_ & 0xffffffffu;
+        for (size_t t = 0; t < tasks_.size(); ++t) {
+            tstate_[t].claim.store(gen << 32, std::memory_order_relaxed);
+            tstate_[t].done.store(0, std::memory_order_relaxed);
+        }
+        run_nth_ = nth;
+        cur_.store(gen << 32, std::memory_order_release);
+        pool.start(this, nth);
+        drive(gen, nth);
+    }
+    if (error_.load()) throw PlanError(std::string(errmsg_));
+}
+
+// Claim one unit of task t in generation gen and run it; false when none is left.
+bool Plan::run_unit(size_t t, uint64_t gen, const ExecCtx& ctx) {
+    TaskState& st = tstate_[t];
+    const Task& tk = tasks_[t];
+    uint64_t c = st.claim.load(std::memory_order_acquire);
+    uint32_t units;
+    for (;;) {
+        units = st.units.load(std::memory_order_relaxed);
+        if ((c >> 32) != gen || (c & 0xffffffffu) >= units) return false;
+        if (st.claim.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel, std::memory_order_acquire)) break;
+    }
+    const uint32_t u = (uint32_t)(c & 0xffffffffu);
+    if (!error_.load(std::memory_order_relaxed)) tk.fn(*tk.node, tk.phase, (int)u, (int)units, ctx);
+    st.done.fetch_add(1, std::memory_order_acq_rel);
+    return true;
+}
+
+// The calling thread runs the tasks in order, doing whatever units no worker took, and waits for each task's
+// units to finish before publishing the next. It never waits for a worker that is not inside a unit, so a worker
+// the OS has descheduled costs at most the unit it holds.
+void Plan::drive(uint64_t gen, int nth) {
+    (void)nth;
+    const size_t nt = tasks_.size();
+    for (size_t t = 0; t < nt; ++t) {
+        std::chrono::steady_clock::time_point t0;
+        if (profiling_) t0 = std::chrono::steady_clock::now();
+        cur_.store((gen << 32) | t, std::memory_order_release);
+        while (run_unit(t, gen, tctx_[0])) {
+        }
+        Backoff bo;
+        const uint32_t units = tstate_[t].units.load(std::memory_order_relaxed);
+        while (tstate_[t].done.load(std::memory_order_acquire) < units) bo.pause();
+        if (profiling_)
+            node_seconds_[(size_t)tasks_[t].node->index] +=
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    cur_.store((gen << 32) | nt, std::memory_order_release);
+}
+
+// A worker: follow the driver's current task, claim units, leave when the compute is over.
+void Plan::run(int ith, int nth) {
+    (void)nth;
+    const uint64_t c0 = cur_.load(std::memory_order_acquire);
+    const uint64_t gen = c0 >> 32;
+    const size_t nt = tasks_.size();
+    const ExecCtx& ctx = tctx_[(size_t)ith < tctx_.size() ? (size_t)ith : 0];
+    if ((size_t)ith >= tctx_.size()) return;
+    uint64_t cur = c0;
+    for (;;) {
+        if ((cur >> 32) != gen) return;
+        const size_t t = (size_t)(cur & 0xffffffffu);
+        if (t >= nt) return;
+        if (!tstate_[t].single.load(std::memory_order_relaxed)) {
+            while (run_unit(t, gen, ctx)) {
+            }
+        }
+        // wait for the driver to move on
+        Backoff bo;
+        uint64_t next;
+        while ((next = cur_.load(std::memory_order_acquire)) == cur) bo.pause();
+        cur = next;
+    }
+}
+
+Plan::~Plan() { ThreadPool::instance().quiesce(this); }
+
+void Plan::set_profiling(bool on) {
+    std::lock_guard<std::mutex> lk(mutex_);
+    profiling_ = on;
+    node_seconds_.assign(nodes_.size(), 0.0);
+}
+
+std::vector<int> Plan::node_ops() const {
+    std::vector<int> v;
+    for (const Node& n : nodes_) v.push_back(n.op);
+    return v;
+}
+
+std::vector<std::string> Plan::node_shapes() const {
+    std::vector<std::string> v;
+    for (const Node& n : nodes_) {
+        std::string s = shape_str(n.dst);
+        for (int i = 0; i < MAX_SRC; ++i)
+            if (n.has[i]) s += (i ? " " : " <- ") + std::to_string(n.src[i].type) + ":" + shape_str(n.src[i]);
+        v.push_back(s);
+    }
+    return v;
+}
+
+}  // namespace gp

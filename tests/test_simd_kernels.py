@@ -1,0 +1,812 @@
+"""Phase-1 tests of the simd backend's compiled module: kernels against numpy math at every SIMD level this CPU has,
+plan validation, symbolic dimensions, buffers. Plans are built directly through a thin helper (no ggml_py core).
+
+NMSE thresholds as ggml's test-backend-ops: 1e-7 default, 5e-4 MUL_MAT / FLASH_ATTN_EXT, 1e-6 SOFT_MAX, 0 for copies,
+argmax and integer ops.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import threading
+
+import numpy as np
+import pytest
+
+_simd = pytest.importorskip("ggml_py_simd._simd")
+gq = pytest.importorskip("gguf.quants")
+
+LEVELS = _simd.levels()
+OPS = _simd.OPS
+
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, I32, I64, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 26, 27, 30
+QBLOCK = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), Q4_K: (256, 144),
+          Q5_K: (256, 176), Q6_K: (256, 210)}
+NP_TYPE = {F32: np.float32, F16: np.float16, I32: np.int32, I64: np.int64, BF16: np.uint16}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helper: an arena of simd memory, tensor descriptions in ggml order, one-node plans
+
+class Arena:
+    def __init__(self, size: int = 32 << 20) -> None:
+        self.buf = _simd.Buffer(size)
+        self.mem = np.asarray(self.buf)
+        self.off = 0
+
+    @property
+    def ranges(self):
+        return [(self.buf.address, self.buf.size)]
+
+    def _take(self, nbytes: int) -> int:
+        off = (self.off + 63) & ~63
+        if off + nbytes > self.buf.size:
+            raise MemoryError("arena full")
+        self.off = off + nbytes
+        return off
+
+    def put(self, a: np.ndarray) -> np.ndarray:
+        """A copy of `a` in the arena (C order)."""
+        a = np.ascontiguousarray(a)
+        off = self._take(max(a.nbytes, 1))
+        v = np.ndarray(a.shape, a.dtype, buffer=self.mem, offset=off)
+        v[...] = a
+        return v
+
+    def empty(self, shape, dtype) -> np.ndarray:
+        dt = np.dtype(dtype)
+        n = int(np.prod(shape)) * dt.itemsize
+        off = self._take(max(n, 1))
+        v = np.ndarray(tuple(shape), dt, buffer=self.mem, offset=off)
+        v[...] = 0
+        return v
+
+
+def desc(arena: Arena, arr: np.ndarray, t: int | None = None, ne0: int | None = None):
+    """(type, ne[4], nb[4], base, offset) of a numpy view into the arena; quantized: arr is raw rows (..., bytes)."""
+    if t is None:
+        t = {np.dtype(np.float32): F32, np.dtype(np.float16): F16, np.dtype(np.int32): I32,
+             np.dtype(np.int64): I64}[arr.dtype]
+    shape = list(arr.shape)
+    strides = list(arr.strides)
+    if t in QBLOCK:
+        bs, ts = QBLOCK[t]
+        assert ne0 is not None
+        shape[-1] = ne0
+        strides[-1] = ts
+    ne = list(reversed(shape)) + [1] * (4 - len(shape))
+    nb = list(reversed(strides))
+    while len(nb) < 4:
+        nb.append(nb[-1] * ne[len(nb) - 1] if nb else 4)
+    addr = arr.__array_interface__["data"][0]
+    return (t, ne, nb, arena.buf.address, addr - arena.buf.address)
+
+
+def run(arena, op, dst, srcs, ip=(), fp=(), level=None, n_threads=2):
+    p = _simd.Plan([(OPS[op], dst, list(srcs), list(ip), list(fp))], arena.ranges, [], n_threads, level)
+    p.compute([])
+    return p
+
+
+def nmse(ref, got) -> float:
+    ref = np.asarray(ref, dtype=np.float64)
+    got = np.asarray(got, dtype=np.float64)
+    den = np.sum(ref * ref)
+    return float(np.sum((ref - got) ** 2) / (den if den > 0 else 1.0))
+
+
+def random_k_blocks(shape, t: int, seed: int = 7) -> np.ndarray:
+    """Random valid K-quant rows (gguf cannot quantize K types): random bits, sane super-block scales."""
+    bs, ts = QBLOCK[t]
+    rows = int(np.prod(shape[:-1]))
+    nb = shape[-1] // bs
+    r = np.random.default_rng(seed)
+    raw = r.integers(0, 256, (rows * nb, ts), dtype=np.uint8)
+    d = (r.random((rows * nb, 2)) * 0.02 + 0.001).astype(np.float16).view(np.uint8)
+    if t == Q6_K:
+        raw[:, 208:210] = d[:, 0:2]
+    else:
+        raw[:, 0:4] = d
+    return raw.reshape(*shape[:-1], nb * ts)
+
+
+def quantize(x: np.ndarray, t: int) -> np.ndarray:
+    if t in (Q4_K, Q5_K, Q6_K):
+        return random_k_blocks(x.shape, t)
+    return gq.quantize(np.ascontiguousarray(x, dtype=np.float32), t)
+
+
+def dequantize(raw: np.ndarray, t: int) -> np.ndarray:
+    return gq.dequantize(raw, t)
+
+
+@pytest.fixture(params=LEVELS)
+def level(request):
+    return request.param
+
+
+@pytest.fixture
+def arena():
+    return Arena()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# levels, features, buffers
+
+def test_levels_and_features():
+    feats = _simd.cpu_features()
+    assert "avx2" in feats and "avx512f" in feats
+    assert "scalar" in LEVELS
+    assert _simd.level() in LEVELS
+    assert set(_simd.all_levels()) == {"scalar", "avx2", "avx512"}
+    for name in _simd.all_levels():
+        if name not in LEVELS:
+            with pytest.raises(ValueError, match="not supported"):
+                _simd.set_level(name)
+            assert _simd.level_missing(name)
+    with pytest.raises(ValueError, match="unknown"):
+        _simd.set_level("sse9")
+    old = _simd.level()
+    try:
+        for name in LEVELS:
+            _simd.set_level(name)
+            assert _simd.level() == name
+    finally:
+        _simd.set_level(old)
+    assert _simd.physical_cores() >= 1
+
+
+def test_buffer_aligned_zero_copy():
+    b = _simd.Buffer(1000)
+    assert b.address % 64 == 0 and b.size == 1000
+    a = np.asarray(b)
+    assert a.dtype == np.uint8 and a.shape == (1000,) and not a.any()
+    a[3] = 7
+    assert a.__array_interface__["data"][0] == b.address
+    big = _simd.Buffer(5 << 20)
+    assert big.address % 64 == 0 and not np.asarray(big)[::4096].any()
+
+
+def test_host_view_wraps_without_copy(tmp_path):
+    x = np.arange(1024, dtype=np.float32)
+    hv = _simd.HostView(x)
+    assert hv.address == x.__array_interface__["data"][0] and hv.size == x.nbytes
+    del x  # kept alive by the view
+    assert np.asarray(hv).view(np.float32)[5] == 5.0
+    p = tmp_path / "w.bin"
+    p.write_bytes(np.arange(4096, dtype=np.uint8).tobytes())
+    with open(p, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    hv2 = _simd.HostView(arr)
+    assert hv2.readonly and hv2.address == arr.__array_interface__["data"][0]
+    del arr
+    assert np.asarray(hv2)[100] == 100
+    with pytest.raises((ValueError, BufferError)):
+        _simd.HostView(np.zeros((4, 4), np.float32)[:, ::2])  # not contiguous
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# elementwise
+
+BIN = {"ADD": np.add, "SUB": np.subtract, "MUL": np.multiply, "DIV": np.divide}
+
+
+@pytest.mark.parametrize("op", list(BIN))
+@pytest.mark.parametrize("shapes", [((3, 5, 70), (3, 5, 70)), ((2, 3, 5, 70), (70,)), ((4, 6, 33), (1, 6, 1)),
+                                    ((4, 6, 32), (2, 3, 16)), ((2, 7, 9), (1, 1, 1))])
+def test_binary(level, arena, op, shapes, rng):
+    sa, sb = shapes
+    a = rng.standard_normal(sa).astype(np.float32)
+    b = rng.standard_normal(sb).astype(np.float32) + (3.0 if op == "DIV" else 0.0)
+    A, B = arena.put(a), arena.put(b)
+    D = arena.empty(sa, np.float32)
+    run(arena, op, desc(arena, D), [desc(arena, A), desc(arena, B)], level=level)
+    bb = b.reshape((1,) * (len(sa) - b.ndim) + b.shape)
+    ref = BIN[op](a.astype(np.float64), np.tile(bb, [x // y for x, y in zip(sa, bb.shape)]))
+    assert nmse(ref, D) < 1e-7
+
+
+def test_binary_strided_inplace(level, arena, rng):
+    a = rng.standard_normal((8, 40)).astype(np.float32)
+    A = arena.put(a)
+    B = arena.put(rng.standard_normal((40, 8)).astype(np.float32)).T  # transposed view
+    run(arena, "ADD", desc(arena, A), [desc(arena, A), desc(arena, B)], level=level)
+    assert nmse(a + np.asarray(B), A) < 1e-12
+
+
+def _gelu(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * x * (1 + 0.044715 * x * x)))
+
+
+UN = {
+    "SQR": np.square, "SQRT": np.sqrt, "NEG": np.negative, "ABS": np.abs, "EXP": np.exp, "LOG": np.log,
+    "SILU": lambda x: x / (1 + np.exp(-x)), "GELU": _gelu, "RELU": lambda x: np.maximum(x, 0), "TANH": np.tanh,
+    "SIGMOID": lambda x: 1 / (1 + np.exp(-x)),
+}
+
+
+@pytest.mark.parametrize("op", list(UN))
+def test_unary(level, arena, op, rng):
+    x = (rng.standard_normal((3, 7, 131)) * 4).astype(np.float32)
+    if op in ("SQRT", "LOG"):
+        x = np.abs(x) + 0.01
+    X = arena.put(x)
+    D = arena.empty(x.shape, np.float32)
+    run(arena, op, desc(arena, D), [desc(arena, X)], level=level)
+    assert nmse(UN[op](x.astype(np.float64)), D) < 1e-7
+
+
+def test_unary_special_values(level, arena):
+    x = np.array([0, -0.0, 1e-30, -1e-30, 88.0, 89.0, -88.0, -104.0, -200, np.inf, -np.inf, 30, -30, 0.3, -0.3,
+                  1e-4], dtype=np.float32)
+    X = arena.put(x)
+    for op, fn in (("EXP", np.exp), ("TANH", np.tanh), ("SIGMOID", lambda v: 1 / (1 + np.exp(-v))),
+                   ("SILU", lambda v: v / (1 + np.exp(-v)))):
+        D = arena.empty(x.shape, np.float32)
+        run(arena, op, desc(arena, D), [desc(arena, X)], level=level)
+        with np.errstate(all="ignore"):
+            ref = fn(x.astype(np.float64)).astype(np.float32)
+        fin = np.isfinite(ref)
+        assert np.array_equal(np.isnan(ref), np.isnan(D)), op
+        assert np.array_equal(ref[~fin & ~np.isnan(ref)], D[~fin & ~np.isnan(ref)]), op
+        np.testing.assert_allclose(D[fin], ref[fin], rtol=2e-6, atol=1e-37, err_msg=op)
+
+
+def test_scale_clamp(level, arena, rng):
+    x = rng.standard_normal((5, 100)).astype(np.float32)
+    X = arena.put(x)
+    D = arena.empty(x.shape, np.float32)
+    run(arena, "SCALE", desc(arena, D), [desc(arena, X)], fp=[0.75, -0.25], level=level)
+    assert np.array_equal(D, x * np.float32(0.75) + np.float32(-0.25))
+    run(arena, "CLAMP", desc(arena, D), [desc(arena, X)], fp=[-0.5, 0.7], level=level)
+    assert np.array_equal(D, np.clip(x, -0.5, 0.7))
+
+
+@pytest.mark.parametrize("op", ["SWIGLU", "GEGLU"])
+@pytest.mark.parametrize("split", [False, True])
+def test_glu(level, arena, op, split, rng):
+    act = (lambda v: v / (1 + np.exp(-v))) if op == "SWIGLU" else _gelu
+    if split:
+        a = rng.standard_normal((4, 3, 2 * 77)).astype(np.float32)
+        A = arena.put(a)
+        D = arena.empty((4, 3, 77), np.float32)
+        run(arena, op, desc(arena, D), [desc(arena, A)], level=level)
+        a64 = a.astype(np.float64)
+        ref = act(a64[..., :77]) * a64[..., 77:]
+    else:
+        a = rng.standard_normal((4, 3, 77)).astype(np.float32)
+        b = rng.standard_normal((4, 3, 77)).astype(np.float32)
+        A, B = arena.put(a), arena.put(b)
+        D = arena.empty(a.shape, np.float32)
+        run(arena, op, desc(arena, D), [desc(arena, A), desc(arena, B)], level=level)
+        ref = act(a.astype(np.float64)) * b
+    assert nmse(ref, D) < 1e-7
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rows
+
+@pytest.mark.parametrize("op", ["NORM", "RMS_NORM"])
+def test_norms(level, arena, op, rng):
+    x = (rng.standard_normal((2, 9, 576)) + 0.5).astype(np.float32)
+    X = arena.put(x)
+    D = arena.empty(x.shape, np.float32)
+    run(arena, op, desc(arena, D), [desc(arena, X)], fp=[1e-5], level=level)
+    x64 = x.astype(np.float64)
+    if op == "NORM":
+        x64 = x64 - x64.mean(-1, keepdims=True)
+    ref = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-5)
+    assert nmse(ref, D) < 1e-7
+
+
+def test_sum_rows_mean_argmax(level, arena, rng):
+    x = rng.standard_normal((3, 4, 1001)).astype(np.float32)
+    x[1, 2, 17] = 50.0
+    x[1, 2, 900] = 50.0  # tie: first index wins
+    X = arena.put(x)
+    S = arena.empty((3, 4, 1), np.float32)
+    run(arena, "SUM_ROWS", desc(arena, S), [desc(arena, X)], level=level)
+    assert nmse(x.astype(np.float64).sum(-1, keepdims=True), S) < 1e-7
+    run(arena, "MEAN", desc(arena, S), [desc(arena, X)], level=level)
+    assert nmse(x.astype(np.float64).mean(-1, keepdims=True), S) < 1e-7
+    A = arena.empty((3, 4), np.int32)
+    run(arena, "ARGMAX", desc(arena, A), [desc(arena, X)], level=level)
+    assert np.array_equal(A, np.argmax(x, -1))
+    assert A[1, 2] == 17
+
+
+def _alibi(n_head, max_bias):
+    n_log2 = 2 ** int(math.floor(math.log2(n_head)))
+    m0 = 2.0 ** (-max_bias / n_log2)
+    m1 = 2.0 ** (-max_bias / 2.0 / n_log2)
+    h = np.arange(n_head)
+    return np.where(h < n_log2, m0 ** (h + 1), m1 ** (2 * (h - n_log2) + 1))
+
+
+@pytest.mark.parametrize("mask_t", [None, F32, F16])
+@pytest.mark.parametrize("max_bias", [0.0, 8.0])
+def test_soft_max(level, arena, mask_t, max_bias, rng):
+    x = rng.standard_normal((2, 6, 5, 37)).astype(np.float32)
+    X = arena.put(x)
+    D = arena.empty(x.shape, np.float32)
+    srcs = [desc(arena, X)]
+    x64 = x.astype(np.float64) * 0.7
+    if mask_t is not None:
+        m = rng.standard_normal((8, 37)).astype(np.float32)
+        m[:, 30:] = -np.inf
+        M = arena.put(m.astype(NP_TYPE[mask_t]))
+        srcs.append(desc(arena, M))
+        slope = _alibi(6, max_bias)[:, None, None] if max_bias > 0 else 1.0
+        x64 = x64 + slope * M[:5].astype(np.float64)
+    elif max_bias > 0:
+        pytest.skip("ALiBi needs a mask")
+    run(arena, "SOFT_MAX", desc(arena, D), srcs, fp=[0.7, max_bias], level=level)
+    e = np.exp(x64 - x64.max(-1, keepdims=True))
+    assert nmse(e / e.sum(-1, keepdims=True), D) < 1e-6
+
+
+def test_diag_mask_inf(level, arena, rng):
+    x = rng.standard_normal((3, 5, 9)).astype(np.float32)
+    X = arena.put(x)
+    D = arena.empty(x.shape, np.float32)
+    run(arena, "DIAG_MASK_INF", desc(arena, D), [desc(arena, X)], ip=[2], level=level)
+    ref = x.copy()
+    ref[:, np.arange(9)[None, :] > 2 + np.arange(5)[:, None]] = -np.inf
+    assert np.array_equal(ref, D)
+
+
+def _rope_ref(x, pos, n_dims, mode, base, fscale):
+    x = x.astype(np.float64)
+    half = n_dims // 2
+    inv = base ** (-2.0 * np.arange(half) / n_dims)
+    th = (pos.astype(np.float64) * fscale)[:, None] * inv[None, :]
+    c, s = np.cos(th)[:, None, :], np.sin(th)[:, None, :]
+    out = x.copy()
+    if mode == 2:
+        x0, x1 = x[..., :half], x[..., half:n_dims]
+        out[..., :half] = x0 * c - x1 * s
+        out[..., half:n_dims] = x0 * s + x1 * c
+    else:
+        x0, x1 = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
+        out[..., 0:n_dims:2] = x0 * c - x1 * s
+        out[..., 1:n_dims:2] = x0 * s + x1 * c
+    return out
+
+
+@pytest.mark.parametrize("mode", [0, 2])
+@pytest.mark.parametrize("n_dims", [64, 32, 6])
+def test_rope(level, arena, mode, n_dims, rng):
+    T, H, Dh = 7, 5, 64
+    x = rng.standard_normal((2, T, H, Dh)).astype(np.float32)
+    pos = rng.integers(0, 3000, T).astype(np.int32)
+    X, P = arena.put(x), arena.put(pos)
+    D = arena.empty(x.shape, np.float32)
+    run(arena, "ROPE", desc(arena, D), [desc(arena, X), desc(arena, P)], ip=[n_dims, mode], fp=[10000.0, 0.5],
+        level=level)
+    assert nmse(_rope_ref(x, pos, n_dims, mode, 10000.0, 0.5), D) < 1e-7
+    # strided source (a view with padding between heads), in-place destination
+    big = arena.put(rng.standard_normal((T, H, Dh + 8)).astype(np.float32))
+    view = big[:, :, 4:4 + Dh]
+    ref = _rope_ref(np.asarray(view), pos, n_dims, mode, 10000.0, 1.0)
+    run(arena, "ROPE", desc(arena, view), [desc(arena, view), desc(arena, P)], ip=[n_dims, mode],
+        fp=[10000.0, 1.0], level=level)
+    assert nmse(ref, view) < 1e-7
+
+
+@pytest.mark.parametrize("kv_t", [F16, F32])
+@pytest.mark.parametrize("with_mask", [False, True])
+@pytest.mark.parametrize("nq,nkv,D", [(1, 37, 64), (5, 40, 64), (3, 17, 20)])
+def test_flash_attn_ext(level, arena, kv_t, with_mask, nq, nkv, D, rng):
+    B, H, Hk = 2, 6, 2
+    q = rng.standard_normal((B, H, nq, D)).astype(np.float32)
+    k = rng.standard_normal((B, Hk, nkv, D)).astype(NP_TYPE[kv_t])
+    v = rng.standard_normal((B, Hk, nkv, D)).astype(NP_TYPE[kv_t])
+    Q, K, V = arena.put(q), arena.put(k), arena.put(v)
+    out = arena.empty((B, nq, H, D), np.float32)
+    srcs = [desc(arena, Q), desc(arena, K), desc(arena, V)]
+    scale = 1 / math.sqrt(D)
+    sc = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), np.repeat(k.astype(np.float64), H // Hk, 1)) * scale
+    if with_mask:
+        m = np.zeros((nq + 3, nkv), np.float32)
+        m[np.arange(nkv)[None, :] > (nkv - nq + np.arange(nq + 3))[:, None]] = -np.inf
+        M = arena.put(m.astype(np.float16))
+        srcs.append(desc(arena, M))
+        sc = sc + m[:nq].astype(np.float64)
+    run(arena, "FLASH_ATTN_EXT", desc(arena, out), srcs, fp=[scale, 0.0, 0.0], level=level)
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ref = np.einsum("bhqk,bhkd->bhqd", p, np.repeat(v.astype(np.float64), H // Hk, 1)).transpose(0, 2, 1, 3)
+    assert nmse(ref, out) < 5e-4
+
+
+def test_flash_attn_softcap_alibi(level, arena, rng):
+    B, H, Hk, nq, nkv, D = 1, 4, 4, 3, 24, 32
+    q = rng.standard_normal((B, H, nq, D)).astype(np.float32)
+    k = rng.standard_normal((B, Hk, nkv, D)).astype(np.float16)
+    v = rng.standard_normal((B, Hk, nkv, D)).astype(np.float16)
+    m = rng.standard_normal((nq, nkv)).astype(np.float32)
+    Q, K, V, M = arena.put(q), arena.put(k), arena.put(v), arena.put(m)
+    out = arena.empty((B, nq, H, D), np.float32)
+    run(arena, "FLASH_ATTN_EXT", desc(arena, out), [desc(arena, Q), desc(arena, K), desc(arena, V), desc(arena, M)],
+        fp=[0.3, 4.0, 2.0], level=level)
+    sc = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k.astype(np.float64)) * 0.3
+    sc = 2.0 * np.tanh(sc / 2.0) + _alibi(H, 4.0)[:, None, None] * m
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ref = np.einsum("bhqk,bhkd->bhqd", p, v.astype(np.float64)).transpose(0, 2, 1, 3)
+    assert nmse(ref, out) < 5e-4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# matmul
+
+WEIGHT_TYPES = [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K]
+
+
+def _weight(arena, w: np.ndarray, t: int):
+    """(desc, float reference) of a weight matrix stored as type t."""
+    if t in QBLOCK:
+        raw = quantize(w, t)
+        W = arena.put(raw)
+        return desc(arena, W, t, ne0=w.shape[-1]), dequantize(raw, t).reshape(w.shape)
+    if t == BF16:
+        bits = (w.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        W = arena.put(bits)
+        ref = (bits.astype(np.uint32) << 16).view(np.float32)
+        d = desc(arena, W.view(np.float16))
+        return (BF16, *d[1:]), ref
+    W = arena.put(w.astype(NP_TYPE[t]))
+    return desc(arena, W), W.astype(np.float32)
+
+
+@pytest.mark.parametrize("t", WEIGHT_TYPES)
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 67])
+def test_mul_mat(level, arena, t, n, rng):
+    K = 512 if t in (Q4_K, Q5_K, Q6_K) else 320
+    M = 45
+    w = rng.standard_normal((M, K)).astype(np.float32)
+    wd, wref = _weight(arena, w, t)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    X = arena.put(x)
+    D = arena.empty((n, M), np.float32)
+    run(arena, "MUL_MAT", desc(arena, D), [wd, desc(arena, X)], level=level)
+    assert nmse(x.astype(np.float64) @ wref.astype(np.float64).T, D) < 5e-4
+
+
+@pytest.mark.parametrize("t", [F32, F16, Q4_1, Q8_0, Q4_K])
+@pytest.mark.parametrize("n", [1, 9])
+def test_mul_mat_broadcast_and_strides(level, arena, t, n, rng):
+    K = 256
+    w = rng.standard_normal((2, 1, 33, K)).astype(np.float32)  # batch dims (2, 1) repeated over (2, 3)
+    wd, wref = _weight(arena, w.reshape(66, K), t)
+    # fix the weight desc to 4-D: [K, 33, 1, 2]
+    tt, ne, nb, base, off = wd
+    row = nb[1]
+    wd = (tt, [K, 33, 1, 2], [nb[0], row, row * 33, row * 33], base, off)
+    wref = wref.reshape(2, 1, 33, K)
+    # activations: a transposed (strided) view
+    xs = rng.standard_normal((2, 3, K, n)).astype(np.float32)
+    X = arena.put(xs).swapaxes(-1, -2)
+    D = arena.empty((2, 3, n, 33), np.float32)
+    run(arena, "MUL_MAT", desc(arena, D), [wd, desc(arena, X)], level=level)
+    wr = np.repeat(np.repeat(wref, 1, 0), 3, 1).astype(np.float64)
+    ref = np.matmul(np.asarray(X, dtype=np.float64), np.swapaxes(wr, -1, -2))
+    assert nmse(ref, D) < 5e-4
+
+
+@pytest.mark.parametrize("t", [Q4_1, Q8_0, Q4_K])
+@pytest.mark.parametrize("m", [8, 45, 200])
+@pytest.mark.parametrize("n", [1, 3])
+def test_mul_mat_repacked_weights(level, arena, t, m, n, rng):
+    """A weight marked constant (const id) is repacked 8 rows at a time for GEMV; results match the plain path."""
+    K = 512
+    w = rng.standard_normal((m, K)).astype(np.float32)
+    wd, wref = _weight(arena, w, t)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    X = arena.put(x)
+    outs = []
+    for cid in (0, 1000 + 17 * t + m):
+        D = arena.empty((n, m), np.float32)
+        run(arena, "MUL_MAT", desc(arena, D), [(*wd, cid), desc(arena, X)], level=level)
+        outs.append(np.array(D))
+    ref = x.astype(np.float64) @ wref.astype(np.float64).T
+    for o in outs:
+        assert nmse(ref, o) < 5e-4
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-3)
+
+
+def test_mul_mat_large_gemm(level, arena, rng):
+    M, K, N = 300, 1000 if level != "scalar" else 200, 130
+    w = rng.standard_normal((M, K)).astype(np.float32)
+    x = rng.standard_normal((N, K)).astype(np.float32)
+    W, X = arena.put(w), arena.put(x)
+    D = arena.empty((N, M), np.float32)
+    run(arena, "MUL_MAT", desc(arena, D), [desc(arena, W), desc(arena, X)], level=level, n_threads=2)
+    assert nmse(x.astype(np.float64) @ w.T.astype(np.float64), D) < 1e-10
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data movement
+
+@pytest.mark.parametrize("t", [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K])
+def test_get_rows(level, arena, t, rng):
+    R, C = 20, 512
+    w = rng.standard_normal((R, C)).astype(np.float32)
+    wd, wref = _weight(arena, w, t)
+    idx = np.array([3, 0, 19, 3, 7], np.int32)
+    Ix = arena.put(idx)
+    D = arena.empty((5, C), np.float32)
+    run(arena, "GET_ROWS", desc(arena, D), [wd, desc(arena, Ix)], level=level)
+    assert nmse(wref[idx], D) < 1e-7
+    if t in (F32, F16):
+        assert np.array_equal(wref[idx], D)
+
+
+def test_get_rows_i32_and_batched(level, arena, rng):
+    a = rng.integers(-1000, 1000, (3, 10, 6)).astype(np.int32)
+    idx = rng.integers(0, 10, (3, 4)).astype(np.int32)
+    A, Ix = arena.put(a), arena.put(idx)
+    D = arena.empty((3, 4, 6), np.int32)
+    run(arena, "GET_ROWS", desc(arena, D), [desc(arena, A), desc(arena, Ix)], level=level)
+    assert np.array_equal(D, np.take_along_axis(a, idx[..., None].astype(np.intp), axis=1))
+
+
+def test_get_rows_out_of_range(level, arena):
+    A = arena.put(np.zeros((4, 8), np.float32))
+    Ix = arena.put(np.array([1, 4], np.int32))
+    D = arena.empty((2, 8), np.float32)
+    with pytest.raises(_simd.PlanError, match="out of range"):
+        run(arena, "GET_ROWS", desc(arena, D), [desc(arena, A), desc(arena, Ix)], level=level)
+
+
+@pytest.mark.parametrize("t", [F32, F16, BF16, Q8_0, Q4_0, Q4_1])
+@pytest.mark.parametrize("it", [I32, I64])
+def test_set_rows(level, arena, t, it, rng):
+    R, C = 12, 64
+    src = rng.standard_normal((3, C)).astype(np.float32)
+    idx = np.array([5, 0, 11], NP_TYPE[it])
+    S, Ix = arena.put(src), arena.put(idx)
+    if t in QBLOCK:
+        Dst = arena.empty((R, C // 32 * QBLOCK[t][1]), np.uint8)
+        run(arena, "SET_ROWS", desc(arena, Dst, t, ne0=C), [desc(arena, S), desc(arena, Ix)], level=level)
+        assert np.array_equal(Dst[idx], quantize(src, t).reshape(3, -1))
+    elif t == BF16:
+        Dst = arena.empty((R, C), np.uint16)
+        d = desc(arena, Dst.view(np.float16))
+        run(arena, "SET_ROWS", (BF16, *d[1:]), [desc(arena, S), desc(arena, Ix)], level=level)
+        assert np.array_equal(Dst[idx], gq.quantize(src, 30).view(np.uint16).reshape(3, C))
+    else:
+        Dst = arena.empty((R, C), NP_TYPE[t])
+        run(arena, "SET_ROWS", desc(arena, Dst), [desc(arena, S), desc(arena, Ix)], level=level)
+        assert np.array_equal(Dst[idx], src.astype(NP_TYPE[t]))
+        assert not Dst[1].any()
+
+
+@pytest.mark.parametrize("dt", [F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1])
+def test_cpy_convert(level, arena, dt, rng):
+    x = rng.standard_normal((6, 4, 64)).astype(np.float32)
+    x[0, 0, :5] = [0.0, -0.0, 65519.0, 1e-6, -7e-8]
+    X = arena.put(x)
+    if dt in QBLOCK:
+        D = arena.empty((6, 4, 64 // 32 * QBLOCK[dt][1]), np.uint8)
+        run(arena, "CPY", desc(arena, D, dt, ne0=64), [desc(arena, X)], level=level)
+        assert np.array_equal(D.reshape(-1), quantize(x, dt).reshape(-1))
+    elif dt == BF16:
+        D = arena.empty(x.shape, np.uint16)
+        d = desc(arena, D.view(np.float16))
+        run(arena, "CPY", (BF16, *d[1:]), [desc(arena, X)], level=level)
+        assert np.array_equal(D.reshape(-1), gq.quantize(x, 30).view(np.uint16).reshape(-1))
+    else:
+        D = arena.empty(x.shape, NP_TYPE[dt])
+        run(arena, "CPY", desc(arena, D), [desc(arena, X)], level=level)
+        assert np.array_equal(D, x.astype(NP_TYPE[dt]))
+
+
+def test_fp16_conversion_exhaustive(level, arena):
+    # every half value -> f32 -> half round trips; f32 values between halves round to nearest even
+    h = np.arange(65536, dtype=np.uint16).view(np.float16)
+    h = h[~np.isnan(h)]
+    H = arena.put(h)
+    F = arena.empty(h.shape, np.float32)
+    run(arena, "CPY", desc(arena, F), [desc(arena, H)], level=level)
+    assert np.array_equal(F, h.astype(np.float32))
+    r = np.random.default_rng(5)
+    f = np.concatenate([r.standard_normal(20000) * 1e-5, r.standard_normal(20000) * 3e4,
+                        r.standard_normal(20000) * 1e-7, [65504, 65519.9, 65520, 1e9, -1e9]]).astype(np.float32)
+    Fi = arena.put(f)
+    Ho = arena.empty(f.shape, np.float16)
+    run(arena, "CPY", desc(arena, Ho), [desc(arena, Fi)], level=level)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(Ho.view(np.uint16), f.astype(np.float16).view(np.uint16))
+
+
+def test_cont_permuted_and_reshaped(level, arena, rng):
+    x = rng.standard_normal((3, 4, 5, 6)).astype(np.float32)
+    X = arena.put(x)
+    view = X.transpose(2, 0, 3, 1)
+    D = arena.empty(view.shape, np.float32)
+    run(arena, "CONT", desc(arena, D), [desc(arena, view)], level=level)
+    assert np.array_equal(D, view)
+    # copy into a differently shaped destination: element order is preserved
+    D2 = arena.empty((12, 30), np.float16)
+    run(arena, "CPY", desc(arena, D2), [desc(arena, view)], level=level)
+    assert np.array_equal(D2, np.ascontiguousarray(view).reshape(12, 30).astype(np.float16))
+    # into a strided destination
+    big = arena.empty((5, 3, 6, 8), np.float32)
+    dv = big.transpose(0, 1, 2, 3)[:, :, :, 2:6]
+    src = arena.put(rng.standard_normal((5, 3, 6, 4)).astype(np.float32))
+    run(arena, "CPY", desc(arena, dv), [desc(arena, src)], level=level)
+    assert np.array_equal(dv, src) and not big[..., :2].any()
+    i = arena.put(rng.integers(0, 100, (4, 6)).astype(np.int32)).T
+    Di = arena.empty(i.shape, np.int32)
+    run(arena, "CONT", desc(arena, Di), [desc(arena, i)], level=level)
+    assert np.array_equal(Di, i)
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_concat(level, arena, axis, rng):
+    a = rng.standard_normal((3, 4, 5)).astype(np.float32)
+    shp = list(a.shape)
+    shp[axis] = 2
+    b = rng.standard_normal(shp).astype(np.float32)
+    A, B = arena.put(a), arena.put(b)
+    ref = np.concatenate([a, b], axis)
+    D = arena.empty(ref.shape, np.float32)
+    run(arena, "CONCAT", desc(arena, D), [desc(arena, A), desc(arena, B)], ip=[2 - axis], level=level)
+    assert np.array_equal(D, ref)
+
+
+def test_repeat_pad(level, arena, rng):
+    a = rng.standard_normal((2, 1, 3)).astype(np.float32)
+    A = arena.put(a)
+    D = arena.empty((4, 5, 6), np.float32)
+    run(arena, "REPEAT", desc(arena, D), [desc(arena, A)], level=level)
+    assert np.array_equal(D, np.tile(a, (2, 5, 2)))
+    P = arena.empty((3, 2, 7), np.float32)
+    run(arena, "PAD", desc(arena, P), [desc(arena, A)], level=level)
+    assert np.array_equal(P, np.pad(a, [(0, 1), (0, 1), (0, 4)]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# plans: validation, symbols, threads
+
+def test_validation_rejects_bad_plans(arena):
+    A = arena.put(np.zeros((4, 8), np.float32))
+    D = arena.empty((4, 8), np.float32)
+    ok = desc(arena, D)
+    with pytest.raises(_simd.PlanError, match="outside"):  # dst beyond the registered range
+        t, ne, nb, base, off = ok
+        huge = (t, [8, 4000000, 1, 1], nb, base, off)
+        _simd.Plan([(OPS["ADD"], huge, [huge, desc(arena, A)])], arena.ranges)
+    with pytest.raises(_simd.PlanError, match="outside"):  # not registered at all
+        other = np.zeros(32, np.float32)
+        _simd.Plan([(OPS["NEG"], ok, [desc(arena, A)])],
+                   [(other.__array_interface__["data"][0], other.nbytes)])
+    with pytest.raises(_simd.PlanError, match="tile"):
+        B = arena.put(np.zeros((3,), np.float32))
+        _simd.Plan([(OPS["ADD"], ok, [desc(arena, A), desc(arena, B)])], arena.ranges)
+    with pytest.raises(_simd.PlanError, match="inner"):
+        W = arena.put(np.zeros((5, 9), np.float32))
+        _simd.Plan([(OPS["MUL_MAT"], desc(arena, arena.empty((4, 5), np.float32)), [desc(arena, W), desc(arena, A)])],
+                   arena.ranges)
+    with pytest.raises(_simd.PlanError, match="unknown op"):
+        _simd.Plan([(999, ok, [desc(arena, A)])], arena.ranges)
+    with pytest.raises(_simd.PlanError, match="type"):
+        t, ne, nb, base, off = ok
+        _simd.Plan([(OPS["NEG"], (77, ne, nb, base, off), [desc(arena, A)])], arena.ranges)
+    with pytest.raises((ValueError, TypeError)):
+        _simd.Plan([(OPS["NEG"], ok)], arena.ranges)
+
+
+def test_symbolic_kv_length(level, arena, rng):
+    """A decode-style attention whose KV length is a symbol bound at compute time."""
+    H, D, MAXKV = 4, 32, 50
+    k = rng.standard_normal((H, MAXKV, D)).astype(np.float16)
+    v = rng.standard_normal((H, MAXKV, D)).astype(np.float16)
+    q = rng.standard_normal((H, 1, D)).astype(np.float32)
+    K, V, Q = arena.put(k), arena.put(v), arena.put(q)
+    out = arena.empty((1, H, D), np.float32)
+    n_kv = (0, [(0, 1)])  # affine: 0 + 1 * sym0
+
+    def kv_desc(arr):
+        t, ne, nb, base, off = desc(arena, arr)
+        return (t, [ne[0], n_kv, ne[2], ne[3]], nb, base, off)
+
+    nodes = [(OPS["FLASH_ATTN_EXT"], desc(arena, out), [desc(arena, Q), kv_desc(K), kv_desc(V)], [], [0.2, 0, 0])]
+    p = _simd.Plan(nodes, arena.ranges, [MAXKV], 2, level)
+    for L in (1, 7, 50):
+        p.compute([L])
+        sc = np.einsum("hqd,hkd->hqk", q.astype(np.float64), k[:, :L].astype(np.float64)) * 0.2
+        pr = np.exp(sc - sc.max(-1, keepdims=True))
+        pr /= pr.sum(-1, keepdims=True)
+        ref = np.einsum("hqk,hkd->hqd", pr, v[:, :L].astype(np.float64)).transpose(1, 0, 2)
+        assert nmse(ref, out) < 5e-4
+    with pytest.raises(_simd.PlanError, match="outside"):
+        p.compute([51])
+    with pytest.raises(_simd.PlanError):
+        p.compute([])
+
+
+def test_symbolic_extent_checked_at_build(arena):
+    A = arena.put(np.zeros((10, 8), np.float32))
+    t, ne, nb, base, off = desc(arena, A)
+    rows = (0, [(0, 1)])
+    d = (t, [8, rows, 1, 1], nb, base, off)
+    _simd.Plan([(OPS["NEG"], d, [d])], arena.ranges, [10])
+    # a bound so large the view would leave the arena
+    with pytest.raises(_simd.PlanError, match="outside"):
+        _simd.Plan([(OPS["NEG"], d, [d])], arena.ranges, [10 ** 9])
+
+
+def test_symbolic_offset(level, arena, rng):
+    """SET_ROWS-like write at a position given by a symbol (KV cache append through a view offset)."""
+    cache = arena.empty((16, 8), np.float32)
+    row = arena.put(rng.standard_normal((1, 8)).astype(np.float32))
+    t, ne, nb, base, off = desc(arena, cache[:1])
+    dst = (t, ne, nb, base, (off, [(0, 32)]))  # offset = off + 32 * pos
+    p = _simd.Plan([(OPS["CPY"], dst, [desc(arena, row)])], arena.ranges, [15], 1, level)
+    for pos in (0, 3, 15):
+        p.compute([pos])
+        assert np.array_equal(cache[pos], row[0])
+
+
+def test_many_nodes_one_call_threads(level, arena, rng):
+    x = rng.standard_normal((3, 200)).astype(np.float32)
+    X = arena.put(x)
+    bufs = [arena.empty(x.shape, np.float32) for _ in range(2)]
+    nodes = []
+    prev = X
+    for i in range(300):
+        out = bufs[i % 2]
+        nodes.append((OPS["SCALE"], desc(arena, out), [desc(arena, prev)], [], [1.0, 1.0]))
+        prev = out
+    for nt in (1, 2, 3):
+        p = _simd.Plan(nodes, arena.ranges, [], nt, level)
+        assert p.n_nodes == 300 and p.n_threads == nt
+        p.compute([])
+        np.testing.assert_allclose(prev, x + 300, rtol=1e-5)
+
+
+def test_compute_from_threads_serialises(level, arena, rng):
+    w = rng.standard_normal((64, 256)).astype(np.float32)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    W, X = arena.put(w), arena.put(x)
+    outs = [arena.empty((3, 64), np.float32) for _ in range(4)]
+    plans = [_simd.Plan([(OPS["MUL_MAT"], desc(arena, o), [desc(arena, W), desc(arena, X)])], arena.ranges, [], 2,
+                        level) for o in outs]
+    errors = []
+
+    def work(p):
+        try:
+            for _ in range(50):
+                p.compute([])
+        except Exception as e:  # pragma: no cover
+            errors.append(e)
+
+    ts = [threading.Thread(target=work, args=(p,)) for p in plans]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors
+    for o in outs:
+        assert nmse(x @ w.T, o) < 1e-10
+
+
+def test_stream_bandwidth_and_quant_helpers():
+    b = _simd.Buffer(8 << 20)
+    gbs = _simd.stream_read_bandwidth(b, 2, 2)
+    assert gbs > 0.1
+    x = np.random.default_rng(0).standard_normal(256).astype(np.float32)
+    for t in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1):
+        assert np.array_equal(_simd.quantize(t, x), quantize(x, t))
+    for t in (Q4_K, Q5_K, Q6_K, Q8_0):
+        raw = quantize(x.reshape(1, -1), t).reshape(-1)
+        assert np.array_equal(_simd.dequantize(t, raw, 256), dequantize(raw, t).reshape(-1))
