@@ -39,12 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, module in COMMANDS.items():
-        try:
-            mod = importlib.import_module(f"ggml_py.commands.{module}")
-        except ModuleNotFoundError as e:
-            if e.name != f"ggml_py.commands.{module}":
-                raise
-            continue  # a command not (yet) present in this tree must not break the others
+        mod = importlib.import_module(f"ggml_py.commands.{module}")
         sp = sub.add_parser(name, help=mod.__doc__.strip().splitlines()[0] if mod.__doc__ else None)
         sp.add_argument("--json", action="store_true", help="print one JSON object on stdout")
         sp.add_argument("--debug", action="store_true", help="show tracebacks")

@@ -16,6 +16,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
+from ggml_py.tokenizer import _bytes_to_unicode
+
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
@@ -25,13 +27,9 @@ MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s", "r e", "
 
 
 def _byte_chars() -> list[str]:
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in keep}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
+    """GPT-2's byte characters in byte order (the tokenizer's table, whose ids tests/test_tokenizer.py checks
+    against llama.cpp)."""
+    table = _bytes_to_unicode()
     return [table[b] for b in range(256)]
 
 
