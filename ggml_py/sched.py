@@ -165,12 +165,11 @@ class Plan:
                         home[c.id] = b.default_buffer_type
                         pairs.append((r, c))
             split_copies.append(pairs)
-        copies = [c for _, c in copy_of.items()]
+        copies = list(copy_of.values())
 
         bts = {bt.name: bt for bt in home.values()}
         leafs = [t for t in self.graph.leafs if not t.flags & (PARAM | STATE)] + copies
-        order = [n for n in self.graph.nodes]
-        alloc = plan_memory(order, leafs, buffer_type_of=lambda t: home[_root(t).id].name,
+        alloc = plan_memory(self.graph.nodes, leafs, buffer_type_of=lambda t: home[_root(t).id].name,
                             alignment_of=lambda name: bts[name].alignment,
                             size_of=lambda t: bts[home[_root(t).id].name].alloc_size(t))
         self.buffers: dict[str, Buffer] = {}
