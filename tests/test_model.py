@@ -413,3 +413,13 @@ def test_smollm2_info_and_chat(capsys):
     assert r["tensor_types"] == {"F32": 61, "Q4_1": 210, "Q8_0": 1} and r["tied_output"]
     assert r["tokenizer"]["pre"] == "smollm" and r["tokenizer"]["chat_template"]
     assert os.path.getsize(r["path"]) == r["file_size"]
+
+
+def test_kv_cache_that_does_not_fit_is_refused_before_allocating(tiny_path, monkeypatch):
+    from ggml_py.models import llama
+
+    before = counters.snapshot().get("buffers_allocated", 0)
+    monkeypatch.setattr(llama, "available_memory", lambda: 4096)
+    with pytest.raises(ggml_py.ModelError, match=r"KV cache of [0-9.]+ MiB .* does not fit in the 0\.0 MiB"):
+        load_model(tiny_path, backends=["numpy"], n_ctx=64)
+    assert counters.snapshot().get("buffers_allocated", 0) == before
