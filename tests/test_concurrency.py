@@ -7,10 +7,11 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import available_backends
 
 import ggml_py as gp
 from ggml_py import ops
+
+from conftest import available_backends
 
 BACKENDS = available_backends()
 
