@@ -21,7 +21,7 @@ from .errors import PlanError
 from .graph import Graph
 from .registry import resolve_backends
 from .symbolic import Expr, Sym, evaluate
-from .tensor import INPUT, OUTPUT, PARAM, STATE, VIEW_OPS, Tensor
+from .tensor import INPUT, OUTPUT, PARAM, STATE, VIEW_OPS, Tensor, nbytes_upper
 
 
 def _root(t: Tensor) -> Tensor:
@@ -325,9 +325,7 @@ class Plan:
         strides = tuple(evaluate(s, b) for s in t.strides)
         buf, off = self._location(t)
         off += evaluate(t.view_offs, b)
-        span = t.dtype.row_size(shape[-1]) if t.dtype.is_quantized else t.dtype.type_size
-        span += sum((d - 1) * s for d, s in zip(shape[:-1] if t.dtype.is_quantized else shape,
-                                                strides[:-1] if t.dtype.is_quantized else strides))
+        span = nbytes_upper(shape, strides, t.dtype)  # concrete shape: the bytes it spans
         raw = buf.host_view()[off: off + span] if buf.buffer_type.is_host else buf.get_tensor(off, span)
         if t.dtype.is_quantized:
             rows = np.lib.stride_tricks.as_strided(raw, (*shape[:-1], t.dtype.row_size(shape[-1])),
