@@ -304,6 +304,9 @@ class Plan:
             if missing:
                 raise PlanError(f"symbol(s) {sorted(missing)} must be bound, e.g. compute({next(iter(missing))}=...)")
             self._check_bindings(b)
+            # once running, the inputs' bindings are used up even if a split fails or Ctrl-C stops it: the next
+            # set_input may bind other sizes (outputs are then undefined until a compute completes)
+            self._pending = {}
             for run in self.runs:
                 for c in run.copies:
                     (sb, so), (db, do) = c.src, c.dst
@@ -311,7 +314,6 @@ class Plan:
                         db.set_tensor(do, sb.get_tensor(so, c.size))
                 run.split.backend.graph_plan_compute(run.plan, b)
             self.bindings = b
-            self._pending = {}
             self._n_computes += 1
             counters.bump("plan_computes")
 

@@ -136,9 +136,20 @@ struct StreamJob : Job {
     }
 };
 
+unsigned long main_thread_ident = 0;
+
+// The interrupt poll of a compute on the main thread: run pending Python signal handlers under the GIL. When one
+// raises (KeyboardInterrupt), its exception stays set on this thread and compute() rethrows it.
+bool run_signal_handlers() {
+    py::gil_scoped_acquire gil;
+    return PyErr_CheckSignals() != 0;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_simd, m) {
+    main_thread_ident = py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
+
     m.doc() = "ggml_py SIMD backend: aligned buffers, runtime ISA dispatch, plan executor";
 
     py::register_exception<PlanError>(m, "PlanError", PyExc_RuntimeError);
@@ -248,10 +259,21 @@ PYBIND11_MODULE(_simd, m) {
         .def(
             "compute",
             [](Plan& p, std::vector<int64_t> syms) {
-                py::gil_scoped_release nogil;
-                p.compute(syms);
+                // Python runs signal handlers only on the main thread, so only there is the compute polled.
+                const bool on_main = PyThread_get_thread_ident() == main_thread_ident;
+                bool interrupted = false;
+                {
+                    py::gil_scoped_release nogil;
+                    try {
+                        p.compute(syms, on_main ? run_signal_handlers : nullptr);
+                    } catch (const Interrupted&) {
+                        interrupted = true;
+                    }
+                }
+                if (interrupted) throw py::error_already_set();  // the handler's exception (KeyboardInterrupt)
             },
-            py::arg("syms") = std::vector<int64_t>())
+            py::arg("syms") = std::vector<int64_t>(),
+            "Run the plan. A signal handler that raises on the main thread (Ctrl-C) stops it between nodes.")
         .def_property("n_threads", &Plan::n_threads, &Plan::set_n_threads)
         .def_property("force_parallel", &Plan::force_parallel, &Plan::set_force_parallel,
                       "Run every node on all threads (barrier after each), ignoring the small-node rule.")

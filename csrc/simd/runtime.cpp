@@ -724,7 +724,7 @@ std::string Plan::check_node(const Node& n, size_t index, bool check_scratch) co
     return "";
 }
 
-void Plan::compute(const std::vector<int64_t>& syms) {
+void Plan::compute(const std::vector<int64_t>& syms, InterruptPoll poll) {
     std::lock_guard<std::mutex> lk(mutex_);
     if (syms.size() != sym_max_.size())
         throw PlanError("expected " + std::to_string(sym_max_.size()) + " symbol values, got " + std::to_string(syms.size()));
@@ -742,6 +742,9 @@ void Plan::compute(const std::vector<int64_t>& syms) {
     }
     for (size_t i = 0; i < nodes_.size(); ++i) counters_[i].store(0, std::memory_order_relaxed);
     error_.store(0, std::memory_order_relaxed);
+    poll_ = poll;
+    interrupted_ = false;
+    if (poll_) last_poll_ = std::chrono::steady_clock::now();
     const int nth = all_single_ ? 1 : n_threads_;
     ThreadPool& pool = ThreadPool::instance();
     if (nth <= 1) {
@@ -760,6 +763,7 @@ void Plan::compute(const std::vector<int64_t>& syms) {
             if (profiling_)
                 node_seconds_[(size_t)tk.node->index] +=
                     std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            maybe_poll(t);
         }
     } else {
         auto guard = pool.lock();
@@ -773,7 +777,22 @@ void Plan::compute(const std::vector<int64_t>& syms) {
         pool.start(this, nth);
         drive(gen, nth);
     }
+    if (interrupted_) throw Interrupted();
     if (error_.load()) throw PlanError(std::string(errmsg_));
+}
+
+// Between tasks, on the computing thread: ask the poll (it may take the GIL) every INTERRUPT_POLL_MS. Reading the
+// clock only every 8th task keeps this off the per-node dispatch cost. A stop is an error every later unit sees.
+void Plan::maybe_poll(size_t task) {
+    if (!poll_ || (task & 7) != 7 || interrupted_) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last_poll_ < std::chrono::milliseconds(INTERRUPT_POLL_MS)) return;
+    last_poll_ = now;
+    if (poll_()) {
+        interrupted_ = true;
+        int expected = 0;
+        error_.compare_exchange_strong(expected, 1);
+    }
 }
 
 // Claim one unit of task t in generation gen and run it; false when none is left.
@@ -811,6 +830,7 @@ void Plan::drive(uint64_t gen, int nth) {
         if (profiling_)
             node_seconds_[(size_t)tasks_[t].node->index] +=
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        maybe_poll(t);
     }
     cur_.store((gen << 32) | nt, std::memory_order_release);
 }

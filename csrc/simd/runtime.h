@@ -2,6 +2,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -133,12 +134,23 @@ class PlanError : public std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
+// Thrown by Plan::compute when its interrupt poll asked it to stop; the nodes after that point did not run.
+class Interrupted : public std::exception {
+   public:
+    const char* what() const noexcept override { return "compute interrupted"; }
+};
+
+// Called by the computing thread between nodes, at most every INTERRUPT_POLL_MS; true stops the compute.
+using InterruptPoll = bool (*)();
+enum { INTERRUPT_POLL_MS = 100 };
+
 class Plan : public Job {
    public:
     Plan(const std::vector<NodeDesc>& nodes, const std::vector<Range>& ranges, const std::vector<int64_t>& sym_max,
          int n_threads, int level, bool validate_only = false);
-    // Binds the symbols, validates what depends on them, runs every node; throws PlanError.
-    void compute(const std::vector<int64_t>& syms);
+    // Binds the symbols, validates what depends on them, runs every node; throws PlanError, or Interrupted when
+    // `poll` (may be null) returned true.
+    void compute(const std::vector<int64_t>& syms, InterruptPoll poll = nullptr);
     void run(int ith, int nth) override;  // a worker helping with the current compute
     ~Plan() override;
 
@@ -214,6 +226,10 @@ class Plan : public Job {
     ExecCtx ctx_;
     std::atomic<int> error_{0};
     char errmsg_[ERRMSG_LEN];
+    InterruptPoll poll_ = nullptr;
+    std::chrono::steady_clock::time_point last_poll_;
+    bool interrupted_ = false;
+    void maybe_poll(size_t task);
     std::unique_ptr<TaskState[]> tstate_;
     std::vector<ExecCtx> tctx_;  // per thread
     alignas(64) std::atomic<uint64_t> cur_{0};  // (generation << 32) | task being worked on

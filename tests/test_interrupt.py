@@ -1,0 +1,70 @@
+"""Ctrl-C during a long compute: the compute stops soon with KeyboardInterrupt, and the plan and the backend keep
+working afterwards (docs/architecture.md, "Interrupting a compute")."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ggml_py as gp
+from ggml_py import ops
+
+from conftest import available_backends
+
+N_LAYERS = 400  # each a (n, 256) x (256, 256) product
+WIDTH = 256
+N_LONG = 65536  # the whole compute then takes about 30 s on simd and 50 s on numpy (2 cores)
+
+
+def _chain(backend: str):
+    rng = np.random.default_rng(3)
+    n = gp.sym("n", N_LONG)
+    x = gp.input((n, WIDTH), name="x")
+    ws = [(rng.standard_normal((WIDTH, WIDTH)) / np.sqrt(WIDTH)).astype(np.float32) for _ in range(N_LAYERS)]
+    y = x
+    for i, w in enumerate(ws):
+        y = ops.tanh(ops.mul_mat(gp.weight(w, name=f"w{i}"), y))
+    return gp.prepare(y.set_name("y"), backends=[backend]), ws
+
+
+def _expected(xv: np.ndarray, ws: list[np.ndarray]) -> np.ndarray:
+    y = xv
+    for w in ws:
+        y = np.tanh(y @ w.T)
+    return y
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_keyboard_interrupt_stops_a_long_compute_and_leaves_the_backend_usable(backend):
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT does not raise KeyboardInterrupt in this process")
+    plan, ws = _chain(backend)
+    rng = np.random.default_rng(4)
+    plan.set_input("x", rng.standard_normal((N_LONG, WIDTH)).astype(np.float32))
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))  # what Ctrl-C does
+    t0 = time.perf_counter()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            plan.compute()
+            time.sleep(5)  # the compute finished before the signal: wait for it so it cannot escape the test
+    finally:
+        timer.cancel()
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 3.0, f"the compute stopped {elapsed:.2f} s after starting (signal at 0.3 s)"
+
+    # the same plan, at a size that finishes, and a new plan on the same backend both give right results
+    small = rng.standard_normal((4, WIDTH)).astype(np.float32)
+    plan.set_input("x", small)
+    plan.compute()
+    np.testing.assert_allclose(plan.get_output("y"), _expected(small, ws), rtol=1e-3, atol=1e-4)
+    a = gp.input((8,), name="a")
+    other = gp.prepare(ops.add(a, a).set_name("s"), backends=[backend])
+    other.set_input("a", np.arange(8, dtype=np.float32))
+    other.compute()
+    np.testing.assert_array_equal(other.get_output("s"), 2 * np.arange(8, dtype=np.float32))
