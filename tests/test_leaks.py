@@ -1,0 +1,97 @@
+"""Leaks: the LSan log reader used by `make test-asan` (tests/lsan_check.py) attributes leaks correctly, and
+preparing, computing and closing plans over and over does not grow the process's memory on any backend."""
+
+from __future__ import annotations
+
+import resource
+
+import numpy as np
+import pytest
+
+import ggml_py as gp
+from ggml_py import ops
+
+import lsan_check
+from conftest import available_backends
+
+SIMD = "/venv/lib/python3.11/site-packages/ggml_py_simd/_simd.cpython-311-x86_64-linux-gnu.so"
+LOG = f"""
+=================================================================
+==11==ERROR: LeakSanitizer: detected memory leaks
+
+Direct leak of 4096 byte(s) in 1 object(s) allocated from:
+    #0 0x7f01 in __interceptor_malloc ../../../../src/libsanitizer/asan/asan_malloc_linux.cpp:69 [/usr/lib/libasan.so.8]
+    #1 0x7f02 in _PyObject_Malloc Objects/obmalloc.c:2003 [/usr/lib/libpython3.11.so.1.0]
+
+Direct leak of 64 byte(s) in 1 object(s) allocated from:
+    #0 0x7f01 in operator new(unsigned long) asan_new_delete.cpp:95 [/usr/lib/libasan.so.8]
+    #1 0x7f03 in std::__cxx11::basic_string::_M_create(unsigned long&, unsigned long) <null> [/usr/lib/libstdc++.so.6]
+    #2 0x7f04 in gp::Plan::Plan(...) /src/csrc/simd/runtime.cpp:612 [{SIMD}]
+    #3 0x7f02 in _PyObject_MakeTpCall Objects/call.c:214 [/usr/lib/libpython3.11.so.1.0]
+
+Indirect leak of 8 byte(s) in 1 object(s) allocated from:
+    #0 0x7f01 in __interceptor_posix_memalign asan_malloc_linux.cpp:145 [/usr/lib/libasan.so.8]
+    #1 0x7f05 in <null> <null> [{SIMD}]
+
+Direct leak of 32 byte(s) in 1 object(s) allocated from:
+    #0 0x7f01 in __interceptor_malloc ../../../../src/libsanitizer/asan/asan_malloc_linux.cpp:69 [/usr/lib/libasan.so.8]
+    #1 0x7f06 in PyMem_RawMalloc Objects/obmalloc.c:586 [/usr/lib/libpython3.11.so.1.0]
+    #2 0x7f04 in gp::something /src/csrc/simd/module.cpp:10 [{SIMD}]
+
+SUMMARY: AddressSanitizer: 4200 byte(s) leaked in 4 allocation(s).
+"""
+OVERFLOW = """
+=================================================================
+==12==ERROR: AddressSanitizer: heap-buffer-overflow on address 0x6020 at pc 0x7f bp 0x7f sp 0x7f
+READ of size 4 at 0x6020 thread T0
+    #0 0x7f04 in gp::k_add /src/csrc/simd/k_elementwise.cpp:40 [{SIMD}]
+SUMMARY: AddressSanitizer: heap-buffer-overflow
+==12==ABORTING
+"""
+
+
+def test_lsan_check_attributes_each_leak_to_the_first_frame_past_the_allocator():
+    leaks = lsan_check.parse(LOG.splitlines())
+    assert [(lk.kind, lk.nbytes) for lk in leaks] == [("Direct", 4096), ("Direct", 64), ("Indirect", 8), ("Direct", 32)]
+    # CPython's object; ours through libstdc++; ours unsymbolized; CPython's allocator called by us (CPython's)
+    assert [lk.ours for lk in leaks] == [False, True, True, False]
+    assert "runtime.cpp" in leaks[1].origin
+
+
+def test_lsan_check_fails_on_our_leaks_and_on_error_reports_only(tmp_path, capsys):
+    prefix = str(tmp_path / "log")
+    (tmp_path / "log.11").write_text(LOG)
+    assert lsan_check.main(prefix) == 1
+    assert "from ggml_py's native code: 2 record(s), 72 bytes" in capsys.readouterr().out
+    (tmp_path / "log.11").write_text(LOG.split("Direct leak of 64")[0])  # only CPython's leak
+    assert lsan_check.main(prefix) == 0
+    (tmp_path / "log.12").write_text(OVERFLOW.format(SIMD=SIMD))
+    assert lsan_check.main(prefix) == 1
+    assert "heap-buffer-overflow" in capsys.readouterr().out
+
+
+def _max_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_preparing_and_closing_plans_repeatedly_does_not_grow_memory(backend):
+    """Each plan has 4 MiB of compute buffer and a 1 MiB weight; 200 of them leaked would be over 800 MiB."""
+    w = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)
+
+    def cycle() -> None:
+        x = gp.input((1024, 512), name="x")
+        y = ops.gelu(ops.mul_mat(gp.weight(w, name="w"), ops.scale(x, 0.5))).set_name("y")
+        plan = gp.prepare(y, backends=[backend])
+        plan.set_input("x", np.ones((1024, 512), np.float32))
+        plan.compute()
+        assert plan.get_output("y").shape == (1024, 512)
+        plan.close()
+
+    for _ in range(20):  # warm-up: caches, pools and allocator arenas reach their steady size
+        cycle()
+    before = _max_rss_mib()
+    for _ in range(200):
+        cycle()
+    grown = _max_rss_mib() - before
+    assert grown < 64, f"peak RSS grew by {grown:.0f} MiB over 200 prepare/compute/close cycles"
