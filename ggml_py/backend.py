@@ -217,6 +217,11 @@ class Backend(ABC):
     def synchronize(self) -> None:
         """Wait for queued work (synchronous backends need not override)."""
 
+    def weight_cache_bytes(self, weights: Sequence[Tensor]) -> int:
+        """Bytes of memory this backend will add for its own copies of `weights` (converted or repacked forms it
+        caches), beyond the weights themselves; used to refuse a model that would not fit before loading it."""
+        return 0
+
     @property
     def n_threads(self) -> int:
         return self.device.n_threads

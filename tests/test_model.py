@@ -416,10 +416,32 @@ def test_smollm2_info_and_chat(capsys):
 
 
 def test_kv_cache_that_does_not_fit_is_refused_before_allocating(tiny_path, monkeypatch):
-    from ggml_py.models import llama
+    from ggml_py.models import memory
 
     before = counters.snapshot().get("buffers_allocated", 0)
-    monkeypatch.setattr(llama, "available_memory", lambda: 4096)
-    with pytest.raises(ggml_py.ModelError, match=r"KV cache of [0-9.]+ MiB .* does not fit in the 0\.0 MiB"):
+    monkeypatch.setattr(memory, "available_memory", lambda: 4096)
+    with pytest.raises(ggml_py.ModelError, match=r"needs [0-9.]+ MiB \(weights mapped from the file: [0-9.]+ MiB, "
+                       r".*KV cache \(\d+ layers x 64 positions, F16\): [0-9.]+ MiB\), more than the 0\.0 MiB"):
         load_model(tiny_path, backends=["numpy"], n_ctx=64)
     assert counters.snapshot().get("buffers_allocated", 0) == before
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_model_memory_estimate_is_exact_at_the_limit(tiny_path, monkeypatch, backend):
+    """Weights + the backend's weight caches + KV cache: refused one byte below the sum, loaded at it."""
+    from ggml_py.models import memory
+
+    probe = load_model(tiny_path, backends=[backend], n_ctx=32, progress=False)
+    ws = probe.weights.all()
+    b = probe.backends[0]
+    caches = b.weight_cache_bytes(ws)
+    assert caches > 0  # the Q8_0 embedding: numpy's F32 copy of it, simd's repacked (tied) output head
+    need = sum(t.nbytes for t in ws) + caches + probe.cache.nbytes
+    probe.close()
+    monkeypatch.setattr(memory, "available_memory", lambda: need - 1)
+    with pytest.raises(ggml_py.ModelError, match=rf"needs {need / 2**20:.1f} MiB .*{b.name}'s weight caches"):
+        load_model(tiny_path, backends=[backend], n_ctx=32, progress=False)
+    monkeypatch.setattr(memory, "available_memory", lambda: need)
+    load_model(tiny_path, backends=[backend], n_ctx=32, progress=False).close()
+
+

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -148,6 +148,10 @@ class NumpyBackend(Backend):
             hit = _as_float(t, raw, shape)
             cache[key] = hit
         return hit
+
+    def weight_cache_bytes(self, weights: Sequence[Tensor]) -> int:
+        """Every weight that is not F32 is dequantized to an F32 copy on first use and kept (see dequantized)."""
+        return sum(int(t.numel()) * 4 for t in weights if t.dtype is not dtypes.F32)
 
     def graph_plan_create(self, split: Split) -> list[_Step]:
         return [_Step(self, split, n) for n in split.nodes]

@@ -308,6 +308,15 @@ PYBIND11_MODULE(_simd, m) {
         "Check one node description (addresses ignored) at the corners of the symbol box; '' if it is supported.");
 
     m.def(
+        "repacked_nbytes",
+        [](int type, int64_t ne0, int64_t ne1) -> int64_t {
+            if (!repack_supported(type) || ne1 < 8 || ne0 <= 0) return 0;
+            return ne1 / 8 * 8 * repack_row_bytes(type, ne0);
+        },
+        py::arg("type"), py::arg("ne0"), py::arg("ne1"),
+        "Bytes of the interleaved copy a constant (ne1 rows of ne0) matrix gets for GEMV; 0 if it is not repacked.");
+
+    m.def(
         "stream_read_bandwidth",
         [](py::object buf, int n_threads, int reps, py::object level) {
             HostView hv(buf);

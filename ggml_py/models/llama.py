@@ -212,18 +212,6 @@ def load_weights(gf: Any, hp: LlamaHParams) -> LlamaWeights:
     return LlamaWeights(tok, out_norm, output if output is not None else tok, layers, output is None, counts)
 
 
-def available_memory() -> int | None:
-    """Bytes the kernel says can be allocated without swapping (MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 class KVCache:
     """One K and one V tensor per layer: (n_ctx, n_head_kv * head_dim) rows, persistent STATE tensors.
 
@@ -233,12 +221,6 @@ class KVCache:
     def __init__(self, hp: LlamaHParams, n_ctx: int, kv_type: DType) -> None:
         if kv_type not in (dtypes.F16, dtypes.F32):
             raise ModelError(f"KV cache type {kv_type} is not supported (supported: F16, F32)")
-        need = hp.n_layer * n_ctx * (hp.n_head_kv * (hp.head_dim + hp.head_dim_v)) * kv_type.type_size
-        avail = available_memory()
-        if avail is not None and need > avail:  # refuse before allocating anything
-            raise ModelError(f"KV cache of {need / 2**20:.1f} MiB ({hp.n_layer} layers x {n_ctx} positions, "
-                             f"{kv_type}) does not fit in the {avail / 2**20:.1f} MiB of available memory; "
-                             "lower n_ctx or use kv_type F16")
         self.n_ctx = n_ctx
         self.dtype = kv_type
         self.k = [state((n_ctx, hp.n_head_kv * hp.head_dim), kv_type, name=f"cache_k.{i}")
@@ -249,6 +231,11 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (*self.k, *self.v))
+
+    @staticmethod
+    def nbytes_for(hp: LlamaHParams, n_ctx: int, kv_type: DType) -> int:
+        """What a cache for these parameters will allocate (before making one)."""
+        return hp.n_layer * n_ctx * hp.n_head_kv * (hp.head_dim + hp.head_dim_v) * kv_type.type_size
 
 
 @dataclass

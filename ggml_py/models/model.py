@@ -24,6 +24,7 @@ from ..sched import Plan, _place_static, prepare
 from ..symbolic import sym
 from ..tensor import PARAM
 from .llama import KVCache, LlamaHParams, LlamaWeights, StepGraph, build_step, causal_mask
+from .memory import require_memory
 
 log = logging.getLogger("ggml_py.models")
 
@@ -93,6 +94,8 @@ class Model:
         self.n_ctx = n_ctx
         self.n_vocab = hparams.n_vocab
         self.graph_reuse = graph_reuse
+        copy_weights = self._must_copy_weights()
+        self._require_memory(kv_type, copy_weights)
         self.cache = KVCache(hparams, n_ctx, kv_type)
         self._tokenizer = tokenizer
         self._tokenizer_error = tokenizer_error
@@ -104,17 +107,35 @@ class Model:
         self.prepare_s = 0.0
         self._zeros = np.zeros((1, n_ctx), np.float32)
         self._closed = False
-        self.weights_copied = self._place_weights(progress)
+        self.weights_copied = copy_weights
+        if copy_weights:
+            self._copy_weights(progress)
         self.reset_timings()
 
     # -- set-up --------------------------------------------------------------------------------------------------
-    def _place_weights(self, progress: bool) -> bool:
+    def _must_copy_weights(self) -> bool:
         """Weights are wrapped zero-copy by the first plan where the preferred backend can wrap host memory; where it
-        cannot, copy them into its memory now, once, with a progress bar (the scheduler then runs their ops there)."""
+        cannot, they are copied into its memory at load (the scheduler then runs their ops there)."""
         bt = self.backends[0].default_buffer_type
-        probe = np.zeros(64, np.uint8)
-        if bt.is_host and bt.buffer_from_host(probe) is not None:
-            return False
+        return not (bt.is_host and bt.buffer_from_host(np.zeros(64, np.uint8)) is not None)
+
+    def _require_memory(self, kv_type: dtypes.DType, copy_weights: bool) -> None:
+        """Refuse, before allocating anything, a model whose weights (read every token, so they must all be
+        resident), the preferred backend's caches of them, a host copy of them and the KV cache exceed MemAvailable.
+        Compute buffers (a few MiB to tens of MiB) are not counted."""
+        hp, b = self.hparams, self.backends[0]
+        ws = self.weights.all()
+        size = sum(t.nbytes for t in ws)
+        parts = [("weights mapped from the file", size), (f"{b.name}'s weight caches", b.weight_cache_bytes(ws))]
+        if copy_weights and b.default_buffer_type.is_host:
+            parts.append((f"weights copied into {b.name}", size))
+        parts.append((f"KV cache ({hp.n_layer} layers x {self.n_ctx} positions, {kv_type})",
+                      KVCache.nbytes_for(hp, self.n_ctx, kv_type)))
+        require_memory(parts, "use a smaller n_ctx, kv_type F16, another backend or a smaller model")
+
+    def _copy_weights(self, progress: bool) -> None:
+        """Copy the weights into the preferred backend's memory, once, with a progress bar."""
+        bt = self.backends[0].default_buffer_type
         ws = [t for t in self.weights.all() if t.flags & PARAM]
         bar = _Progress(sum(t.nbytes for t in ws), f"loading weights into {self.backends[0].name}") \
             if progress else None
@@ -122,7 +143,6 @@ class Model:
             _place_static(t, bt)
             if bar:
                 bar.add(t.nbytes)
-        return True
 
     @property
     def tokenizer(self) -> Any:

@@ -1,0 +1,33 @@
+"""Refusing a model that would not fit in memory: what loading it will need, against what the kernel says is free."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..errors import ModelError
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def require_memory(parts: Sequence[tuple[str, int]], hint: str) -> None:
+    """Raise ModelError, naming every part and its size, if the parts together exceed the available memory."""
+    avail = available_memory()
+    need = sum(n for _, n in parts)
+    if avail is not None and need > avail:
+        detail = ", ".join(f"{what}: {mib(n)}" for what, n in parts if n)
+        raise ModelError(f"the model needs {mib(need)} ({detail}), more than the {mib(avail)} of available memory; "
+                         f"{hint}")
