@@ -763,7 +763,7 @@ void Plan::compute(const std::vector<int64_t>& syms, InterruptPoll poll) {
             if (profiling_)
                 node_seconds_[(size_t)tk.node->index] +=
                     std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-            maybe_poll(t);
+            maybe_poll(t, units);
         }
     } else {
         auto guard = pool.lock();
@@ -781,10 +781,11 @@ void Plan::compute(const std::vector<int64_t>& syms, InterruptPoll poll) {
     if (error_.load()) throw PlanError(std::string(errmsg_));
 }
 
-// Between tasks, on the computing thread: ask the poll (it may take the GIL) every INTERRUPT_POLL_MS. Reading the
-// clock only every 8th task keeps this off the per-node dispatch cost. A stop is an error every later unit sees.
-void Plan::maybe_poll(size_t task) {
-    if (!poll_ || (task & 7) != 7 || interrupted_) return;
+// Between tasks, on the computing thread: ask the poll (it may take the GIL) every INTERRUPT_POLL_MS. The clock is
+// read after every task split into several units, but only after every 8th one-unit task (those are small by the
+// work threshold), which keeps it off the per-node dispatch cost. A stop is an error every later unit sees.
+void Plan::maybe_poll(size_t task, uint32_t units) {
+    if (!poll_ || interrupted_ || (units <= 1 && (task & 7) != 7)) return;
     const auto now = std::chrono::steady_clock::now();
     if (now - last_poll_ < std::chrono::milliseconds(INTERRUPT_POLL_MS)) return;
     last_poll_ = now;
@@ -830,7 +831,7 @@ void Plan::drive(uint64_t gen, int nth) {
         if (profiling_)
             node_seconds_[(size_t)tasks_[t].node->index] +=
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        maybe_poll(t);
+        maybe_poll(t, units);
     }
     cur_.store((gen << 32) | nt, std::memory_order_release);
 }

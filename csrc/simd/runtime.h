@@ -229,7 +229,7 @@ class Plan : public Job {
     InterruptPoll poll_ = nullptr;
     std::chrono::steady_clock::time_point last_poll_;
     bool interrupted_ = false;
-    void maybe_poll(size_t task);
+    void maybe_poll(size_t task, uint32_t units);
     std::unique_ptr<TaskState[]> tstate_;
     std::vector<ExecCtx> tctx_;  // per thread
     alignas(64) std::atomic<uint64_t> cur_{0};  // (generation << 32) | task being worked on
