@@ -310,23 +310,25 @@ def set_rows(dst: Tensor, src: Tensor, idx: Tensor) -> Tensor:
 
 
 # -- copies and layout ------------------------------------------------------------------------------------------
+def _check_conversion(a: Tensor, to: DType, *others: Tensor) -> None:
+    """The conversions CPY implements: from F32 or F16 to CPY_DST_TYPES, quantizing only from F32."""
+    _need_type("CPY", a, (F32, F16), "source")
+    if to not in CPY_DST_TYPES or (to.is_quantized and a.dtype is not F32):
+        raise _fail("CPY", f"cannot convert {a.dtype} to {to}", a, *others)
+
+
 def cpy(a: Tensor, b: Tensor) -> Tensor:
     """Copy a into the memory of b (converting type); returns a view of b. Same element count required."""
-    _need_type("CPY", a, (F32, F16), "source")
-    _need_type("CPY", b, CPY_DST_TYPES, "destination")
+    _check_conversion(a, b.dtype, b)
     if a.numel() != b.numel():
         raise _fail("CPY", "element counts differ", a, b)
-    if b.dtype.is_quantized and a.dtype is not F32:
-        raise _fail("CPY", "only F32 can be quantized", a, b)
     return Tensor(b.shape, b.dtype, op="CPY", src=(a, b), view_src=b, strides=b.strides)
 
 
 def cast(a: Tensor, dtype: DType | str) -> Tensor:
     """A contiguous copy of a in another type (F32 <-> F16, F32 -> BF16 or a quantized type)."""
     t = dtypes.get(dtype)
-    _need_type("CPY", a, (F32, F16), "source")
-    if t not in CPY_DST_TYPES or (t.is_quantized and a.dtype is not F32):
-        raise _fail("CPY", f"cannot convert {a.dtype} to {t}", a)
+    _check_conversion(a, t)
     return _node("CPY", a.shape, t, (a, None))
 
 

@@ -196,57 +196,55 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
-def run_case(case: Case, backend: Backend, reference: Backend) -> Result:
-    """Build one case, compute it on `backend` and on `reference`, and compare."""
-    t0 = time.perf_counter()
-    res = Result(case.op, case.case, case.types, "failed", max_nmse=case.max_nmse)
+class _Failed(Exception):
+    """A case that cannot go on: its message is the result's."""
+
+
+def _attempt(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args); an exception from a kit bug or a backend becomes the case's failure instead of ending the run."""
     try:
-        built = case.build()
-        nodes = Graph(built.outputs).nodes
-    except Exception as e:  # a kit bug: report it rather than crash the run
-        res.message = f"building the case failed: {_describe(e)}"
-        res.seconds = time.perf_counter() - t0
-        return res
-    try:
-        why = _unsupported(nodes, backend)
+        return fn(*args)
     except Exception as e:
-        res.message = f"backend {backend.name!r} raised in supports_op for {case.op}: {_describe(e)}"
-        res.seconds = time.perf_counter() - t0
-        return res
+        raise _Failed(f"{what}: {_describe(e)}") from None
+
+
+def _evaluate(case: Case, backend: Backend, reference: Backend) -> tuple[str, str, float | None]:
+    """(status, message, worst NMSE) of one case."""
+    built = _attempt("building the case failed", case.build)
+    nodes = _attempt("building the case failed", lambda: Graph(built.outputs).nodes)
+    why = _attempt(f"backend {backend.name!r} raised in supports_op for {case.op}", _unsupported, nodes, backend)
     if why is None:
         why_ref = _unsupported(nodes, reference)
         if why_ref is not None:
             why = f"reference {why_ref}"
     if why is not None:
-        res.status, res.message = "skipped", why
-        res.seconds = time.perf_counter() - t0
-        return res
-    try:
-        ref_out = _compute(built.outputs, built.inputs, reference)
-    except Exception as e:
-        res.message = f"reference backend {reference.name!r} failed on {case.op}: {_describe(e)}"
-        res.seconds = time.perf_counter() - t0
-        return res
-    try:
-        got = _compute(built.outputs, built.inputs, backend)
-    except Exception as e:
-        res.message = f"backend {backend.name!r} failed on {case.op} ({case.case}): {_describe(e)}"
-        res.seconds = time.perf_counter() - t0
-        return res
+        return "skipped", why, None
+    ref_out = _attempt(f"reference backend {reference.name!r} failed on {case.op}", _compute, built.outputs,
+                       built.inputs, reference)
+    got = _attempt(f"backend {backend.name!r} failed on {case.op} ({case.case})", _compute, built.outputs,
+                   built.inputs, backend)
     worst, problems = 0.0, []
     for i, (r, g) in enumerate(zip(ref_out, got)):
         err, problem = compare(r, g)
         worst = max(worst, err)
         if problem:
             problems.append(f"output {i}: {problem}" if len(ref_out) > 1 else problem)
-    res.nmse = worst
     if problems:
-        res.message = f"backend {backend.name!r}: {case.op} ({case.case}): " + "; ".join(problems)
-    elif worst > case.max_nmse:
-        res.message = (f"backend {backend.name!r}: {case.op} ({case.case}) [{case.types}]: NMSE {worst:.3e} > "
-                       f"{case.max_nmse:.1e}")
-    else:
-        res.status = "passed"
+        return "failed", f"backend {backend.name!r}: {case.op} ({case.case}): " + "; ".join(problems), worst
+    if worst > case.max_nmse:
+        return "failed", (f"backend {backend.name!r}: {case.op} ({case.case}) [{case.types}]: NMSE {worst:.3e} > "
+                          f"{case.max_nmse:.1e}"), worst
+    return "passed", "", worst
+
+
+def run_case(case: Case, backend: Backend, reference: Backend) -> Result:
+    """Build one case, compute it on `backend` and on `reference`, and compare."""
+    t0 = time.perf_counter()
+    res = Result(case.op, case.case, case.types, "failed", max_nmse=case.max_nmse)
+    try:
+        res.status, res.message, res.nmse = _evaluate(case, backend, reference)
+    except _Failed as e:
+        res.message = str(e)
     res.seconds = time.perf_counter() - t0
     return res
 
