@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from . import dtypes
-from .dtypes import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, DType
+from .dtypes import BF16, F16, F32, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, DType
 from .errors import ShapeError
 
 QType = DType | int | str  # also gguf.GGMLQuantizationType (an IntEnum)
@@ -27,6 +27,7 @@ __all__ = ["DEQUANTIZABLE", "QUANTIZABLE", "QType", "dequantize", "dequantize_ro
 
 _f32 = np.float32
 _NIBBLE_SHIFTS = np.array([0, 4], dtype=np.uint8)
+_CRUMB_SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)
 # Elements per chunk when mapping a block kernel: bounds the temporaries and keeps them cache-sized.
 _CHUNK_ELEMS = 1 << 18
 _GROUP_MAX_EPS = _f32(1e-15)
@@ -164,6 +165,57 @@ def _q_q8_0(x: np.ndarray) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------------------- K-quants
+
+
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K low bits: (n, 64) bytes to (n, 256) 2-bit values in element order.
+
+    Each 32-byte half covers 128 elements; bits 2j..2j+1 of byte l of half h belong to element 128h + 32j + l."""
+    n = qs.shape[0]
+    return ((qs.reshape(n, 2, 1, 32) >> _CRUMB_SHIFTS[None, None, :, None]) & np.uint8(3)).reshape(n, 256)
+
+
+def _pack_crumbs(levels: np.ndarray) -> np.ndarray:
+    """Inverse of _crumbs: (n, 256) values in [0, 3] to the (n, 64) byte field."""
+    n = levels.shape[0]
+    parts = levels.reshape(n, 2, 4, 32) << _CRUMB_SHIFTS[None, None, :, None]
+    return np.bitwise_or.reduce(parts, axis=2).reshape(n, 64)
+
+
+def _q3k_scales(s: np.ndarray) -> np.ndarray:
+    """Unpack Q3_K's 12-byte field into 16 six-bit scales (n, 16) uint8, still offset by 32.
+
+    Low nibbles: bytes 0-7 (scales 0-7), then their high nibbles (scales 8-15); the top two bits of scale j sit at
+    bits 2*(j//4) of byte 8 + j%4."""
+    low = np.concatenate([s[:, :8] & np.uint8(0x0F), s[:, :8] >> np.uint8(4)], axis=1)
+    high = (s[:, None, 8:12] >> _CRUMB_SHIFTS[None, :, None]) & np.uint8(3)
+    return low | (high.reshape(-1, 16) << np.uint8(4))
+
+
+def _deq_q2_k(b: np.ndarray) -> np.ndarray:
+    # layout: scales[16] (low nibble scale, high nibble min), qs[64], d, dmin
+    n = b.shape[0]
+    sc = b[:, :16]
+    dl = (_f16_field(b, 80) * (sc & np.uint8(0x0F)).astype(np.float32))[:, :, None]
+    ml = (_f16_field(b, 82) * (sc >> np.uint8(4)).astype(np.float32))[:, :, None]
+    q = _crumbs(b[:, 16:80]).astype(np.float32).reshape(n, 16, 16)
+    q *= dl
+    q -= ml
+    return q.reshape(n, 256)
+
+
+def _deq_q3_k(b: np.ndarray) -> np.ndarray:
+    # layout: hmask[32], qs[64], scales[12], d; a clear hmask bit means "subtract 4"
+    n = b.shape[0]
+    high = np.unpackbits(b[:, None, :32], axis=1, count=8, bitorder="little").reshape(n, 256)  # bit k: elems 32k+l
+    q = (_crumbs(b[:, 32:96]) | (high << np.uint8(2))).astype(np.float32)
+    q -= 4
+    sc = _q3k_scales(b[:, 96:108]).astype(np.float32)
+    sc -= 32
+    dl = _f16_field(b, 108) * sc
+    q = q.reshape(n, 16, 16)
+    q *= dl[:, :, None]
+    return q.reshape(n, 256)
 
 
 def _k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -386,7 +438,7 @@ def _q_q6_k(x: np.ndarray) -> np.ndarray:
 
 _DEQUANT: dict[DType, Kernel] = {
     Q4_0: _deq_q4_0, Q4_1: _deq_q4_1, Q5_0: _deq_q5_0, Q5_1: _deq_q5_1, Q8_0: _deq_q8_0,
-    Q4_K: _deq_q4_k, Q5_K: _deq_q5_k, Q6_K: _deq_q6_k,
+    Q2_K: _deq_q2_k, Q3_K: _deq_q3_k, Q4_K: _deq_q4_k, Q5_K: _deq_q5_k, Q6_K: _deq_q6_k,
 }  # fmt: skip
 _QUANT: dict[DType, Kernel] = {
     Q4_0: _q_q4_0, Q4_1: _q_q4_1, Q5_0: _q_q5_0, Q5_1: _q_q5_1, Q8_0: _q_q8_0,

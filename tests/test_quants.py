@@ -21,12 +21,13 @@ pytestmark = [
 ]
 
 BLOCK_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+DEQ_TYPES = BLOCK_TYPES + ["Q2_K", "Q3_K"]  # quantize for these follows
 FLOAT_TYPES = ["F32", "F16", "BF16"]
 LEGACY_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # gguf can quantize these
 K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]  # gguf raises NotImplementedError for these
 # Byte offsets of the f16 fields (d, and m/dmin) inside one block.
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}  # fmt: skip
+              "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}  # fmt: skip
 
 F = np.float32
 
@@ -94,7 +95,7 @@ def sample_data(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
 # ------------------------------------------------------------------------------------------------------ dequantize
 
 
-@pytest.mark.parametrize("name", BLOCK_TYPES)
+@pytest.mark.parametrize("name", DEQ_TYPES)
 @pytest.mark.parametrize("shape", [(1, 1), (7, 3), (2, 3, 2), (5,)], ids=str)
 def test_dequantize_matches_gguf(rng, name, shape):
     raw = rows_of_blocks(random_blocks(rng, name, shape))  # shape = (*rows, blocks per row); (5,) is one 1-D row
@@ -104,13 +105,32 @@ def test_dequantize_matches_gguf(rng, name, shape):
     assert ours.shape == (*raw.shape[:-1], raw.shape[-1] // ts * bs)
 
 
-@pytest.mark.parametrize("name", BLOCK_TYPES + FLOAT_TYPES)
+@pytest.mark.parametrize("name", DEQ_TYPES + FLOAT_TYPES)
 def test_dequantize_random_bytes_matches_gguf(rng, name):
     """Unconstrained bytes: scale fields may be inf/NaN; results must still agree (NaN where gguf has NaN)."""
     _, ts = sizes(name)
     raw = rng.integers(0, 256, size=(9, 4 * ts * (8 if ts <= 4 else 1)), dtype=np.uint8)
     with np.errstate(all="ignore"):
         assert_bits_equal(quants.dequantize(raw, name), gguf_dequantize(raw, name))
+
+
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K"])
+def test_dequantize_low_bit_k_extremes(rng, name):
+    """Uniform byte patterns (every scale / min / level at 0, at its top, alternating) under extreme finite f16
+    scales: max, -max, smallest subnormal, +-0, one; every combination, bit for bit against gguf."""
+    _, ts = sizes(name)
+    fills = [np.zeros(ts, np.uint8), np.full(ts, 0xFF, np.uint8), np.full(ts, 0xAA, np.uint8),
+             np.full(ts, 0x55, np.uint8), rng.integers(0, 256, ts, dtype=np.uint8)]  # fmt: skip
+    scales = np.array([65504.0, -65504.0, 2.0**-24, 0.0, -0.0, 1.0], np.float16)
+    blocks = []
+    for fill in fills:
+        for pair in np.stack(np.meshgrid(scales, scales), axis=-1).reshape(-1, 2):
+            b = fill.copy()
+            for off, v in zip(F16_FIELDS[name], pair):
+                b[off : off + 2] = np.array([v], np.float16).view(np.uint8)
+            blocks.append(b)
+    raw = np.stack(blocks).reshape(-1, 4 * ts)  # several blocks per row
+    assert_bits_equal(quants.dequantize(raw, name), gguf_dequantize(raw, name))
 
 
 @pytest.mark.parametrize("name", LEGACY_TYPES + ["BF16"])
@@ -448,7 +468,7 @@ def test_qtype_spellings(rng, spec):
     np.testing.assert_array_equal(quants.quantize(x, spec), quants.quantize(x, "Q4_K"))
 
 
-@pytest.mark.parametrize("spec", ["Q8_K", "I32", "Q8_1", "I8", GT.Q2_K, GT.IQ4_NL, GT.Q8_K])
+@pytest.mark.parametrize("spec", ["Q8_K", "I32", "Q8_1", "I8", GT.IQ2_XXS, GT.IQ4_NL, GT.Q8_K])
 def test_unsupported_types_raise_not_implemented(spec):
     name = spec if isinstance(spec, str) else spec.name
     with pytest.raises(NotImplementedError, match=name):
@@ -474,7 +494,7 @@ def test_shape_errors():
 
 
 def test_supported_type_lists():
-    assert set(quants.DEQUANTIZABLE) == {dtypes.get(n) for n in BLOCK_TYPES + FLOAT_TYPES}
+    assert set(quants.DEQUANTIZABLE) == {dtypes.get(n) for n in DEQ_TYPES + FLOAT_TYPES}
     assert set(quants.QUANTIZABLE) == {dtypes.get(n) for n in BLOCK_TYPES + FLOAT_TYPES}
 
 
