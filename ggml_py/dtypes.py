@@ -55,7 +55,9 @@ BF16 = DType("BF16", 30, 1, 2, np.dtype(np.uint16))  # stored as raw 16-bit patt
 ALL: tuple[DType, ...] = (
     F32, F16, BF16, I8, I16, I32, I64, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K,
 )  # fmt: skip
-QUANTIZED: tuple[DType, ...] = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+# Block types ggml_py computes with: quants.py (de)quantizes every one of them. Q8_1 / Q8_K are only ggml's
+# activation formats for its dot products and stay out.
+QUANTIZED: tuple[DType, ...] = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
 # Types a weight of mul_mat / get_rows may have.
 WEIGHT_TYPES: tuple[DType, ...] = (F32, F16, BF16, *QUANTIZED)
 FLOAT_TYPES: tuple[DType, ...] = (F32, F16, BF16)
