@@ -40,6 +40,8 @@ Q5_0 = DType("Q5_0", 6, 32, 22, None)
 Q5_1 = DType("Q5_1", 7, 32, 24, None)
 Q8_0 = DType("Q8_0", 8, 32, 34, None)
 Q8_1 = DType("Q8_1", 9, 32, 36, None)
+Q2_K = DType("Q2_K", 10, 256, 84, None)
+Q3_K = DType("Q3_K", 11, 256, 110, None)
 Q4_K = DType("Q4_K", 12, 256, 144, None)
 Q5_K = DType("Q5_K", 13, 256, 176, None)
 Q6_K = DType("Q6_K", 14, 256, 210, None)
@@ -50,8 +52,12 @@ I32 = DType("I32", 26, 1, 4, np.dtype(np.int32))
 I64 = DType("I64", 27, 1, 8, np.dtype(np.int64))
 BF16 = DType("BF16", 30, 1, 2, np.dtype(np.uint16))  # stored as raw 16-bit patterns
 
-ALL: tuple[DType, ...] = (F32, F16, BF16, I8, I16, I32, I64, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q4_K, Q5_K, Q6_K, Q8_K)
-QUANTIZED: tuple[DType, ...] = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+ALL: tuple[DType, ...] = (
+    F32, F16, BF16, I8, I16, I32, I64, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K,
+)  # fmt: skip
+# Block types ggml_py computes with: quants.py (de)quantizes every one of them. Q8_1 / Q8_K are only ggml's
+# activation formats for its dot products and stay out.
+QUANTIZED: tuple[DType, ...] = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
 # Types a weight of mul_mat / get_rows may have.
 WEIGHT_TYPES: tuple[DType, ...] = (F32, F16, BF16, *QUANTIZED)
 FLOAT_TYPES: tuple[DType, ...] = (F32, F16, BF16)

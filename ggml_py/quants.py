@@ -7,7 +7,9 @@ to always get raw bytes.
 
 Results are bit-identical to gguf for everything gguf implements (all dequantizers here; quantizers of
 BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). gguf cannot quantize the K-quants; ours follow ggml's reference quantizers
-(`quantize_row_q{4,5,6}_K_ref`), keeping C's float32 operation order (sums run sequentially over the element axis).
+(`quantize_row_q{2,3,4,5,6}_K_ref`), keeping C's float32 operation order (sums run sequentially over the element axis)
+and no fused multiply-add: Q2_K and Q3_K match ggml-quants.c built with -O2 for baseline x86-64 byte for byte; a
+build with FMA contraction (-march=native) rounds differently and gives other (equally valid) Q2_K bytes.
 No gguf import here: the core does its own math.
 """
 
@@ -18,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from . import dtypes
-from .dtypes import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, DType
+from .dtypes import BF16, F16, F32, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, DType
 from .errors import ShapeError
 
 QType = DType | int | str  # also gguf.GGMLQuantizationType (an IntEnum)
@@ -27,6 +29,7 @@ __all__ = ["DEQUANTIZABLE", "QUANTIZABLE", "QType", "dequantize", "dequantize_ro
 
 _f32 = np.float32
 _NIBBLE_SHIFTS = np.array([0, 4], dtype=np.uint8)
+_CRUMB_SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)
 # Elements per chunk when mapping a block kernel: bounds the temporaries and keeps them cache-sized.
 _CHUNK_ELEMS = 1 << 18
 _GROUP_MAX_EPS = _f32(1e-15)
@@ -166,6 +169,57 @@ def _q_q8_0(x: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------------------- K-quants
 
 
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K low bits: (n, 64) bytes to (n, 256) 2-bit values in element order.
+
+    Each 32-byte half covers 128 elements; bits 2j..2j+1 of byte l of half h belong to element 128h + 32j + l."""
+    n = qs.shape[0]
+    return ((qs.reshape(n, 2, 1, 32) >> _CRUMB_SHIFTS[None, None, :, None]) & np.uint8(3)).reshape(n, 256)
+
+
+def _pack_crumbs(levels: np.ndarray) -> np.ndarray:
+    """Inverse of _crumbs: (n, 256) values in [0, 3] to the (n, 64) byte field."""
+    n = levels.shape[0]
+    parts = levels.reshape(n, 2, 4, 32) << _CRUMB_SHIFTS[None, None, :, None]
+    return np.bitwise_or.reduce(parts, axis=2).reshape(n, 64)
+
+
+def _q3k_scales(s: np.ndarray) -> np.ndarray:
+    """Unpack Q3_K's 12-byte field into 16 six-bit scales (n, 16) uint8, still offset by 32.
+
+    Low nibbles: bytes 0-7 (scales 0-7), then their high nibbles (scales 8-15); the top two bits of scale j sit at
+    bits 2*(j//4) of byte 8 + j%4."""
+    low = np.concatenate([s[:, :8] & np.uint8(0x0F), s[:, :8] >> np.uint8(4)], axis=1)
+    high = (s[:, None, 8:12] >> _CRUMB_SHIFTS[None, :, None]) & np.uint8(3)
+    return low | (high.reshape(-1, 16) << np.uint8(4))
+
+
+def _deq_q2_k(b: np.ndarray) -> np.ndarray:
+    # layout: scales[16] (low nibble scale, high nibble min), qs[64], d, dmin
+    n = b.shape[0]
+    sc = b[:, :16]
+    dl = (_f16_field(b, 80) * (sc & np.uint8(0x0F)).astype(np.float32))[:, :, None]
+    ml = (_f16_field(b, 82) * (sc >> np.uint8(4)).astype(np.float32))[:, :, None]
+    q = _crumbs(b[:, 16:80]).astype(np.float32).reshape(n, 16, 16)
+    q *= dl
+    q -= ml
+    return q.reshape(n, 256)
+
+
+def _deq_q3_k(b: np.ndarray) -> np.ndarray:
+    # layout: hmask[32], qs[64], scales[12], d; a clear hmask bit means "subtract 4"
+    n = b.shape[0]
+    high = np.unpackbits(b[:, None, :32], axis=1, count=8, bitorder="little").reshape(n, 256)  # bit k: elems 32k+l
+    q = (_crumbs(b[:, 32:96]) | (high << np.uint8(2))).astype(np.float32)
+    q -= 4
+    sc = _q3k_scales(b[:, 96:108]).astype(np.float32)
+    sc -= 32
+    dl = _f16_field(b, 108) * sc
+    q = q.reshape(n, 16, 16)
+    q *= dl[:, :, None]
+    return q.reshape(n, 256)
+
+
 def _k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Unpack the 12-byte Q4_K/Q5_K field into 8 six-bit scales and 8 six-bit mins, each (n, 8) uint8."""
     a, b, c = s[:, 0:4], s[:, 4:8], s[:, 8:12]
@@ -228,10 +282,19 @@ def _nearest(v: np.ndarray) -> np.ndarray:
     return np.rint(v)
 
 
+def _nearest_int(v: np.ndarray) -> np.ndarray:
+    """ggml's nearest_int bit for bit, as int32: add 1.5 * 2**23 in float32 and read the low mantissa bits.
+
+    Equals round-half-to-even inside C's asserted range |v| <= 4194303; outside it (huge ratios from tiny scales)
+    this reproduces what a release build of ggml computes, where np.rint would not."""
+    bits = (np.asarray(v, dtype=np.float32) + _f32(12582912)).view(np.int32)
+    return (bits & np.int32(0x007FFFFF)) - np.int32(0x00400000)
+
+
 def _make_qkx2(
-    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
+    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """ggml's make_qkx2_quants (use_mad=false) for m sub-blocks at once.
+    """ggml's make_qkx2_quants for m sub-blocks at once; the error is weighted |diff| if use_mad, else diff^2.
 
     x, w: (k, m), element axis first so that `sum(axis=0)` accumulates in C's sequential order.
     Returns levels L (k, m) float32 in [0, nmax], scale (m,) and the (non-negative) min (m,).
@@ -245,13 +308,15 @@ def _make_qkx2(
 
     iscale = f(nmax) / (mx - lo)
     scale = f(1) / iscale
-    levels = np.clip(_nearest(iscale * (x - lo)), 0, nmax)
-    best = (w * np.square(scale * levels + lo - x)).sum(axis=0)
+    # exact nearest_int: for degenerate (subnormal-range) sub-blocks iscale overflows and C's bit trick decides
+    levels = np.clip(_nearest_int(iscale * (x - lo)), 0, nmax).astype(np.float32)
+    dist = np.abs if use_mad else np.square
+    best = (w * dist(scale * levels + lo - x)).sum(axis=0)
     cur_min = lo
     for step in range(nstep + 1):
         # C updates `min` when a step wins, and later steps measure from it; so do we
         iscale = (f(rmin) + f(rdelta) * f(step) + f(nmax)) / (mx - cur_min)
-        laux = np.clip(_nearest(iscale * (x - cur_min)), 0, nmax)
+        laux = np.clip(_nearest_int(iscale * (x - cur_min)), 0, nmax).astype(np.float32)
         wl = w * laux
         sum_l = wl.sum(axis=0)
         sum_l2 = (wl * laux).sum(axis=0)
@@ -262,7 +327,7 @@ def _make_qkx2(
         pos = this_min > 0
         this_min = np.where(pos, f(0), this_min)
         this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
-        err = (w * np.square(this_scale * laux + this_min - x)).sum(axis=0)
+        err = (w * dist(this_scale * laux + this_min - x)).sum(axis=0)
         better = (det > 0) & (err < best)
         levels = np.where(better, laux, levels)
         best = np.where(better, err, best)
@@ -320,6 +385,120 @@ def _q_q5_k(x: np.ndarray) -> np.ndarray:
     pairs = levels.reshape(-1, 4, 2, 32)
     qs = _pack_nibbles(pairs[:, :, 0], pairs[:, :, 1]).reshape(-1, 128)
     return np.concatenate([d, dmin, scales, qh, qs], axis=1)
+
+
+def _q_q2_k(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q2_K_ref: 16 sub-blocks of 16, each an affine 2-bit fit; 4-bit scales and mins per sub-block."""
+    f = _f32
+    n = x.shape[0]
+    xs = np.ascontiguousarray(x.reshape(n * 16, 16).T)
+    levels, scales, mins = _make_qkx2(xs, np.abs(xs), 3, -0.5, 0.1, 15, use_mad=True)
+    levels = levels.T.reshape(n, 16, 16)
+    scales = scales.reshape(n, 16)
+    mins = mins.reshape(n, 16)
+
+    # C starts both maxima at 0 and takes strictly larger values: never -0.0, never negative, NaNs skipped (fmax)
+    max_scale = np.fmax.reduce(scales, axis=1, keepdims=True)
+    max_scale = np.where(max_scale > 0, max_scale, f(0))
+    max_min = np.fmax.reduce(mins, axis=1, keepdims=True)
+    max_min = np.where(max_min > 0, max_min, f(0))
+    # C stores the int unclamped into a uint8 (wraps) and ORs the min's nibble above it
+    ls = np.where(max_scale > 0, _nearest_int((f(15) / max_scale) * scales), 0)
+    lm = np.where(max_min > 0, _nearest_int((f(15) / max_min) * mins), 0)
+    sc = ((ls & 0xFF) | ((lm << 4) & 0xFF)).astype(np.uint8)
+    d16 = (max_scale / f(15)).astype(np.float16)
+    dmin16 = (max_min / f(15)).astype(np.float16)
+
+    d = d16.astype(np.float32) * (sc & np.uint8(0x0F)).astype(np.float32)
+    dm = dmin16.astype(np.float32) * (sc >> np.uint8(4)).astype(np.float32)
+    xb = x.reshape(n, 16, 16)
+    requant = np.clip(_nearest_int((xb + dm[:, :, None]) / d[:, :, None]), 0, 3)
+    # C keeps make_qkx2's levels in sub-blocks whose decoded scale is 0
+    levels = np.where((d == 0)[:, :, None], levels, requant).astype(np.uint8).reshape(n, 256)
+    return np.concatenate([sc, _pack_crumbs(levels), d16.view(np.uint8), dmin16.view(np.uint8)], axis=1)
+
+
+def _make_q3(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's make_q3_quants with do_rmse=true, for m sub-blocks at once.
+
+    x: (k, m), element axis first. Returns levels (k, m) int32 in [0, 2*nmax) and the scale (m,). The refinement
+    visits elements in order and each accepted change feeds the next decision (Gauss-Seidel), so the element loop
+    stays a Python loop over vectors of m; sums are kept in C's sequential order."""
+    f = _f32
+    k, m = x.shape
+    ax = np.abs(x)
+    imax = ax.argmax(axis=0)  # first maximum, as C's strict '>'
+    cols = np.arange(m)
+    amax = ax[imax, cols]
+    mx = x[imax, cols]
+    iscale = f(-nmax) / mx
+    lv = np.clip(_nearest_int(iscale * x), -nmax, nmax - 1)
+    w = x * x
+    wx = w * x
+    sumlx = np.zeros(m, np.float32)
+    suml2 = np.zeros(m, np.float32)
+    for i in range(k):
+        li = lv[i].astype(np.float32)
+        sumlx += wx[i] * li
+        suml2 += w[i] * li * li
+    for _ in range(5):
+        changed = False
+        for i in range(k):
+            li = lv[i].astype(np.float32)
+            slx = sumlx - wx[i] * li
+            sl2 = suml2 - w[i] * li * li
+            new_l = np.clip(_nearest_int(x[i] * sl2 / slx), -nmax, nmax - 1)
+            nl = new_l.astype(np.float32)
+            slx_new = slx + wx[i] * nl
+            sl2_new = sl2 + w[i] * nl * nl
+            take = (slx > 0) & (new_l != lv[i]) & (sl2_new > 0)
+            take &= slx_new * slx_new * suml2 > sumlx * sumlx * sl2_new
+            if take.any():
+                changed = True
+                lv[i] = np.where(take, new_l, lv[i])
+                sumlx = np.where(take, slx_new, sumlx)
+                suml2 = np.where(take, sl2_new, suml2)
+        if not changed:  # an unchanged pass leaves the state as it was, so later passes change nothing either
+            break
+    zero = amax < _GROUP_MAX_EPS
+    scale = np.where(suml2 > 0, sumlx / suml2, f(0))
+    return np.where(zero, 0, lv + nmax), np.where(zero, f(0), scale)
+
+
+def _q_q3_k(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q3_K_ref: 16 sub-blocks of 16 with symmetric 3-bit levels, 6-bit signed scales."""
+    f = _f32
+    n = x.shape[0]
+    xs = np.ascontiguousarray(x.reshape(n * 16, 16).T)
+    levels, scales = _make_q3(xs, 4)
+    levels = levels.T.reshape(n, 16, 16)
+    scales = scales.reshape(n, 16)
+
+    # C keeps the first scale of strictly largest |scale| above 0: a NaN scale (float32 overflow of x**3 in
+    # make_q3_quants for |x| > ~1e19) never wins, where argmax would pick it
+    ascale = np.abs(scales)
+    imax = np.where(np.isnan(ascale), f(0), ascale).argmax(axis=1)[:, None]
+    max_scale = np.take_along_axis(scales, imax, axis=1)
+    max_scale = np.where(np.take_along_axis(ascale, imax, axis=1) > 0, max_scale, f(0))
+    nonzero = max_scale != 0
+    iscale = f(-32) / max_scale
+    l8 = ((_nearest_int(iscale * scales) + 128) & 0xFF) - 128  # C assigns the int to an int8_t
+    ls = np.where(nonzero, np.clip(l8, -32, 31) + 32, 0).astype(np.uint8)
+    high = (ls >> np.uint8(4)).reshape(n, 4, 4) << _CRUMB_SHIFTS[None, :, None]
+    sc = np.concatenate(
+        [_pack_nibbles(ls[:, :8], ls[:, 8:]), np.bitwise_or.reduce(high, axis=1)], axis=1
+    )  # the inverse of _q3k_scales
+    d16 = np.where(nonzero, f(1) / iscale, f(0)).astype(np.float16)
+
+    # requantize with the scales as stored (C decodes them back from the bytes)
+    d = d16.astype(np.float32) * (_q3k_scales(sc).astype(np.float32) - f(32))
+    xb = x.reshape(n, 16, 16)
+    requant = np.clip(_nearest_int(xb / d[:, :, None]), -4, 3) + 4
+    # sub-blocks whose decoded scale is 0 keep make_q3_quants' levels
+    levels = np.where((d == 0)[:, :, None], levels, requant).astype(np.uint8).reshape(n, 256)
+    # level bit 2 goes to hmask: byte l, bit k for element 32k + l
+    hmask = np.packbits(levels.reshape(n, 8, 32) >> np.uint8(2), axis=1, bitorder="little").reshape(n, 32)
+    return np.concatenate([hmask, _pack_crumbs(levels & np.uint8(3)), sc, d16.view(np.uint8)], axis=1)
 
 
 def _make_qx(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
@@ -386,11 +565,11 @@ def _q_q6_k(x: np.ndarray) -> np.ndarray:
 
 _DEQUANT: dict[DType, Kernel] = {
     Q4_0: _deq_q4_0, Q4_1: _deq_q4_1, Q5_0: _deq_q5_0, Q5_1: _deq_q5_1, Q8_0: _deq_q8_0,
-    Q4_K: _deq_q4_k, Q5_K: _deq_q5_k, Q6_K: _deq_q6_k,
+    Q2_K: _deq_q2_k, Q3_K: _deq_q3_k, Q4_K: _deq_q4_k, Q5_K: _deq_q5_k, Q6_K: _deq_q6_k,
 }  # fmt: skip
 _QUANT: dict[DType, Kernel] = {
     Q4_0: _q_q4_0, Q4_1: _q_q4_1, Q5_0: _q_q5_0, Q5_1: _q_q5_1, Q8_0: _q_q8_0,
-    Q4_K: _q_q4_k, Q5_K: _q_q5_k, Q6_K: _q_q6_k,
+    Q2_K: _q_q2_k, Q3_K: _q_q3_k, Q4_K: _q_q4_k, Q5_K: _q_q5_k, Q6_K: _q_q6_k,
 }  # fmt: skip
 
 QUANTIZABLE: tuple[DType, ...] = (F32, F16, BF16, *_QUANT)
