@@ -21,6 +21,8 @@ enum TypeId : int32_t {
     T_Q5_1 = 7,
     T_Q8_0 = 8,
     T_Q8_1 = 9,
+    T_Q2_K = 10,
+    T_Q3_K = 11,
     T_Q4_K = 12,
     T_Q5_K = 13,
     T_Q6_K = 14,
@@ -36,7 +38,7 @@ enum TypeId : int32_t {
 static inline int type_block(int t) {
     switch (t) {
         case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: case T_Q8_1: return 32;
-        case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_Q8_K: return 256;
+        case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_Q8_K: return 256;
         case T_F32: case T_F16: case T_BF16: case T_I8: case T_I16: case T_I32: case T_I64: return 1;
         default: return 0;
     }
@@ -56,6 +58,8 @@ static inline int type_size(int t) {
         case T_Q5_1: return 24;
         case T_Q8_0: return 34;
         case T_Q8_1: return 36;
+        case T_Q2_K: return 84;
+        case T_Q3_K: return 110;
         case T_Q4_K: return 144;
         case T_Q5_K: return 176;
         case T_Q6_K: return 210;

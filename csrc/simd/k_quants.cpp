@@ -101,6 +101,73 @@ static void deq_q8_0(const blk_q8_0* x, float* y, int64_t nb) {
     }
 }
 
+static void deq_q2_K(const blk_q2_K* x, float* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i) {
+        const float d = fp16_to_fp32(x[i].d), dmin = fp16_to_fp32(x[i].dmin);
+        float* out = y + 256 * i;
+        for (int h = 0; h < 2; ++h) {
+            const uint8_t* q = x[i].qs + 32 * h;
+            for (int s = 0; s < 4; ++s) {
+                for (int half = 0; half < 2; ++half) {
+                    const int g = 8 * h + 2 * s + half;
+                    const float dl = d * (float)(x[i].scales[g] & 0x0f);
+                    const float ml = dmin * (float)(x[i].scales[g] >> 4);
+                    const uint8_t* qq = q + 16 * half;
+                    float* o = out + 16 * g;
+#if GP_AVX2
+                    const __m256 vd = _mm256_set1_ps(dl), vm = _mm256_set1_ps(ml);
+                    for (int l = 0; l < 16; l += 8) {
+                        __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qq + l)));
+                        b = _mm256_and_si256(_mm256_srli_epi32(b, 2 * s), _mm256_set1_epi32(3));
+                        _mm256_storeu_ps(o + l, _mm256_sub_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(b)), vm));
+                    }
+#else
+                    for (int l = 0; l < 16; ++l) o[l] = dl * (float)((qq[l] >> (2 * s)) & 3) - ml;
+#endif
+                }
+            }
+        }
+    }
+}
+
+static void deq_q3_K(const blk_q3_K* x, float* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i) {
+        const float d = fp16_to_fp32(x[i].d);
+        int8_t sc[16];
+        unpack_q3_scales(x[i].scales, sc);
+        float* out = y + 256 * i;
+        for (int h = 0; h < 2; ++h) {
+            const uint8_t* q = x[i].qs + 32 * h;
+            for (int s = 0; s < 4; ++s) {
+                const int j = 4 * h + s;  // 32-element chunk: its third bits are bit j of hmask[0..31]
+                for (int half = 0; half < 2; ++half) {
+                    const int g = 2 * j + half;
+                    const float dl = d * (float)sc[g];
+                    const uint8_t* qq = q + 16 * half;
+                    const uint8_t* hm = x[i].hmask + 16 * half;
+                    float* o = out + 16 * g;
+#if GP_AVX2
+                    const __m256 vd = _mm256_set1_ps(dl);
+                    for (int l = 0; l < 16; l += 8) {
+                        __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qq + l)));
+                        __m256i hb = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(hm + l)));
+                        b = _mm256_and_si256(_mm256_srli_epi32(b, 2 * s), _mm256_set1_epi32(3));
+                        hb = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hb, j), _mm256_set1_epi32(1)), 2);
+                        b = _mm256_sub_epi32(_mm256_or_si256(b, hb), _mm256_set1_epi32(4));
+                        _mm256_storeu_ps(o + l, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(b)));
+                    }
+#else
+                    for (int l = 0; l < 16; ++l) {
+                        const int v = (int)((qq[l] >> (2 * s)) & 3) - (((hm[l] >> j) & 1) ? 0 : 4);
+                        o[l] = dl * (float)v;
+                    }
+#endif
+                }
+            }
+        }
+    }
+}
+
 static void deq_q4_K(const blk_q4_K* x, float* y, int64_t nb) {
     for (int64_t i = 0; i < nb; ++i) {
         const float d = fp16_to_fp32(x[i].d), dmin = fp16_to_fp32(x[i].dmin);
@@ -206,6 +273,8 @@ void dequantize_row(int type, const void* src, float* dst, int64_t n) {
         case T_Q5_0: deq_q5_0((const blk_q5_0*)src, dst, n / 32); return;
         case T_Q5_1: deq_q5_1((const blk_q5_1*)src, dst, n / 32); return;
         case T_Q8_0: deq_q8_0((const blk_q8_0*)src, dst, n / 32); return;
+        case T_Q2_K: deq_q2_K((const blk_q2_K*)src, dst, n / 256); return;
+        case T_Q3_K: deq_q3_K((const blk_q3_K*)src, dst, n / 256); return;
         case T_Q4_K: deq_q4_K((const blk_q4_K*)src, dst, n / 256); return;
         case T_Q5_K: deq_q5_K((const blk_q5_K*)src, dst, n / 256); return;
         case T_Q6_K: deq_q6_K((const blk_q6_K*)src, dst, n / 256); return;
