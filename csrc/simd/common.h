@@ -189,11 +189,14 @@ static inline int64_t repack_row_bytes(int t, int64_t k) {
 
 // Internal activation formats of MUL_MAT (per row, 64-byte aligned row stride).
 // A32: 32-element blocks: int8 qs[nb*32], then float d[nb], then float s[nb] (s = d * sum(qs)).
-// A256 (Q8_K-like): int8 qs[nb*256], then float d[nb], then int16 bsums[nb*16].
+// A256 (Q8_K-like): int8 qs[nb*256], then float d[nb], then int16 bsums[nb*16]; used by every K-quant weight
+// (weight_is_k_quant: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K).
 static inline size_t align64(size_t x) { return (x + 63) & ~(size_t)63; }
 static inline size_t a32_row_size(int64_t k) { return align64((size_t)k + (size_t)(k / 32) * 8); }
 static inline size_t a256_row_size(int64_t k) { return align64((size_t)k + (size_t)(k / 256) * (4 + 32)); }
-static inline bool weight_is_k_quant(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
+static inline bool weight_is_k_quant(int t) {
+    return t == T_Q2_K || t == T_Q3_K || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
+}
 static inline bool weight_is_32_quant(int t) {
     return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0;
 }
