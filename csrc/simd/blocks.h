@@ -55,17 +55,20 @@ static inline void unpack_k_scales(const uint8_t* s, uint8_t* out) {
 // The 12 packed bytes of a Q3_K block -> its 16 signed scales (stored value - 32, -32..31). Scale i takes its low
 // 4 bits from byte i % 8 (low nibble for i < 8, high nibble otherwise) and its high 2 bits from byte 8 + i % 4, bits
 // 2 * (i / 4) and up.
-static inline void unpack_q3_scales(const uint8_t* s, int8_t* out) {
+// r[w] holds scales 4w..4w+3 (stored values 0..63), one per byte, little-endian.
+static inline void q3_scales_u32(const uint8_t* s, uint32_t* r) {
     const uint32_t u0 = (uint32_t)s[0] | (uint32_t)s[1] << 8 | (uint32_t)s[2] << 16 | (uint32_t)s[3] << 24;
     const uint32_t u1 = (uint32_t)s[4] | (uint32_t)s[5] << 8 | (uint32_t)s[6] << 16 | (uint32_t)s[7] << 24;
     const uint32_t u2 = (uint32_t)s[8] | (uint32_t)s[9] << 8 | (uint32_t)s[10] << 16 | (uint32_t)s[11] << 24;
     const uint32_t m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
-    const uint32_t r[4] = {
-        (u0 & m4) | ((u2 & m2) << 4),                 // scales 0..3
-        (u1 & m4) | (((u2 >> 2) & m2) << 4),          // scales 4..7
-        ((u0 >> 4) & m4) | (((u2 >> 4) & m2) << 4),   // scales 8..11
-        ((u1 >> 4) & m4) | (((u2 >> 6) & m2) << 4),   // scales 12..15
-    };
+    r[0] = (u0 & m4) | ((u2 & m2) << 4);                // scales 0..3
+    r[1] = (u1 & m4) | (((u2 >> 2) & m2) << 4);         // scales 4..7
+    r[2] = ((u0 >> 4) & m4) | (((u2 >> 4) & m2) << 4);  // scales 8..11
+    r[3] = ((u1 >> 4) & m4) | (((u2 >> 6) & m2) << 4);  // scales 12..15
+}
+static inline void unpack_q3_scales(const uint8_t* s, int8_t* out) {
+    uint32_t r[4];
+    q3_scales_u32(s, r);
     for (int i = 0; i < 4; ++i)
         for (int b = 0; b < 4; ++b) out[4 * i + b] = (int8_t)((int)((r[i] >> (8 * b)) & 0xffu) - 32);
 }

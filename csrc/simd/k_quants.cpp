@@ -761,9 +761,10 @@ static void gemv_q3_K(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t 
         for (int r = 0; r < R; ++r) {
             const blk_q3_K* x = (const blk_q3_K*)(w + r * ws + i * 110);
             const float d = fp16_to_fp32(x->d) * ad[i];
-            int8_t sc8[16];
-            unpack_q3_scales(x->scales, sc8);
-            const __m128i sc128 = _mm_loadu_si128((const __m128i*)sc8);
+            uint32_t u[4];  // built in registers: a byte-wise store then a 16-byte load would stall forwarding
+            q3_scales_u32(x->scales, u);
+            const __m128i sc128 = _mm_sub_epi8(_mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]),
+                                               _mm_set1_epi8(32));
             const __m256i sc = even_odd_i16(sc128, true);
             // the quants are taken as q + 4 (0..7): subtract 4 * sum(scale * bsum) afterwards
             __m256i sumi = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(sc128), bsv), 2);
@@ -934,6 +935,7 @@ static float dot32_scalar(const uint8_t* w, const uint8_t* act, int64_t k) {
     return acc + summ;
 }
 
+// Q2_K / Q3_K: one 32-element chunk (two groups of 16) per step, in plain loops the compiler vectorises.
 static float dot_q2_K_scalar(const uint8_t* w, const uint8_t* act, int64_t k) {
     const int64_t nb = k / 256;
     const int8_t* aq = (const int8_t*)act;
@@ -942,16 +944,19 @@ static float dot_q2_K_scalar(const uint8_t* w, const uint8_t* act, int64_t k) {
     float acc = 0.0f;
     for (int64_t i = 0; i < nb; ++i) {
         const blk_q2_K* x = (const blk_q2_K*)(w + i * 84);
-        const int8_t* a = aq + 256 * i;
         int sumi = 0, summ = 0;
-        for (int g = 0; g < 16; ++g) {
-            const int h = g / 8, s = (g / 2) % 4;
-            const uint8_t* q = x->qs + 32 * h + 16 * (g % 2);
-            int sg = 0;
-            for (int l = 0; l < 16; ++l) sg += ((q[l] >> (2 * s)) & 3) * a[16 * g + l];
-            sumi += (x->scales[g] & 0x0f) * sg;
-            summ += (x->scales[g] >> 4) * bs[16 * i + g];
+        for (int j = 0; j < 8; ++j) {
+            const uint8_t* q = x->qs + 32 * (j / 4);
+            const int8_t* a = aq + 256 * i + 32 * j;
+            const int sh = 2 * (j % 4);
+            int s0 = 0, s1 = 0;
+#pragma GCC unroll 1  // else fully unrolled before the vectoriser sees the loop
+            for (int l = 0; l < 16; ++l) s0 += (int)((q[l] >> sh) & 3) * (int)a[l];
+#pragma GCC unroll 1
+            for (int l = 16; l < 32; ++l) s1 += (int)((q[l] >> sh) & 3) * (int)a[l];
+            sumi += (x->scales[2 * j] & 0x0f) * s0 + (x->scales[2 * j + 1] & 0x0f) * s1;
         }
+        for (int g = 0; g < 16; ++g) summ += (x->scales[g] >> 4) * bs[16 * i + g];
         acc += fp16_to_fp32(x->d) * ad[i] * (float)sumi - fp16_to_fp32(x->dmin) * ad[i] * (float)summ;
     }
     return acc;
@@ -964,20 +969,22 @@ static float dot_q3_K_scalar(const uint8_t* w, const uint8_t* act, int64_t k) {
     float acc = 0.0f;
     for (int64_t i = 0; i < nb; ++i) {
         const blk_q3_K* x = (const blk_q3_K*)(w + i * 110);
-        const int8_t* a = aq + 256 * i;
         int8_t sc[16];
         unpack_q3_scales(x->scales, sc);
         int sumi = 0;
-        for (int g = 0; g < 16; ++g) {
-            const int j = g / 2, s = j % 4;
-            const uint8_t* q = x->qs + 32 * (j / 4) + 16 * (g % 2);
-            const uint8_t* hm = x->hmask + 16 * (g % 2);
-            int sg = 0;
-            for (int l = 0; l < 16; ++l) {
-                const int v = (int)((q[l] >> (2 * s)) & 3) - (((hm[l] >> j) & 1) ? 0 : 4);
-                sg += v * a[16 * g + l];
-            }
-            sumi += sc[g] * sg;
+        for (int j = 0; j < 8; ++j) {
+            const uint8_t* q = x->qs + 32 * (j / 4);
+            const uint8_t* hm = x->hmask;
+            const int8_t* a = aq + 256 * i + 32 * j;
+            const int sh = 2 * (j % 4);
+            int s0 = 0, s1 = 0;
+#pragma GCC unroll 1  // else fully unrolled before the vectoriser sees the loop
+            for (int l = 0; l < 16; ++l)
+                s0 += ((int)((q[l] >> sh) & 3) + 4 * (int)((hm[l] >> j) & 1) - 4) * (int)a[l];
+#pragma GCC unroll 1
+            for (int l = 16; l < 32; ++l)
+                s1 += ((int)((q[l] >> sh) & 3) + 4 * (int)((hm[l] >> j) & 1) - 4) * (int)a[l];
+            sumi += sc[2 * j] * s0 + sc[2 * j + 1] * s1;
         }
         acc += fp16_to_fp32(x->d) * ad[i] * (float)sumi;
     }
