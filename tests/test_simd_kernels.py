@@ -20,9 +20,14 @@ gq = pytest.importorskip("gguf.quants")
 LEVELS = _simd.levels()
 OPS = _simd.OPS
 
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, I32, I64, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 26, 27, 30
-QBLOCK = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), Q4_K: (256, 144),
-          Q5_K: (256, 176), Q6_K: (256, 210)}
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, I32, I64, BF16 = 0, 1, 2, 3, 6, 7, 8, 26, 27, 30
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
+K_QUANTS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+QBLOCK = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), Q2_K: (256, 84),
+          Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+# byte offset of the f16 super-block scales (d, then dmin where there is one) in a K-quant block
+K_SCALE_OFFSET = {Q2_K: 80, Q3_K: 108, Q4_K: 0, Q5_K: 0, Q6_K: 208}
+K_SCALE_COUNT = {Q2_K: 2, Q3_K: 1, Q4_K: 2, Q5_K: 2, Q6_K: 1}
 NP_TYPE = {F32: np.float32, F16: np.float16, I32: np.int32, I64: np.int64, BF16: np.uint16}
 
 
@@ -103,16 +108,15 @@ def random_k_blocks(shape, t: int, seed: int = 7) -> np.ndarray:
     nb = shape[-1] // bs
     r = np.random.default_rng(seed)
     raw = r.integers(0, 256, (rows * nb, ts), dtype=np.uint8)
-    d = (r.random((rows * nb, 2)) * 0.02 + 0.001).astype(np.float16).view(np.uint8)
-    if t == Q6_K:
-        raw[:, 208:210] = d[:, 0:2]
-    else:
-        raw[:, 0:4] = d
+    n = K_SCALE_COUNT[t]
+    d = (r.random((rows * nb, n)) * 0.02 + 0.001).astype(np.float16).view(np.uint8)
+    off = K_SCALE_OFFSET[t]
+    raw[:, off:off + 2 * n] = d
     return raw.reshape(*shape[:-1], nb * ts)
 
 
 def quantize(x: np.ndarray, t: int) -> np.ndarray:
-    if t in (Q4_K, Q5_K, Q6_K):
+    if t in K_QUANTS:
         return random_k_blocks(x.shape, t)
     return gq.quantize(np.ascontiguousarray(x, dtype=np.float32), t)
 
@@ -447,7 +451,7 @@ def test_flash_attn_softcap_alibi(level, arena, rng):
 # ---------------------------------------------------------------------------------------------------------------
 # matmul
 
-WEIGHT_TYPES = [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K]
+WEIGHT_TYPES = [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K]
 
 
 def _weight(arena, w: np.ndarray, t: int):
@@ -469,7 +473,7 @@ def _weight(arena, w: np.ndarray, t: int):
 @pytest.mark.parametrize("t", WEIGHT_TYPES)
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 67])
 def test_mul_mat(level, arena, t, n, rng):
-    K = 512 if t in (Q4_K, Q5_K, Q6_K) else 320
+    K = 512 if t in K_QUANTS else 320
     M = 45
     w = rng.standard_normal((M, K)).astype(np.float32)
     wd, wref = _weight(arena, w, t)
@@ -480,7 +484,7 @@ def test_mul_mat(level, arena, t, n, rng):
     assert nmse(x.astype(np.float64) @ wref.astype(np.float64).T, D) < 5e-4
 
 
-@pytest.mark.parametrize("t", [F32, F16, Q4_1, Q8_0, Q4_K])
+@pytest.mark.parametrize("t", [F32, F16, Q4_1, Q8_0, Q2_K, Q3_K, Q4_K])
 @pytest.mark.parametrize("n", [1, 9])
 def test_mul_mat_broadcast_and_strides(level, arena, t, n, rng):
     K = 256
@@ -535,7 +539,7 @@ def test_mul_mat_large_gemm(level, arena, rng):
 # ---------------------------------------------------------------------------------------------------------------
 # data movement
 
-@pytest.mark.parametrize("t", [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K])
+@pytest.mark.parametrize("t", WEIGHT_TYPES)
 def test_get_rows(level, arena, t, rng):
     R, C = 20, 512
     w = rng.standard_normal((R, C)).astype(np.float32)
@@ -547,6 +551,21 @@ def test_get_rows(level, arena, t, rng):
     assert nmse(wref[idx], D) < 1e-7
     if t in (F32, F16):
         assert np.array_equal(wref[idx], D)
+
+
+@pytest.mark.parametrize("t", K_QUANTS)
+def test_dequantize_k_quants_bit_exact(level, t):
+    """Every K-quant row decodes bit-exactly as gguf.quants at every level: many blocks, scales of both signs."""
+    raw = random_k_blocks((3, 256 * 7), t, seed=11 + t)
+    rows = raw.reshape(3 * 7, -1)
+    off, n = K_SCALE_OFFSET[t], K_SCALE_COUNT[t]
+    sign = np.where(np.arange(rows.shape[0]) % 3 == 1, -1.0, 1.0)[:, None]
+    d = (rows[:, off:off + 2 * n].copy().view(np.float16).astype(np.float32) * sign).astype(np.float16)
+    rows[:, off:off + 2 * n] = d.view(np.uint8)
+    flat = rows.reshape(-1)
+    ref = dequantize(flat, t).reshape(-1)
+    got = _simd.dequantize(t, flat, 3 * 256 * 7, level=level)
+    assert np.array_equal(ref, got)
 
 
 def test_get_rows_i32_and_batched(level, arena, rng):
@@ -705,6 +724,58 @@ def test_validation_rejects_bad_plans(arena):
         _simd.Plan([(OPS["NEG"], ok)], arena.ranges)
 
 
+@pytest.mark.parametrize("t", [Q2_K, Q3_K])
+def test_validation_q2_q3_k_only_as_weights(arena, t):
+    """Q2_K/Q3_K are accepted where the kernels read them (MUL_MAT weights, GET_ROWS sources) and refused elsewhere."""
+    K = 256
+    W = arena.put(random_k_blocks((4, K), t))
+    wd = desc(arena, W, t, ne0=K)
+    X = arena.put(np.zeros((2, K), np.float32))
+    Ix = arena.put(np.array([1, 0], np.int32))
+    mm = (OPS["MUL_MAT"], desc(arena, arena.empty((2, 4), np.float32)), [wd, desc(arena, X)])
+    gr = (OPS["GET_ROWS"], desc(arena, arena.empty((2, K), np.float32)), [wd, desc(arena, Ix)])
+    for node in (mm, gr):
+        assert _simd.validate(node) == ""
+        _simd.Plan([node], arena.ranges)
+    qd = desc(arena, arena.empty((2, QBLOCK[t][1]), np.uint8), t, ne0=K)
+    refused = [
+        (OPS["CPY"], qd, [desc(arena, X)]),  # quantizing into Q2_K/Q3_K
+        (OPS["SET_ROWS"], wd, [desc(arena, X), desc(arena, Ix)]),
+        (OPS["CPY"], desc(arena, arena.empty((4, K), np.float32)), [wd]),  # a quantized CPY source
+        (OPS["CONCAT"], desc(arena, arena.empty((6, QBLOCK[t][1]), np.uint8), t, ne0=K), [wd, qd], [1]),
+        (OPS["ADD"], desc(arena, arena.empty((4, K), np.float32)), [wd, wd]),
+    ]
+    for node in refused:
+        assert _simd.validate(node) != "", node[0]
+        with pytest.raises(_simd.PlanError):
+            _simd.Plan([node], arena.ranges)
+    # a weight whose rows are not whole blocks
+    bad = (t, [K + 32, 4, 1, 1], wd[2], wd[3], wd[4])
+    with pytest.raises(_simd.PlanError, match="block size"):
+        _simd.Plan([(OPS["MUL_MAT"], desc(arena, arena.empty((2, 4), np.float32)), [bad, desc(arena, X)])],
+                   arena.ranges)
+
+
+@pytest.mark.parametrize("t", [Q2_K, Q3_K])
+def test_mul_mat_q2_q3_k_levels_agree(arena, t, rng):
+    """Decode GEMV of Q2_K/Q3_K: every level gives the same integer dot products (only float summation differs),
+    on a matrix large enough to be split over threads in chunks."""
+    M, K = 300, 1024
+    w = rng.standard_normal((M, K)).astype(np.float32)
+    wd, wref = _weight(arena, w, t)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    X = arena.put(x)
+    outs = []
+    for lv in LEVELS:
+        D = arena.empty((1, M), np.float32)
+        run(arena, "MUL_MAT", desc(arena, D), [wd, desc(arena, X)], level=lv, n_threads=3)
+        outs.append(np.array(D))
+    ref = x.astype(np.float64) @ wref.astype(np.float64).T
+    for o in outs:
+        assert nmse(ref, o) < 5e-4
+        np.testing.assert_allclose(o, outs[0], rtol=1e-5, atol=1e-5 * float(np.abs(outs[0]).max()))
+
+
 def test_symbolic_kv_length(level, arena, rng):
     """A decode-style attention whose KV length is a symbol bound at compute time."""
     H, D, MAXKV = 4, 32, 50
@@ -807,6 +878,6 @@ def test_stream_bandwidth_and_quant_helpers():
     x = np.random.default_rng(0).standard_normal(256).astype(np.float32)
     for t in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1):
         assert np.array_equal(_simd.quantize(t, x), quantize(x, t))
-    for t in (Q4_K, Q5_K, Q6_K, Q8_0):
+    for t in (*K_QUANTS, Q8_0):
         raw = quantize(x.reshape(1, -1), t).reshape(-1)
         assert np.array_equal(_simd.dequantize(t, raw, 256), dequantize(raw, t).reshape(-1))

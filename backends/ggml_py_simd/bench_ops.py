@@ -2,7 +2,8 @@
 
 - F32 MUL_MAT 4096x4096 (weight) x 4096x512 (activations): GFLOP/s of simd vs numpy's `@` (BLAS), ratio (target >= 0.8).
 - Q4_1 and Q4_K GEMV 4096x4096 x one row: effective GB/s (weight bytes / time) vs a plain streaming read of the same
-  number of bytes by the module's C read loop with the same threads, ratio (target >= 0.6). Measured with weights
+  number of bytes by the module's C read loop with the same threads, ratio (target >= 0.6). Q2_K and Q3_K the same
+  way when ggml_py.dtypes has them (reported, no target). Measured with weights
   that exceed the last-level cache (several matrices used in turn, as in a model's decode), and with one matrix
   that stays cached ("cached" figures).
 - Dispatch: a plan of 600 tiny nodes computed in one call, microseconds per node (target < 2).
@@ -64,12 +65,17 @@ def bench_mul_mat_f32(threads: int, m: int = 4096, k: int = 4096, n: int = 512, 
             "target": TARGETS["mul_mat_f32_ratio"]}
 
 
+# byte offset and count of a block's f16 scales where they are not the first two f16 (d and m of Q4_1, d and dmin
+# of Q4_K)
+_F16_SCALES = {"Q2_K": (80, 2), "Q3_K": (108, 1)}
+
+
 def _quant_rows(t, m: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Random valid blocks (the values do not matter for speed): random quants, small f16 scales at bytes 0..3
-    (d and m of Q4_1, d and dmin of Q4_K)."""
+    """Random valid blocks (the values do not matter for speed): random quants, small finite f16 scales."""
     nb = m * k // t.block_size
     raw = rng.integers(0, 256, (nb, t.type_size), dtype=np.uint8)
-    raw[:, 0:4] = (rng.random((nb, 2)) * 0.01).astype(np.float16).view(np.uint8)
+    off, n = _F16_SCALES.get(t.name, (0, 2))
+    raw[:, off:off + 2 * n] = (rng.random((nb, n)) * 0.01).astype(np.float16).view(np.uint8)
     return raw.reshape(-1)
 
 
@@ -151,6 +157,11 @@ def run(json: bool = False, threads: int = 2, **_: Any) -> dict[str, Any]:
     res["mul_mat_f32"] = bench_mul_mat_f32(threads)
     res["gemv_q4_1"] = bench_gemv("Q4_1", threads)
     res["gemv_q4_k"] = bench_gemv("Q4_K", threads)
+    from ggml_py import dtypes
+
+    for name in ("Q2_K", "Q3_K"):  # informational: no target
+        if getattr(dtypes, name, None) is not None:
+            res[f"gemv_{name.lower()}"] = bench_gemv(name, threads)
     res["dispatch"] = bench_dispatch(threads)
     res["ok"] = {
         "mul_mat_f32": res["mul_mat_f32"]["ratio"] >= TARGETS["mul_mat_f32_ratio"],
@@ -168,7 +179,9 @@ def report(r: dict[str, Any]) -> str:
              f"  mul_mat F32 {mm['shape'][0]}x{mm['shape'][1]} x {mm['shape'][1]}x{mm['shape'][2]}: "
              f"simd {mm['simd_gflops']:.1f} GFLOP/s, numpy {mm['numpy_gflops']:.1f} GFLOP/s, ratio {mm['ratio']:.2f} "
              f"(target >= {mm['target']})"]
-    for key in ("gemv_q4_1", "gemv_q4_k"):
+    for key in ("gemv_q4_1", "gemv_q4_k", "gemv_q2_k", "gemv_q3_k"):
+        if key not in r:
+            continue
         g = r[key]
         lines.append(f"  GEMV {g['type']} {g['shape'][0]}x{g['shape'][1]}: {g['gbps']:.1f} GB/s vs stream "
                      f"{g['stream_gbps']:.1f} GB/s, ratio {g['ratio']:.2f} (target >= {g['target']}); cached "

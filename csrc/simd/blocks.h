@@ -10,6 +10,13 @@ struct blk_q4_1 { uint16_t d, m; uint8_t qs[16]; };
 struct blk_q5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; };
 struct blk_q5_1 { uint16_t d, m; uint8_t qh[4]; uint8_t qs[16]; };
 struct blk_q8_0 { uint16_t d; int8_t qs[32]; };
+// Q2_K: 16 groups of 16; scales[g] = scale (low nibble) | min (high nibble); element 128h + 32s + l (h = 0..1,
+// s = 0..3, l = 0..31) is bits 2s..2s+1 of qs[32h + l]; value = d * scale * q - dmin * min.
+struct blk_q2_K { uint8_t scales[16]; uint8_t qs[64]; uint16_t d, dmin; };
+// Q3_K: the low 2 bits as Q2_K's qs; the third bit of element 32j + l (j = 0..7) is bit j of hmask[l]; a clear bit
+// subtracts 4 (q in -4..3); 16 six-bit scales packed in 12 bytes (see unpack_q3_scales), stored + 32;
+// value = d * (scale - 32) * q.
+struct blk_q3_K { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; uint16_t d; };
 struct blk_q4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
 struct blk_q5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
 struct blk_q6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
@@ -19,6 +26,8 @@ static_assert(sizeof(blk_q4_1) == 20, "q4_1");
 static_assert(sizeof(blk_q5_0) == 22, "q5_0");
 static_assert(sizeof(blk_q5_1) == 24, "q5_1");
 static_assert(sizeof(blk_q8_0) == 34, "q8_0");
+static_assert(sizeof(blk_q2_K) == 84, "q2_K");
+static_assert(sizeof(blk_q3_K) == 110, "q3_K");
 static_assert(sizeof(blk_q4_K) == 144, "q4_K");
 static_assert(sizeof(blk_q5_K) == 176, "q5_K");
 static_assert(sizeof(blk_q6_K) == 210, "q6_K");
@@ -41,6 +50,27 @@ static inline void unpack_k_scales(const uint8_t* s, uint8_t* out) {
         out[4 * i + 2] = (uint8_t)(r[i] >> 16);
         out[4 * i + 3] = (uint8_t)(r[i] >> 24);
     }
+}
+
+// The 12 packed bytes of a Q3_K block -> its 16 signed scales (stored value - 32, -32..31). Scale i takes its low
+// 4 bits from byte i % 8 (low nibble for i < 8, high nibble otherwise) and its high 2 bits from byte 8 + i % 4, bits
+// 2 * (i / 4) and up.
+// r[w] holds scales 4w..4w+3 (stored values 0..63), one per byte, little-endian.
+static inline void q3_scales_u32(const uint8_t* s, uint32_t* r) {
+    const uint32_t u0 = (uint32_t)s[0] | (uint32_t)s[1] << 8 | (uint32_t)s[2] << 16 | (uint32_t)s[3] << 24;
+    const uint32_t u1 = (uint32_t)s[4] | (uint32_t)s[5] << 8 | (uint32_t)s[6] << 16 | (uint32_t)s[7] << 24;
+    const uint32_t u2 = (uint32_t)s[8] | (uint32_t)s[9] << 8 | (uint32_t)s[10] << 16 | (uint32_t)s[11] << 24;
+    const uint32_t m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    r[0] = (u0 & m4) | ((u2 & m2) << 4);                // scales 0..3
+    r[1] = (u1 & m4) | (((u2 >> 2) & m2) << 4);         // scales 4..7
+    r[2] = ((u0 >> 4) & m4) | (((u2 >> 4) & m2) << 4);  // scales 8..11
+    r[3] = ((u1 >> 4) & m4) | (((u2 >> 6) & m2) << 4);  // scales 12..15
+}
+static inline void unpack_q3_scales(const uint8_t* s, int8_t* out) {
+    uint32_t r[4];
+    q3_scales_u32(s, r);
+    for (int i = 0; i < 4; ++i)
+        for (int b = 0; b < 4; ++b) out[4 * i + b] = (int8_t)((int)((r[i] >> (8 * b)) & 0xffu) - 32);
 }
 
 }  // namespace gp

@@ -21,6 +21,8 @@ enum TypeId : int32_t {
     T_Q5_1 = 7,
     T_Q8_0 = 8,
     T_Q8_1 = 9,
+    T_Q2_K = 10,
+    T_Q3_K = 11,
     T_Q4_K = 12,
     T_Q5_K = 13,
     T_Q6_K = 14,
@@ -36,7 +38,7 @@ enum TypeId : int32_t {
 static inline int type_block(int t) {
     switch (t) {
         case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: case T_Q8_1: return 32;
-        case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_Q8_K: return 256;
+        case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_Q8_K: return 256;
         case T_F32: case T_F16: case T_BF16: case T_I8: case T_I16: case T_I32: case T_I64: return 1;
         default: return 0;
     }
@@ -56,6 +58,8 @@ static inline int type_size(int t) {
         case T_Q5_1: return 24;
         case T_Q8_0: return 34;
         case T_Q8_1: return 36;
+        case T_Q2_K: return 84;
+        case T_Q3_K: return 110;
         case T_Q4_K: return 144;
         case T_Q5_K: return 176;
         case T_Q6_K: return 210;
@@ -185,11 +189,14 @@ static inline int64_t repack_row_bytes(int t, int64_t k) {
 
 // Internal activation formats of MUL_MAT (per row, 64-byte aligned row stride).
 // A32: 32-element blocks: int8 qs[nb*32], then float d[nb], then float s[nb] (s = d * sum(qs)).
-// A256 (Q8_K-like): int8 qs[nb*256], then float d[nb], then int16 bsums[nb*16].
+// A256 (Q8_K-like): int8 qs[nb*256], then float d[nb], then int16 bsums[nb*16]; used by every K-quant weight
+// (weight_is_k_quant: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K).
 static inline size_t align64(size_t x) { return (x + 63) & ~(size_t)63; }
 static inline size_t a32_row_size(int64_t k) { return align64((size_t)k + (size_t)(k / 32) * 8); }
 static inline size_t a256_row_size(int64_t k) { return align64((size_t)k + (size_t)(k / 256) * (4 + 32)); }
-static inline bool weight_is_k_quant(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
+static inline bool weight_is_k_quant(int t) {
+    return t == T_Q2_K || t == T_Q3_K || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
+}
 static inline bool weight_is_32_quant(int t) {
     return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0;
 }

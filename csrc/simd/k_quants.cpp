@@ -101,6 +101,73 @@ static void deq_q8_0(const blk_q8_0* x, float* y, int64_t nb) {
     }
 }
 
+static void deq_q2_K(const blk_q2_K* x, float* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i) {
+        const float d = fp16_to_fp32(x[i].d), dmin = fp16_to_fp32(x[i].dmin);
+        float* out = y + 256 * i;
+        for (int h = 0; h < 2; ++h) {
+            const uint8_t* q = x[i].qs + 32 * h;
+            for (int s = 0; s < 4; ++s) {
+                for (int half = 0; half < 2; ++half) {
+                    const int g = 8 * h + 2 * s + half;
+                    const float dl = d * (float)(x[i].scales[g] & 0x0f);
+                    const float ml = dmin * (float)(x[i].scales[g] >> 4);
+                    const uint8_t* qq = q + 16 * half;
+                    float* o = out + 16 * g;
+#if GP_AVX2
+                    const __m256 vd = _mm256_set1_ps(dl), vm = _mm256_set1_ps(ml);
+                    for (int l = 0; l < 16; l += 8) {
+                        __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qq + l)));
+                        b = _mm256_and_si256(_mm256_srli_epi32(b, 2 * s), _mm256_set1_epi32(3));
+                        _mm256_storeu_ps(o + l, _mm256_sub_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(b)), vm));
+                    }
+#else
+                    for (int l = 0; l < 16; ++l) o[l] = dl * (float)((qq[l] >> (2 * s)) & 3) - ml;
+#endif
+                }
+            }
+        }
+    }
+}
+
+static void deq_q3_K(const blk_q3_K* x, float* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i) {
+        const float d = fp16_to_fp32(x[i].d);
+        int8_t sc[16];
+        unpack_q3_scales(x[i].scales, sc);
+        float* out = y + 256 * i;
+        for (int h = 0; h < 2; ++h) {
+            const uint8_t* q = x[i].qs + 32 * h;
+            for (int s = 0; s < 4; ++s) {
+                const int j = 4 * h + s;  // 32-element chunk: its third bits are bit j of hmask[0..31]
+                for (int half = 0; half < 2; ++half) {
+                    const int g = 2 * j + half;
+                    const float dl = d * (float)sc[g];
+                    const uint8_t* qq = q + 16 * half;
+                    const uint8_t* hm = x[i].hmask + 16 * half;
+                    float* o = out + 16 * g;
+#if GP_AVX2
+                    const __m256 vd = _mm256_set1_ps(dl);
+                    for (int l = 0; l < 16; l += 8) {
+                        __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qq + l)));
+                        __m256i hb = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(hm + l)));
+                        b = _mm256_and_si256(_mm256_srli_epi32(b, 2 * s), _mm256_set1_epi32(3));
+                        hb = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hb, j), _mm256_set1_epi32(1)), 2);
+                        b = _mm256_sub_epi32(_mm256_or_si256(b, hb), _mm256_set1_epi32(4));
+                        _mm256_storeu_ps(o + l, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(b)));
+                    }
+#else
+                    for (int l = 0; l < 16; ++l) {
+                        const int v = (int)((qq[l] >> (2 * s)) & 3) - (((hm[l] >> j) & 1) ? 0 : 4);
+                        o[l] = dl * (float)v;
+                    }
+#endif
+                }
+            }
+        }
+    }
+}
+
 static void deq_q4_K(const blk_q4_K* x, float* y, int64_t nb) {
     for (int64_t i = 0; i < nb; ++i) {
         const float d = fp16_to_fp32(x[i].d), dmin = fp16_to_fp32(x[i].dmin);
@@ -206,6 +273,8 @@ void dequantize_row(int type, const void* src, float* dst, int64_t n) {
         case T_Q5_0: deq_q5_0((const blk_q5_0*)src, dst, n / 32); return;
         case T_Q5_1: deq_q5_1((const blk_q5_1*)src, dst, n / 32); return;
         case T_Q8_0: deq_q8_0((const blk_q8_0*)src, dst, n / 32); return;
+        case T_Q2_K: deq_q2_K((const blk_q2_K*)src, dst, n / 256); return;
+        case T_Q3_K: deq_q3_K((const blk_q3_K*)src, dst, n / 256); return;
         case T_Q4_K: deq_q4_K((const blk_q4_K*)src, dst, n / 256); return;
         case T_Q5_K: deq_q5_K((const blk_q5_K*)src, dst, n / 256); return;
         case T_Q6_K: deq_q6_K((const blk_q6_K*)src, dst, n / 256); return;
@@ -624,6 +693,111 @@ static float dot_q4_K(const uint8_t* w, const uint8_t* act, int64_t k) {
     return out;
 }
 
+// Q2_K / Q3_K against A256, R rows at a time (activations loaded once for all rows). The 16 group scales are
+// widened to i16 with the even groups in the low 128-bit lane and the odd ones in the high lane, so one in-lane
+// broadcast gives the scales of a 32-element chunk (groups 2j, 2j+1 = the two halves of a maddubs result).
+GP_INLINE __m256i even_odd_i16(__m128i v8, bool is_signed) {
+    const __m128i deint = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m128i t = _mm_shuffle_epi8(v8, deint);
+    return is_signed ? _mm256_cvtepi8_epi16(t) : _mm256_cvtepu8_epi16(t);
+}
+
+template <int R>
+static void gemv_q2_K(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t k, float* out) {
+    const int64_t nb = k / 256;
+    const int8_t* aq = (const int8_t*)act;
+    const float* ad = (const float*)(act + k);
+    const int16_t* bs = (const int16_t*)(ad + nb);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    for (int64_t i = 0; i < nb; ++i) {
+        const int8_t* a = aq + 256 * i;
+        __m256i av[8];
+        for (int j = 0; j < 8; ++j) av[j] = _mm256_loadu_si256((const __m256i*)(a + 32 * j));
+        const __m256i bsv = _mm256_loadu_si256((const __m256i*)(bs + 16 * i));
+        for (int r = 0; r < R; ++r) {
+            const blk_q2_K* x = (const blk_q2_K*)(w + r * ws + i * 84);
+            const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)(x->d | (uint32_t)x->dmin << 16))),
+                                         _mm_set1_ps(ad[i]));
+            const __m128i raw = _mm_loadu_si128((const __m128i*)x->scales);
+            const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+            const __m256i mi = _mm256_madd_epi16(mins, bsv);  // 8 partial sums of min * bsum
+            const __m256i sc = even_odd_i16(_mm_and_si128(raw, m4), false);
+            __m256i sumi = _mm256_setzero_si256();
+            for (int h = 0; h < 2; ++h) {
+                const __m256i Q = _mm256_loadu_si256((const __m256i*)(x->qs + 32 * h));
+                for (int s = 0; s < 4; ++s) {
+                    const __m256i q = _mm256_and_si256(_mm256_srli_epi16(Q, 2 * s), m3);
+                    const __m256i p = _mm256_maddubs_epi16(q, av[4 * h + s]);
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, bcast_i16(sc, 4 * h + s)));
+                }
+            }
+            const __m256 d = _mm256_broadcastss_ps(dd);
+            const __m256 dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
+            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(dmin, _mm256_cvtepi32_ps(mi), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+
+template <int R>
+static void gemv_q3_K(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t k, float* out) {
+    const int64_t nb = k / 256;
+    const int8_t* aq = (const int8_t*)act;
+    const float* ad = (const float*)(act + k);
+    const int16_t* bs = (const int16_t*)(ad + nb);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m256i one = _mm256_set1_epi8(1);
+    for (int64_t i = 0; i < nb; ++i) {
+        const int8_t* a = aq + 256 * i;
+        __m256i av[8];
+        for (int j = 0; j < 8; ++j) av[j] = _mm256_loadu_si256((const __m256i*)(a + 32 * j));
+        const __m256i bsv = _mm256_loadu_si256((const __m256i*)(bs + 16 * i));
+        for (int r = 0; r < R; ++r) {
+            const blk_q3_K* x = (const blk_q3_K*)(w + r * ws + i * 110);
+            const float d = fp16_to_fp32(x->d) * ad[i];
+            uint32_t u[4];  // built in registers: a byte-wise store then a 16-byte load would stall forwarding
+            q3_scales_u32(x->scales, u);
+            const __m128i sc128 = _mm_sub_epi8(_mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]),
+                                               _mm_set1_epi8(32));
+            const __m256i sc = even_odd_i16(sc128, true);
+            // the quants are taken as q + 4 (0..7): subtract 4 * sum(scale * bsum) afterwards
+            __m256i sumi = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(sc128), bsv), 2);
+            sumi = _mm256_sub_epi32(_mm256_setzero_si256(), sumi);
+            const __m256i H = _mm256_loadu_si256((const __m256i*)x->hmask);
+            for (int h = 0; h < 2; ++h) {
+                const __m256i Q = _mm256_loadu_si256((const __m256i*)(x->qs + 32 * h));
+                for (int s = 0; s < 4; ++s) {
+                    const int j = 4 * h + s;
+                    const __m256i hb = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, j), one), 2);
+                    const __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(Q, 2 * s), m3), hb);
+                    const __m256i p = _mm256_maddubs_epi16(q, av[j]);
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, bcast_i16(sc, j)));
+                }
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+
+static float dot_q2_K(const uint8_t* w, const uint8_t* act, int64_t k) {
+    float out;
+    gemv_q2_K<1>(w, 0, act, k, &out);
+    return out;
+}
+
+static float dot_q3_K(const uint8_t* w, const uint8_t* act, int64_t k) {
+    float out;
+    gemv_q3_K<1>(w, 0, act, k, &out);
+    return out;
+}
+
 static float dot_q5_K(const uint8_t* w, const uint8_t* act, int64_t k) {
     const int64_t nb = k / 256;
     const int8_t* aq = (const int8_t*)act;
@@ -761,6 +935,62 @@ static float dot32_scalar(const uint8_t* w, const uint8_t* act, int64_t k) {
     return acc + summ;
 }
 
+// Q2_K / Q3_K: one 32-element chunk (two groups of 16) per step, in plain loops the compiler vectorises.
+static float dot_q2_K_scalar(const uint8_t* w, const uint8_t* act, int64_t k) {
+    const int64_t nb = k / 256;
+    const int8_t* aq = (const int8_t*)act;
+    const float* ad = (const float*)(act + k);
+    const int16_t* bs = (const int16_t*)(ad + nb);
+    float acc = 0.0f;
+    for (int64_t i = 0; i < nb; ++i) {
+        const blk_q2_K* x = (const blk_q2_K*)(w + i * 84);
+        int sumi = 0, summ = 0;
+        for (int j = 0; j < 8; ++j) {
+            const uint8_t* q = x->qs + 32 * (j / 4);
+            const int8_t* a = aq + 256 * i + 32 * j;
+            const int sh = 2 * (j % 4);
+            int s0 = 0, s1 = 0;
+#pragma GCC unroll 1  // else fully unrolled before the vectoriser sees the loop
+            for (int l = 0; l < 16; ++l) s0 += (int)((q[l] >> sh) & 3) * (int)a[l];
+#pragma GCC unroll 1
+            for (int l = 16; l < 32; ++l) s1 += (int)((q[l] >> sh) & 3) * (int)a[l];
+            sumi += (x->scales[2 * j] & 0x0f) * s0 + (x->scales[2 * j + 1] & 0x0f) * s1;
+        }
+        for (int g = 0; g < 16; ++g) summ += (x->scales[g] >> 4) * bs[16 * i + g];
+        acc += fp16_to_fp32(x->d) * ad[i] * (float)sumi - fp16_to_fp32(x->dmin) * ad[i] * (float)summ;
+    }
+    return acc;
+}
+
+static float dot_q3_K_scalar(const uint8_t* w, const uint8_t* act, int64_t k) {
+    const int64_t nb = k / 256;
+    const int8_t* aq = (const int8_t*)act;
+    const float* ad = (const float*)(act + k);
+    float acc = 0.0f;
+    for (int64_t i = 0; i < nb; ++i) {
+        const blk_q3_K* x = (const blk_q3_K*)(w + i * 110);
+        int8_t sc[16];
+        unpack_q3_scales(x->scales, sc);
+        int sumi = 0;
+        for (int j = 0; j < 8; ++j) {
+            const uint8_t* q = x->qs + 32 * (j / 4);
+            const uint8_t* hm = x->hmask;
+            const int8_t* a = aq + 256 * i + 32 * j;
+            const int sh = 2 * (j % 4);
+            int s0 = 0, s1 = 0;
+#pragma GCC unroll 1  // else fully unrolled before the vectoriser sees the loop
+            for (int l = 0; l < 16; ++l)
+                s0 += ((int)((q[l] >> sh) & 3) + 4 * (int)((hm[l] >> j) & 1) - 4) * (int)a[l];
+#pragma GCC unroll 1
+            for (int l = 16; l < 32; ++l)
+                s1 += ((int)((q[l] >> sh) & 3) + 4 * (int)((hm[l] >> j) & 1) - 4) * (int)a[l];
+            sumi += sc[2 * j] * s0 + sc[2 * j + 1] * s1;
+        }
+        acc += fp16_to_fp32(x->d) * ad[i] * (float)sumi;
+    }
+    return acc;
+}
+
 static float dot_qK_scalar(int type, const uint8_t* w, const uint8_t* act, int64_t k) {
     const int64_t nb = k / 256;
     const int8_t* aq = (const int8_t*)act;
@@ -835,6 +1065,8 @@ float vec_dot_w(int type, const void* w, const uint8_t* act, int64_t k) {
         case T_Q5_0: gemv_u32<T_Q5_0, 1>(wb, 0, act, k, &out); return out;
         case T_Q5_1: gemv_u32<T_Q5_1, 1>(wb, 0, act, k, &out); return out;
         case T_Q8_0: gemv_q8_0<1>(wb, 0, act, k, &out); return out;
+        case T_Q2_K: return dot_q2_K(wb, act, k);
+        case T_Q3_K: return dot_q3_K(wb, act, k);
         case T_Q4_K: return dot_q4_K(wb, act, k);
         case T_Q5_K: return dot_q5_K(wb, act, k);
         case T_Q6_K: return dot_q6_K(wb, act, k);
@@ -847,6 +1079,8 @@ float vec_dot_w(int type, const void* w, const uint8_t* act, int64_t k) {
         case T_Q5_0: return dot32_scalar<T_Q5_0>(wb, act, k);
         case T_Q5_1: return dot32_scalar<T_Q5_1>(wb, act, k);
         case T_Q8_0: return dot32_scalar<T_Q8_0>(wb, act, k);
+        case T_Q2_K: return dot_q2_K_scalar(wb, act, k);
+        case T_Q3_K: return dot_q3_K_scalar(wb, act, k);
         case T_Q4_K: case T_Q5_K: case T_Q6_K: return dot_qK_scalar(type, wb, act, k);
         default: return 0.0f;
     }

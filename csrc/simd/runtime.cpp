@@ -236,7 +236,7 @@ static bool tiles(const Tensor& small, const Tensor& big) {  // each dim of smal
 static bool is_float_storage(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
 static bool is_weight_type(int t) {
     return is_float_storage(t) || t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0 ||
-           t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
+           t == T_Q2_K || t == T_Q3_K || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
 }
 static bool is_cpy_dst(int t) {
     return is_float_storage(t) || t == T_Q8_0 || t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1;
