@@ -72,7 +72,12 @@ def _store(w: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: QT, skip: tup
         h = data.astype(np.float16)
         w.add_tensor(name, h)
         return h.astype(np.float64)
-    q = gguf.quants.quantize(data, qtype)
+    try:
+        q = gguf.quants.quantize(data, qtype)
+    except NotImplementedError:  # gguf cannot make K-quants: take ggml_py's bytes, still decoded by gguf below
+        from ggml_py.quants import quantize
+
+        q = quantize(data, int(qtype))
     w.add_tensor(name, q, raw_dtype=qtype)
     return gguf.quants.dequantize(q, qtype).reshape(data.shape).astype(np.float64)
 

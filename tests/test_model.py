@@ -30,6 +30,9 @@ CONFIGS = {
     "f32_tied_q8emb": dict(weight_type=QT.F32, embd_type=QT.Q8_0, output_type=None),
     # quantized matrices, separate F16 output head, F32 embedding
     "q4_1_separate_f16_head": dict(weight_type=QT.Q4_1, embd_type=QT.F32, output_type=QT.F16),
+    # the low-bit K-quants (256-element blocks need n_embd and n_ff multiples of 256): Q2_K matrices, tied Q3_K
+    # embedding and output head
+    "q2_k_tied_q3_k": dict(weight_type=QT.Q2_K, embd_type=QT.Q3_K, output_type=None, n_embd=256, n_ff=512),
 }
 
 
@@ -83,8 +86,8 @@ def test_incremental_decode_matches_full_eval(tiny, backend):
         inc = np.concatenate(parts)
         assert m.n_past == len(ids)
     assert inc.shape == full.shape
-    if backend == "numpy":  # same math for every batch size
-        assert nmse(inc, full) < 1e-10
+    if backend == "numpy":  # same math for every batch size, up to float32 rounding (BLAS sums per batch size)
+        assert nmse(inc, full) < 1e-9
         assert np.array_equal(inc.argmax(-1), full.argmax(-1))
     else:  # a backend may quantize activations for small batches (as ggml does for quantized weights)
         assert nmse(inc, full) < 5e-4

@@ -78,6 +78,8 @@ enum ggml_py_type {
     GGML_PY_TYPE_Q5_1 = 7,
     GGML_PY_TYPE_Q8_0 = 8,
     GGML_PY_TYPE_Q8_1 = 9,
+    GGML_PY_TYPE_Q2_K = 10,
+    GGML_PY_TYPE_Q3_K = 11,
     GGML_PY_TYPE_Q4_K = 12,
     GGML_PY_TYPE_Q5_K = 13,
     GGML_PY_TYPE_Q6_K = 14,
