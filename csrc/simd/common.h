@@ -194,6 +194,17 @@ static inline int64_t repack_row_bytes(int t, int64_t k) {
 static inline size_t align64(size_t x) { return (x + 63) & ~(size_t)63; }
 static inline size_t a32_row_size(int64_t k) { return align64((size_t)k + (size_t)(k / 32) * 8); }
 static inline size_t a256_row_size(int64_t k) { return align64((size_t)k + (size_t)(k / 256) * (4 + 32)); }
+// The parts of one activation row of k elements, read as `const auto [aq, ad, as] = a32_parts(act, k);`.
+struct A32Parts { const int8_t* qs; const float* d; const float* s; };
+struct A256Parts { const int8_t* qs; const float* d; const int16_t* bsums; };
+static inline A32Parts a32_parts(const uint8_t* act, int64_t k) {
+    const float* d = (const float*)(act + k);
+    return {(const int8_t*)act, d, d + k / 32};
+}
+static inline A256Parts a256_parts(const uint8_t* act, int64_t k) {
+    const float* d = (const float*)(act + k);
+    return {(const int8_t*)act, d, (const int16_t*)(d + k / 256)};
+}
 static inline bool weight_is_k_quant(int t) {
     return t == T_Q2_K || t == T_Q3_K || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
 }

@@ -597,9 +597,7 @@ template <> struct Blk<T_Q8_0> { enum { size = 34 }; };
 template <int T, int R>
 static void gemv_u32(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t k, float* out) {
     const int64_t nb = k / 32;
-    const int8_t* aq = (const int8_t*)act;
-    const float* ad = (const float*)(act + k);
-    const float* as = ad + nb;
+    const auto [aq, ad, as] = a32_parts(act, k);
     __m256 acc[R];
     float summ[R];
     for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); summ[r] = 0.0f; }
@@ -646,9 +644,7 @@ GP_INLINE __m256i bcast_i16(__m256i v2, int lane) {
 template <int R>
 static void gemv_q4_K(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t k, float* out) {
     const int64_t nb = k / 256;
-    const int8_t* aq = (const int8_t*)act;
-    const float* ad = (const float*)(act + k);
-    const int16_t* bs = (const int16_t*)(ad + nb);
+    const auto [aq, ad, bs] = a256_parts(act, k);
     __m256 acc[R];
     float summ[R];
     for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); summ[r] = 0.0f; }
@@ -705,9 +701,7 @@ GP_INLINE __m256i even_odd_i16(__m128i v8, bool is_signed) {
 template <int R>
 static void gemv_q2_K(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t k, float* out) {
     const int64_t nb = k / 256;
-    const int8_t* aq = (const int8_t*)act;
-    const float* ad = (const float*)(act + k);
-    const int16_t* bs = (const int16_t*)(ad + nb);
+    const auto [aq, ad, bs] = a256_parts(act, k);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const __m256i m3 = _mm256_set1_epi8(3);
@@ -746,9 +740,7 @@ static void gemv_q2_K(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t 
 template <int R>
 static void gemv_q3_K(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t k, float* out) {
     const int64_t nb = k / 256;
-    const int8_t* aq = (const int8_t*)act;
-    const float* ad = (const float*)(act + k);
-    const int16_t* bs = (const int16_t*)(ad + nb);
+    const auto [aq, ad, bs] = a256_parts(act, k);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const __m256i m3 = _mm256_set1_epi8(3);
@@ -800,9 +792,7 @@ static float dot_q3_K(const uint8_t* w, const uint8_t* act, int64_t k) {
 
 static float dot_q5_K(const uint8_t* w, const uint8_t* act, int64_t k) {
     const int64_t nb = k / 256;
-    const int8_t* aq = (const int8_t*)act;
-    const float* ad = (const float*)(act + k);
-    const int16_t* bs = (const int16_t*)(ad + nb);
+    const auto [aq, ad, bs] = a256_parts(act, k);
     __m256 acc = _mm256_setzero_ps();
     float summ = 0.0f;
     const __m256i m4 = _mm256_set1_epi8(0x0f);
@@ -843,9 +833,7 @@ static float dot_q5_K(const uint8_t* w, const uint8_t* act, int64_t k) {
 
 static float dot_q6_K(const uint8_t* w, const uint8_t* act, int64_t k) {
     const int64_t nb = k / 256;
-    const int8_t* aq = (const int8_t*)act;
-    const float* ad = (const float*)(act + k);
-    const int16_t* bs = (const int16_t*)(ad + nb);
+    const auto [aq, ad, bs] = a256_parts(act, k);
     __m256 acc = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     const __m256i m2 = _mm256_set1_epi8(3);
@@ -890,9 +878,7 @@ static float dot_q6_K(const uint8_t* w, const uint8_t* act, int64_t k) {
 template <int T>
 static float dot32_scalar(const uint8_t* w, const uint8_t* act, int64_t k) {
     const int64_t nb = k / 32;
-    const int8_t* aq = (const int8_t*)act;
-    const float* ad = (const float*)(act + k);
-    const float* as = ad + nb;
+    const auto [aq, ad, as] = a32_parts(act, k);
     float acc = 0.0f, summ = 0.0f;
     for (int64_t b = 0; b < nb; ++b) {
         const int8_t* a = aq + 32 * b;
@@ -938,9 +924,7 @@ static float dot32_scalar(const uint8_t* w, const uint8_t* act, int64_t k) {
 // Q2_K / Q3_K: one 32-element chunk (two groups of 16) per step, in plain loops the compiler vectorises.
 static float dot_q2_K_scalar(const uint8_t* w, const uint8_t* act, int64_t k) {
     const int64_t nb = k / 256;
-    const int8_t* aq = (const int8_t*)act;
-    const float* ad = (const float*)(act + k);
-    const int16_t* bs = (const int16_t*)(ad + nb);
+    const auto [aq, ad, bs] = a256_parts(act, k);
     float acc = 0.0f;
     for (int64_t i = 0; i < nb; ++i) {
         const blk_q2_K* x = (const blk_q2_K*)(w + i * 84);
@@ -993,9 +977,7 @@ static float dot_q3_K_scalar(const uint8_t* w, const uint8_t* act, int64_t k) {
 
 static float dot_qK_scalar(int type, const uint8_t* w, const uint8_t* act, int64_t k) {
     const int64_t nb = k / 256;
-    const int8_t* aq = (const int8_t*)act;
-    const float* ad = (const float*)(act + k);
-    const int16_t* bs = (const int16_t*)(ad + nb);
+    const auto [aq, ad, bs] = a256_parts(act, k);
     float acc = 0.0f;
     for (int64_t i = 0; i < nb; ++i) {
         const int8_t* a = aq + 256 * i;
@@ -1109,9 +1091,7 @@ void gemv_rows(int type, const uint8_t* w, int64_t ws, int64_t nr, const uint8_t
 #if GP_AVX2
 static void gemv_x8_q4_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act, int64_t k, float* out) {
     const int64_t nb = k / 256;
-    const int8_t* aq = (const int8_t*)act;
-    const float* ad = (const float*)(act + k);
-    const int16_t* bs = (const int16_t*)(ad + nb);
+    const auto [aq, ad, bs] = a256_parts(act, k);
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int64_t g = 0; g < ngroups; ++g) {
         const uint8_t* p = rec + g * nb * 1184;
@@ -1159,9 +1139,7 @@ void gemv_x8(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, 
 #endif
     if (type == T_Q4_K) {  // portable version of the layout
         const int64_t ns = k / 256;
-        const int8_t* aq = (const int8_t*)act;
-        const float* ad = (const float*)(act + k);
-        const int16_t* bs = (const int16_t*)(ad + ns);
+        const auto [aq, ad, bs] = a256_parts(act, k);
         for (int64_t g = 0; g < ngroups; ++g)
             for (int r = 0; r < 8; ++r) {
                 float acc = 0.0f;
@@ -1186,9 +1164,7 @@ void gemv_x8(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, 
             }
         return;
     }
-    const int8_t* aq = (const int8_t*)act;
-    const float* ad = (const float*)(act + k);
-    const float* as = ad + nb;
+    const auto [aq, ad, as] = a32_parts(act, k);
 #if GP_AVX2
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     const __m256i ones = _mm256_set1_epi16(1);
