@@ -16,6 +16,7 @@ No gguf import here: the core does its own math.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -387,15 +388,19 @@ def _q_q5_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([d, dmin, scales, qh, qs], axis=1)
 
 
+def _by_sub_block16(x: np.ndarray, fit: Callable[..., tuple[np.ndarray, ...]], *args: Any) -> tuple[np.ndarray, ...]:
+    """Run a sub-block fitter over the 16 sub-blocks of 16 elements of every 256-block of x (n, 256). The fitter
+    takes them element axis first, (16, n * 16); its levels come back as (n, 16, 16), its other outputs as (n, 16)."""
+    n = x.shape[0]
+    levels, *rest = fit(np.ascontiguousarray(x.reshape(n * 16, 16).T), *args)
+    return (levels.T.reshape(n, 16, 16), *(r.reshape(n, 16) for r in rest))
+
+
 def _q_q2_k(x: np.ndarray) -> np.ndarray:
     """quantize_row_q2_K_ref: 16 sub-blocks of 16, each an affine 2-bit fit; 4-bit scales and mins per sub-block."""
     f = _f32
     n = x.shape[0]
-    xs = np.ascontiguousarray(x.reshape(n * 16, 16).T)
-    levels, scales, mins = _make_qkx2(xs, np.abs(xs), 3, -0.5, 0.1, 15, use_mad=True)
-    levels = levels.T.reshape(n, 16, 16)
-    scales = scales.reshape(n, 16)
-    mins = mins.reshape(n, 16)
+    levels, scales, mins = _by_sub_block16(x, lambda xs: _make_qkx2(xs, np.abs(xs), 3, -0.5, 0.1, 15, use_mad=True))
 
     # C starts both maxima at 0 and takes strictly larger values: never -0.0, never negative, NaNs skipped (fmax)
     max_scale = np.fmax.reduce(scales, axis=1, keepdims=True)
@@ -469,10 +474,7 @@ def _q_q3_k(x: np.ndarray) -> np.ndarray:
     """quantize_row_q3_K_ref: 16 sub-blocks of 16 with symmetric 3-bit levels, 6-bit signed scales."""
     f = _f32
     n = x.shape[0]
-    xs = np.ascontiguousarray(x.reshape(n * 16, 16).T)
-    levels, scales = _make_q3(xs, 4)
-    levels = levels.T.reshape(n, 16, 16)
-    scales = scales.reshape(n, 16)
+    levels, scales = _by_sub_block16(x, _make_q3, 4)
 
     # C keeps the first scale of strictly largest |scale| above 0: a NaN scale (float32 overflow of x**3 in
     # make_q3_quants for |x| > ~1e19) never wins, where argmax would pick it
@@ -538,10 +540,7 @@ def _make_qx(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
 def _q_q6_k(x: np.ndarray) -> np.ndarray:
     f = _f32
     n = x.shape[0]
-    xs = np.ascontiguousarray(x.reshape(n * 16, 16).T)
-    levels, scales = _make_qx(xs, 32)
-    levels = levels.T.reshape(n, 16, 16)
-    scales = scales.reshape(n, 16)
+    levels, scales = _by_sub_block16(x, _make_qx, 32)
 
     imax = np.abs(scales).argmax(axis=1)[:, None]
     max_scale = np.take_along_axis(scales, imax, axis=1)
