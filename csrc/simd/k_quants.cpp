@@ -689,7 +689,7 @@ static float dot_q4_K(const uint8_t* w, const uint8_t* act, int64_t k) {
     return out;
 }
 
-// Q2_K / Q3_K against A256, R rows at a time (activations loaded once for all rows). The 16 group scales are
+// Q2_K / Q3_K rows against A256 activations. The 16 group scales are
 // widened to i16 with the even groups in the low 128-bit lane and the odd ones in the high lane, so one in-lane
 // broadcast gives the scales of a 32-element chunk (groups 2j, 2j+1 = the two halves of a maddubs result).
 GP_INLINE __m256i even_odd_i16(__m128i v8, bool is_signed) {
@@ -698,96 +698,72 @@ GP_INLINE __m256i even_odd_i16(__m128i v8, bool is_signed) {
     return is_signed ? _mm256_cvtepi8_epi16(t) : _mm256_cvtepu8_epi16(t);
 }
 
-template <int R>
-static void gemv_q2_K(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t k, float* out) {
+static float dot_q2_K(const uint8_t* w, const uint8_t* act, int64_t k) {
     const int64_t nb = k / 256;
     const auto [aq, ad, bs] = a256_parts(act, k);
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
     const __m256i m3 = _mm256_set1_epi8(3);
     const __m128i m4 = _mm_set1_epi8(0x0f);
     for (int64_t i = 0; i < nb; ++i) {
         const int8_t* a = aq + 256 * i;
-        __m256i av[8];
-        for (int j = 0; j < 8; ++j) av[j] = _mm256_loadu_si256((const __m256i*)(a + 32 * j));
         const __m256i bsv = _mm256_loadu_si256((const __m256i*)(bs + 16 * i));
-        for (int r = 0; r < R; ++r) {
-            const blk_q2_K* x = (const blk_q2_K*)(w + r * ws + i * 84);
-            const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)(x->d | (uint32_t)x->dmin << 16))),
-                                         _mm_set1_ps(ad[i]));
-            const __m128i raw = _mm_loadu_si128((const __m128i*)x->scales);
-            const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4));
-            const __m256i mi = _mm256_madd_epi16(mins, bsv);  // 8 partial sums of min * bsum
-            const __m256i sc = even_odd_i16(_mm_and_si128(raw, m4), false);
-            __m256i sumi = _mm256_setzero_si256();
-            for (int h = 0; h < 2; ++h) {
-                const __m256i Q = _mm256_loadu_si256((const __m256i*)(x->qs + 32 * h));
-                for (int s = 0; s < 4; ++s) {
-                    const __m256i q = _mm256_and_si256(_mm256_srli_epi16(Q, 2 * s), m3);
-                    const __m256i p = _mm256_maddubs_epi16(q, av[4 * h + s]);
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, bcast_i16(sc, 4 * h + s)));
-                }
+        const blk_q2_K* x = (const blk_q2_K*)(w + i * 84);
+        const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)(x->d | (uint32_t)x->dmin << 16))),
+                                     _mm_set1_ps(ad[i]));
+        const __m128i raw = _mm_loadu_si128((const __m128i*)x->scales);
+        const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+        const __m256i mi = _mm256_madd_epi16(mins, bsv);  // 8 partial sums of min * bsum
+        const __m256i sc = even_odd_i16(_mm_and_si128(raw, m4), false);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int h = 0; h < 2; ++h) {
+            const __m256i Q = _mm256_loadu_si256((const __m256i*)(x->qs + 32 * h));
+            for (int s = 0; s < 4; ++s) {
+                const __m256i q = _mm256_and_si256(_mm256_srli_epi16(Q, 2 * s), m3);
+                const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(a + 32 * (4 * h + s))));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, bcast_i16(sc, 4 * h + s)));
             }
-            const __m256 d = _mm256_broadcastss_ps(dd);
-            const __m256 dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
-            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(dmin, _mm256_cvtepi32_ps(mi), acc[r]);
         }
+        const __m256 d = _mm256_broadcastss_ps(dd);
+        const __m256 dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
+        acc = _mm256_fnmadd_ps(dmin, _mm256_cvtepi32_ps(mi), acc);
     }
-    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+    return hsum(acc);
 }
 
-template <int R>
-static void gemv_q3_K(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t k, float* out) {
+static float dot_q3_K(const uint8_t* w, const uint8_t* act, int64_t k) {
     const int64_t nb = k / 256;
     const auto [aq, ad, bs] = a256_parts(act, k);
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
     const __m256i m3 = _mm256_set1_epi8(3);
     const __m256i one = _mm256_set1_epi8(1);
     for (int64_t i = 0; i < nb; ++i) {
         const int8_t* a = aq + 256 * i;
-        __m256i av[8];
-        for (int j = 0; j < 8; ++j) av[j] = _mm256_loadu_si256((const __m256i*)(a + 32 * j));
         const __m256i bsv = _mm256_loadu_si256((const __m256i*)(bs + 16 * i));
-        for (int r = 0; r < R; ++r) {
-            const blk_q3_K* x = (const blk_q3_K*)(w + r * ws + i * 110);
-            const float d = fp16_to_fp32(x->d) * ad[i];
-            uint32_t u[4];  // built in registers: a byte-wise store then a 16-byte load would stall forwarding
-            q3_scales_u32(x->scales, u);
-            const __m128i sc128 = _mm_sub_epi8(_mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]),
-                                               _mm_set1_epi8(32));
-            const __m256i sc = even_odd_i16(sc128, true);
-            // the quants are taken as q + 4 (0..7): subtract 4 * sum(scale * bsum) afterwards
-            __m256i sumi = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(sc128), bsv), 2);
-            sumi = _mm256_sub_epi32(_mm256_setzero_si256(), sumi);
-            const __m256i H = _mm256_loadu_si256((const __m256i*)x->hmask);
-            for (int h = 0; h < 2; ++h) {
-                const __m256i Q = _mm256_loadu_si256((const __m256i*)(x->qs + 32 * h));
-                for (int s = 0; s < 4; ++s) {
-                    const int j = 4 * h + s;
-                    const __m256i hb = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, j), one), 2);
-                    const __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(Q, 2 * s), m3), hb);
-                    const __m256i p = _mm256_maddubs_epi16(q, av[j]);
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, bcast_i16(sc, j)));
-                }
+        const blk_q3_K* x = (const blk_q3_K*)(w + i * 110);
+        const float d = fp16_to_fp32(x->d) * ad[i];
+        uint32_t u[4];  // built in registers: a byte-wise store then a 16-byte load would stall forwarding
+        q3_scales_u32(x->scales, u);
+        const __m128i sc128 = _mm_sub_epi8(_mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]),
+                                           _mm_set1_epi8(32));
+        const __m256i sc = even_odd_i16(sc128, true);
+        // the quants are taken as q + 4 (0..7): subtract 4 * sum(scale * bsum) afterwards
+        __m256i sumi = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(sc128), bsv), 2);
+        sumi = _mm256_sub_epi32(_mm256_setzero_si256(), sumi);
+        const __m256i H = _mm256_loadu_si256((const __m256i*)x->hmask);
+        for (int h = 0; h < 2; ++h) {
+            const __m256i Q = _mm256_loadu_si256((const __m256i*)(x->qs + 32 * h));
+            for (int s = 0; s < 4; ++s) {
+                const int j = 4 * h + s;
+                const __m256i hb = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, j), one), 2);
+                const __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(Q, 2 * s), m3), hb);
+                const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(a + 32 * j)));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, bcast_i16(sc, j)));
             }
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[r]);
         }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
     }
-    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
-}
-
-static float dot_q2_K(const uint8_t* w, const uint8_t* act, int64_t k) {
-    float out;
-    gemv_q2_K<1>(w, 0, act, k, &out);
-    return out;
-}
-
-static float dot_q3_K(const uint8_t* w, const uint8_t* act, int64_t k) {
-    float out;
-    gemv_q3_K<1>(w, 0, act, k, &out);
-    return out;
+    return hsum(acc);
 }
 
 static float dot_q5_K(const uint8_t* w, const uint8_t* act, int64_t k) {
