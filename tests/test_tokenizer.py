@@ -4,9 +4,7 @@ llama-cpp-python is available), round trips, a synthetic SentencePiece vocab, ch
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 import time
 from pathlib import Path
 
@@ -14,6 +12,8 @@ import pytest
 
 from ggml_py.errors import ModelError
 from ggml_py.tokenizer import SUPPORTED_MODELS, StreamDecoder, Tokenizer, TokenType
+
+import llamacpp_peer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "smollm2_tokens.json"
 MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -200,22 +200,8 @@ def run(model, texts, add_bos):
 
 
 def _llama_cpp_tokenize(model: Path, texts: list[str], add_bos: bool = False) -> list[dict] | None:
-    """[{"ids": [...], "detok": {"<remove_special><special>": text}}] from llama.cpp, in process when llama_cpp is
-    importable, else through $LLAMA_CPP_PYTHON (an interpreter that has llama-cpp-python, e.g.
-    /work/llamacpp-venv/bin/python); None when neither is available."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        python = os.environ.get("LLAMA_CPP_PYTHON")
-        if not python:
-            return None
-        code = _LLAMA_CPP_WORKER + "\nimport json, sys\njson.dump(run(*json.load(sys.stdin)), sys.stdout)\n"
-        args = json.dumps([str(model), texts, add_bos])
-        out = subprocess.run([python, "-c", code], input=args, capture_output=True, text=True, check=True)
-        return json.loads(out.stdout)
-    namespace: dict = {}
-    exec(_LLAMA_CPP_WORKER, namespace)
-    return namespace["run"](str(model), texts, add_bos)
+    """[{"ids": [...], "detok": {"<remove_special><special>": text}}] from llama.cpp; None when it is not available."""
+    return llamacpp_peer.run(_LLAMA_CPP_WORKER, str(model), texts, add_bos)
 
 
 def _check_against(tok: Tokenizer, texts: list[str], results: list[dict], add_special: bool) -> None:
@@ -227,7 +213,7 @@ def _check_against(tok: Tokenizer, texts: list[str], results: list[dict], add_sp
             assert got == want, (repr(text), key)
 
 
-NO_LLAMA_CPP = "llama_cpp not importable (set LLAMA_CPP_PYTHON to an interpreter with llama-cpp-python)"
+NO_LLAMA_CPP = llamacpp_peer.NOT_AVAILABLE
 
 
 @needs_model

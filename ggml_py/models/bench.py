@@ -24,7 +24,10 @@ import numpy as np
 
 from ..errors import GgmlPyError
 
-LLAMACPP_VENV = os.environ.get("GGML_PY_LLAMACPP_VENV", "/work/llamacpp-venv")
+# The side venv with llama-cpp-python (made on first use); LLAMA_CPP_PYTHON, when set, names an interpreter to use
+# instead (e.g. the one `make llamacpp-venv` makes).
+LLAMACPP_VENV = os.environ.get("GGML_PY_LLAMACPP_VENV",
+                               os.path.join(os.path.expanduser("~"), ".cache", "ggml_py", "llamacpp-venv"))
 BENCH_TEXT = ("The history of natural philosophy runs from the speculations of the ancient Greeks about the elements, "
               "through the careful measurements of astronomers in the middle ages, to the experiments of Galileo and "
               "the laws of motion written down by Newton. Each generation asked how the world is made and why it "
@@ -190,7 +193,7 @@ def ensure_llamacpp(venv: str = LLAMACPP_VENV) -> str:
 
 def run_llamacpp(model_path: str, ids: list[int], n_gen: int, threads: int, n_ctx: int) -> dict[str, Any]:
     """Greedy generation with llama-cpp-python in a subprocess: prefill/decode tok/s, tokens, all logits (.npy)."""
-    py = ensure_llamacpp()
+    py = os.environ.get("LLAMA_CPP_PYTHON") or ensure_llamacpp()
     fd, logits_file = tempfile.mkstemp(suffix=".npy", prefix="llamacpp_logits_")
     os.close(fd)
     arg = _json.dumps({"model": model_path, "ids": ids, "n_gen": n_gen, "threads": threads, "n_ctx": n_ctx,
