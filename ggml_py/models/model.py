@@ -131,7 +131,8 @@ class Model:
             parts.append((f"weights copied into {b.name}", size))
         parts.append((f"KV cache ({hp.n_layer} layers x {self.n_ctx} positions, {kv_type})",
                       KVCache.nbytes_for(hp, self.n_ctx, kv_type)))
-        require_memory(parts, "use a smaller n_ctx, kv_type F16, another backend or a smaller model")
+        f16 = "kv_type F16, " if kv_type is not dtypes.F16 else ""
+        require_memory(parts, f"use a smaller n_ctx, {f16}another backend or a smaller model")
 
     def _copy_weights(self, progress: bool) -> None:
         """Copy the weights into the preferred backend's memory, once, with a progress bar."""
