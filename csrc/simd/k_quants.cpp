@@ -1103,6 +1103,66 @@ static void gemv_x8_q4_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act
         _mm256_storeu_ps(out + 8 * g, acc);
     }
 }
+
+// Q6_K x8 (common.h): the unsigned 6-bit quants enter maddubs as they are (0..63, so two maddubs results still fit
+// in i16); their -32 offset is applied once per super-block through the activations' 16-sums, as the row kernel does.
+static void gemv_x8_q6_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act, int64_t k, float* out) {
+    const int64_t nb = k / 256;
+    const auto [aq, ad, bs] = a256_parts(act, k);
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+    // i32 lane r = (scale of sub-block 2p, scale of 2p+1) as i16 -> both halves the first / the second
+    const __m256i dup0 = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                          0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+    const __m256i dup1 = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
+                                          2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
+    for (int64_t g = 0; g < ngroups; ++g) {
+        const uint8_t* p = rec + g * nb * 1680;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t s = 0; s < nb; ++s, p += 1680) {
+            const int32_t* a32 = (const int32_t*)(aq + 256 * s);
+            const int16_t* b = bs + 16 * s;
+            __m256i sumi = _mm256_setzero_si256(), mi = _mm256_setzero_si256();
+            for (int jp = 0; jp < 8; ++jp) {  // pairs of sub-blocks: 192 bytes of quants, 16 bytes of scales
+                const uint8_t* q = p + 192 * jp;
+                _mm_prefetch((const char*)(q + 3360), _MM_HINT_T0);
+                _mm_prefetch((const char*)(q + 3360 + 64), _MM_HINT_T0);
+                _mm_prefetch((const char*)(q + 3360 + 128), _MM_HINT_T0);
+                if (jp < 3) _mm_prefetch((const char*)(p + 3360 + 1536 + 64 * jp), _MM_HINT_T0);
+                const __m256i sc2 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 1536 + 16 * jp)));
+                int32_t bpair;  // the activations' 16-sums of the two sub-blocks, as one i16 pair
+                memcpy(&bpair, b + 2 * jp, 4);
+                mi = _mm256_add_epi32(mi, _mm256_madd_epi16(sc2, _mm256_set1_epi32(bpair)));
+                for (int h = 0; h < 2; ++h) {
+                    const uint8_t* u = q + 96 * h;
+                    const int j = 2 * jp + h;
+                    const __m256i L0 = _mm256_loadu_si256((const __m256i*)u);
+                    const __m256i L1 = _mm256_loadu_si256((const __m256i*)(u + 32));
+                    const __m256i H = _mm256_loadu_si256((const __m256i*)(u + 64));
+                    const __m256i q0 = _mm256_or_si256(_mm256_and_si256(L0, m4),
+                                                       _mm256_and_si256(_mm256_slli_epi16(H, 4), m30));
+                    const __m256i q1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), m4),
+                                                       _mm256_and_si256(_mm256_slli_epi16(H, 2), m30));
+                    const __m256i q2 = _mm256_or_si256(_mm256_and_si256(L1, m4), _mm256_and_si256(H, m30));
+                    const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), m4),
+                                                       _mm256_and_si256(_mm256_srli_epi16(H, 2), m30));
+                    const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(q0, _mm256_set1_epi32(a32[4 * j])),
+                                                         _mm256_maddubs_epi16(q1, _mm256_set1_epi32(a32[4 * j + 1])));
+                    const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(q2, _mm256_set1_epi32(a32[4 * j + 2])),
+                                                         _mm256_maddubs_epi16(q3, _mm256_set1_epi32(a32[4 * j + 3])));
+                    const __m256i sc = _mm256_shuffle_epi8(sc2, h ? dup1 : dup0);
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(s01, sc));
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(s23, sc));
+                }
+            }
+            sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(mi, 5));
+            const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 1664))),
+                                           _mm256_set1_ps(ad[s]));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), d, acc);
+        }
+        _mm256_storeu_ps(out + 8 * g, acc);
+    }
+}
 #endif
 
 void gemv_x8(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, int64_t k, float* out) {
@@ -1112,7 +1172,40 @@ void gemv_x8(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, 
         gemv_x8_q4_K(rec, ngroups, act, k, out);
         return;
     }
+    if (type == T_Q6_K) {
+        gemv_x8_q6_K(rec, ngroups, act, k, out);
+        return;
+    }
 #endif
+    if (type == T_Q6_K) {  // portable version of the layout: the same integers as dot_qK_scalar
+        const int64_t ns = k / 256;
+        const auto [aq, ad, bs] = a256_parts(act, k);
+        for (int64_t g = 0; g < ngroups; ++g)
+            for (int r = 0; r < 8; ++r) {
+                float acc = 0.0f;
+                for (int64_t s = 0; s < ns; ++s) {
+                    const uint8_t* p = rec + (g * ns + s) * 1680;
+                    const int8_t* a = aq + 256 * s;
+                    int sumi = 0, mi = 0;
+                    for (int j = 0; j < 16; ++j) {
+                        const uint8_t* u = p + 96 * j;
+                        int sj = 0;
+                        for (int t = 0; t < 4; ++t)
+                            for (int i = 0; i < 4; ++i) {
+                                const int lo = (u[32 * (t / 2) + 4 * r + i] >> (4 * (t & 1))) & 0x0f;
+                                const int hi = (u[64 + 4 * r + i] >> (2 * t)) & 3;
+                                sj += (lo | (hi << 4)) * a[16 * j + 4 * t + i];
+                            }
+                        const int sc = (int8_t)p[1536 + 16 * (j / 2) + 2 * r + (j & 1)];
+                        sumi += sc * sj;
+                        mi += sc * bs[16 * s + j];
+                    }
+                    acc += fp16_to_fp32(((const uint16_t*)(p + 1664))[r]) * ad[s] * (float)(sumi - 32 * mi);
+                }
+                out[8 * g + r] = acc;
+            }
+        return;
+    }
     if (type == T_Q4_K) {  // portable version of the layout
         const int64_t ns = k / 256;
         const auto [aq, ad, bs] = a256_parts(act, k);

@@ -1,5 +1,5 @@
-// Interleaved ("x8") layouts of constant Q4_1 / Q8_0 weights for the GEMV kernels (see common.h), made once per
-// weight and shared by every plan through a cache keyed by the weight's unique id, address and shape.
+// Interleaved ("x8") layouts of constant Q4_1 / Q8_0 / Q4_K / Q6_K weights for the GEMV kernels (see common.h),
+// made once per weight and shared by every plan through a cache keyed by the weight's unique id, address and shape.
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -79,6 +79,42 @@ static void repack_q4_K(const Tensor& w, uint8_t* out) {
     }
 }
 
+static void repack_q6_K(const Tensor& w, uint8_t* out) {
+    const int64_t K = w.ne[0], groups = w.ne[1] / 8, nb = K / 256;
+    for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t s = 0; s < nb; ++s) {
+            uint8_t* rec = out + (g * nb + s) * 1680;
+            memset(rec, 0, 1536);  // the quant bytes are OR-ed together below
+            for (int r = 0; r < 8; ++r) {
+                const blk_q6_K* x = (const blk_q6_K*)(w.data + (8 * g + r) * w.nb[1]) + s;
+                uint8_t q[256];  // the 6-bit values (0..63) of the super-block in column order
+                for (int h = 0; h < 2; ++h) {
+                    const uint8_t* ql = x->ql + 64 * h;
+                    for (int l = 0; l < 32; ++l) {
+                        const int hb = x->qh[32 * h + l];
+                        uint8_t* o = q + 128 * h + l;
+                        o[0] = (uint8_t)((ql[l] & 0x0f) | ((hb & 3) << 4));
+                        o[32] = (uint8_t)((ql[l + 32] & 0x0f) | (((hb >> 2) & 3) << 4));
+                        o[64] = (uint8_t)((ql[l] >> 4) | (((hb >> 4) & 3) << 4));
+                        o[96] = (uint8_t)((ql[l + 32] >> 4) | (((hb >> 6) & 3) << 4));
+                    }
+                }
+                for (int j = 0; j < 16; ++j) {
+                    uint8_t* u = rec + 96 * j;
+                    for (int t = 0; t < 4; ++t)
+                        for (int i = 0; i < 4; ++i) {
+                            const int v = q[16 * j + 4 * t + i];
+                            u[32 * (t / 2) + 4 * r + i] |= (uint8_t)((v & 0x0f) << (4 * (t & 1)));
+                            u[64 + 4 * r + i] |= (uint8_t)((v >> 4) << (2 * t));
+                        }
+                    rec[1536 + 16 * (j / 2) + 2 * r + (j & 1)] = (uint8_t)x->scales[j];
+                }
+                memcpy(rec + 1664 + 2 * r, &x->d, 2);
+            }
+        }
+    }
+}
+
 std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w) {
     using Key = std::tuple<int64_t, uintptr_t, int, int64_t, int64_t, int64_t>;
     static std::mutex mu;
@@ -102,7 +138,8 @@ std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w) {
     buf->data = (uint8_t*)p;
     if (w.type == T_Q4_1) repack_q4_1(w, buf->data);
     else if (w.type == T_Q8_0) repack_q8_0(w, buf->data);
-    else repack_q4_K(w, buf->data);
+    else if (w.type == T_Q4_K) repack_q4_K(w, buf->data);
+    else repack_q6_K(w, buf->data);
     (*cache)[key] = buf;
     return buf;
 }
