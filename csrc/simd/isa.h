@@ -132,6 +132,14 @@ GP_INLINE bool take_small(int64_t work, int& ith, int& nth, int64_t threshold = 
     return true;
 }
 
+// This thread's rows [*r0, *r1) of nr rows of ne0 elements; small work all on thread 0. False: none here.
+GP_INLINE bool my_rows(int64_t nr, int64_t ne0, int& ith, int& nth, int64_t* r0, int64_t* r1,
+                       int64_t threshold = 4096) {
+    if (!take_small(nr * ne0, ith, nth, threshold)) return false;
+    split_range(nr, ith, nth, r0, r1);
+    return true;
+}
+
 GP_INLINE void set_error(const ExecCtx& ctx, const char* msg) {
     int expected = 0;
     if (ctx.error->compare_exchange_strong(expected, 1)) {

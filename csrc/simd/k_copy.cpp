@@ -78,9 +78,8 @@ void k_cpy(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     const Tensor& d = n.dst;
     const Tensor& s = n.src[0];
     const int64_t nr = nrows(d), ne0 = d.ne[0];
-    if (!take_small(nr * ne0, ith, nth, 8192)) return;
     int64_t r0, r1;
-    split_range(nr, ith, nth, &r0, &r1);
+    if (!my_rows(nr, ne0, ith, nth, &r0, &r1, 8192)) return;
     const int des = type_size(d.type);
     const bool quant = type_is_quant(d.type);
     const bool same_type = d.type == s.type;
@@ -126,9 +125,8 @@ void k_get_rows(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     const Tensor& s = n.src[0];
     const Tensor& ix = n.src[1];
     const int64_t nr = nrows(d), ne0 = d.ne[0];
-    if (!take_small(nr * ne0, ith, nth, 8192)) return;
     int64_t r0, r1;
-    split_range(nr, ith, nth, &r0, &r1);
+    if (!my_rows(nr, ne0, ith, nth, &r0, &r1, 8192)) return;
     float* tmp = (float*)ctx.thread_scratch(ith);
     const int ses = type_size(s.type);
     for (int64_t r = r0; r < r1; ++r) {
@@ -176,9 +174,8 @@ void k_set_rows(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     const Tensor& s = n.src[0];
     const Tensor& ix = n.src[1];
     const int64_t nr = nrows(s), ne0 = s.ne[0];
-    if (!take_small(nr * ne0, ith, nth, 8192)) return;
     int64_t r0, r1;
-    split_range(nr, ith, nth, &r0, &r1);
+    if (!my_rows(nr, ne0, ith, nth, &r0, &r1, 8192)) return;
     float* tmp = (float*)ctx.thread_scratch(ith);
     uint8_t* rtmp = (uint8_t*)(tmp + ((ne0 + 15) & ~15));
     const int des = type_size(d.type);
@@ -235,9 +232,8 @@ void k_concat(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     const Tensor& b = n.src[1];
     const int dim = n.ip[0];
     const int64_t nr = nrows(d), ne0 = d.ne[0];
-    if (!take_small(nr * ne0, ith, nth, 8192)) return;
     int64_t r0, r1;
-    split_range(nr, ith, nth, &r0, &r1);
+    if (!my_rows(nr, ne0, ith, nth, &r0, &r1, 8192)) return;
     const int es = type_size(d.type);
     for (int64_t r = r0; r < r1; ++r) {
         int64_t i[4] = {0, 0, 0, 0};
@@ -265,9 +261,8 @@ void k_repeat(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     const Tensor& d = n.dst;
     const Tensor& s = n.src[0];
     const int64_t nr = nrows(d), ne0 = d.ne[0];
-    if (!take_small(nr * ne0, ith, nth, 8192)) return;
     int64_t r0, r1;
-    split_range(nr, ith, nth, &r0, &r1);
+    if (!my_rows(nr, ne0, ith, nth, &r0, &r1, 8192)) return;
     const int es = type_size(d.type);
     for (int64_t r = r0; r < r1; ++r) {
         int64_t i1, i2, i3;
@@ -284,9 +279,8 @@ void k_pad(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     const Tensor& d = n.dst;
     const Tensor& s = n.src[0];
     const int64_t nr = nrows(d), ne0 = d.ne[0];
-    if (!take_small(nr * ne0, ith, nth, 8192)) return;
     int64_t r0, r1;
-    split_range(nr, ith, nth, &r0, &r1);
+    if (!my_rows(nr, ne0, ith, nth, &r0, &r1, 8192)) return;
     const int es = type_size(d.type);
     for (int64_t r = r0; r < r1; ++r) {
         int64_t i1, i2, i3;

@@ -53,9 +53,8 @@ static void binary_impl(Node& n, int ith, int nth) {
     const Tensor& a = n.src[0];
     const Tensor& b = n.src[1];
     const int64_t nr = nrows(d), ne0 = d.ne[0];
-    if (!take_small(nr * ne0, ith, nth)) return;
     int64_t r0, r1;
-    split_range(nr, ith, nth, &r0, &r1);
+    if (!my_rows(nr, ne0, ith, nth, &r0, &r1)) return;
     const bool contig = d.nb[0] == 4 && a.nb[0] == 4 && b.nb[0] == 4;
     for (int64_t r = r0; r < r1; ++r) {
         const int64_t i1 = r % d.ne[1], i2 = (r / d.ne[1]) % d.ne[2], i3 = r / (d.ne[1] * d.ne[2]);
@@ -153,9 +152,8 @@ static void unary_impl(Node& n, int ith, int nth) {
     const Tensor& d = n.dst;
     const Tensor& a = n.src[0];
     const int64_t nr = nrows(d), ne0 = d.ne[0];
-    if (!take_small(nr * ne0, ith, nth, OP == OP_EXP || OP == OP_SILU || OP == OP_GELU ? 1024 : 4096)) return;
     int64_t r0, r1;
-    split_range(nr, ith, nth, &r0, &r1);
+    if (!my_rows(nr, ne0, ith, nth, &r0, &r1, OP == OP_EXP || OP == OP_SILU || OP == OP_GELU ? 1024 : 4096)) return;
     const float* p = n.fp;
     const bool contig = d.nb[0] == 4 && a.nb[0] == 4;
     for (int64_t r = r0; r < r1; ++r) {
@@ -217,9 +215,8 @@ static void glu_impl(Node& n, int ith, int nth) {
     const bool two = n.has[1];
     const Tensor& b = two ? n.src[1] : n.src[0];
     const int64_t nr = nrows(d), nc = d.ne[0];
-    if (!take_small(nr * nc, ith, nth, 1024)) return;
     int64_t r0, r1;
-    split_range(nr, ith, nth, &r0, &r1);
+    if (!my_rows(nr, nc, ith, nth, &r0, &r1, 1024)) return;
     const bool swapped = n.ip[0] != 0;
     const bool contig = d.nb[0] == 4 && a.nb[0] == 4 && b.nb[0] == 4;
     for (int64_t r = r0; r < r1; ++r) {

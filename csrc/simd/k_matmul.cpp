@@ -259,8 +259,7 @@ void k_mul_mat(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
             const int64_t rows = N * B2 * B3;
             int64_t q0, q1;
             int ith2 = ith, nth2 = nth;
-            if (!take_small(rows * K, ith2, nth2, 8192)) return;
-            split_range(rows, ith2, nth2, &q0, &q1);
+            if (!my_rows(rows, K, ith2, nth2, &q0, &q1, 8192)) return;
             float* tmp = (float*)ctx.thread_scratch(ith);
             for (int64_t r = q0; r < q1; ++r) {
                 const int64_t i1 = r % N, i2 = (r / N) % B2, i3 = r / (N * B2);

@@ -81,9 +81,8 @@ static void norm_impl(Node& n, int ith, int nth, const ExecCtx& ctx, bool rms) {
     const Tensor& d = n.dst;
     const Tensor& a = n.src[0];
     const int64_t nr = nrows(d), ne0 = d.ne[0];
-    if (!take_small(nr * ne0, ith, nth)) return;
     int64_t r0, r1;
-    split_range(nr, ith, nth, &r0, &r1);
+    if (!my_rows(nr, ne0, ith, nth, &r0, &r1)) return;
     const double eps = n.fp[0];
     float* tmp = (float*)ctx.thread_scratch(ith);
     for (int64_t r = r0; r < r1; ++r) {
@@ -115,9 +114,8 @@ void k_sum_rows(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     const Tensor& d = n.dst;
     const Tensor& a = n.src[0];
     const int64_t nr = nrows(a), ne0 = a.ne[0];
-    if (!take_small(nr * ne0, ith, nth)) return;
     int64_t r0, r1;
-    split_range(nr, ith, nth, &r0, &r1);
+    if (!my_rows(nr, ne0, ith, nth, &r0, &r1)) return;
     float* tmp = (float*)ctx.thread_scratch(ith);
     for (int64_t r = r0; r < r1; ++r) {
         const float* x = row_in(rowp(a, r), a.nb[0], ne0, tmp);
@@ -173,9 +171,8 @@ void k_argmax(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     const Tensor& d = n.dst;
     const Tensor& a = n.src[0];
     const int64_t nr = nrows(a), ne0 = a.ne[0];
-    if (!take_small(nr * ne0, ith, nth)) return;
     int64_t r0, r1;
-    split_range(nr, ith, nth, &r0, &r1);
+    if (!my_rows(nr, ne0, ith, nth, &r0, &r1)) return;
     int32_t* out = (int32_t*)d.data;
     float* tmp = (float*)ctx.thread_scratch(ith);
     for (int64_t r = r0; r < r1; ++r) {
@@ -249,9 +246,8 @@ void k_soft_max(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     const bool has_mask = n.has[1];
     const Tensor& mk = n.src[1];
     const int64_t nr = nrows(a), ne0 = a.ne[0];
-    if (!take_small(nr * ne0, ith, nth, 2048)) return;
     int64_t r0, r1;
-    split_range(nr, ith, nth, &r0, &r1);
+    if (!my_rows(nr, ne0, ith, nth, &r0, &r1, 2048)) return;
     const float scale = n.fp[0], max_bias = n.fp[1];
     float* tmp = (float*)ctx.thread_scratch(ith);
     for (int64_t r = r0; r < r1; ++r) {
@@ -314,9 +310,8 @@ void k_diag_mask_inf(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     const Tensor& d = n.dst;
     const Tensor& a = n.src[0];
     const int64_t nr = nrows(a), ne0 = a.ne[0];
-    if (!take_small(nr * ne0, ith, nth)) return;
     int64_t r0, r1;
-    split_range(nr, ith, nth, &r0, &r1);
+    if (!my_rows(nr, ne0, ith, nth, &r0, &r1)) return;
     const int64_t n_past = n.ip[0];
     for (int64_t r = r0; r < r1; ++r) {
         const int64_t i1 = r % a.ne[1];

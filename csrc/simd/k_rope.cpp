@@ -13,9 +13,8 @@ void k_rope(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     const Tensor& pos = n.src[1];
     const int64_t ne0 = a.ne[0];
     const int64_t nr = nrows(a);
-    if (!take_small(nr * ne0, ith, nth, 2048)) return;
     int64_t r0, r1;
-    split_range(nr, ith, nth, &r0, &r1);
+    if (!my_rows(nr, ne0, ith, nth, &r0, &r1, 2048)) return;
     const int n_dims = n.ip[0];
     const bool neox = (n.ip[1] & 2) != 0;
     const int half = n_dims / 2;
