@@ -1339,39 +1339,28 @@ float dot_f32(const float* a, const float* b, int64_t n) {
     return (float)s;
 }
 
-float dot_f16_f32(const uint16_t* a, const float* b, int64_t n) {
+// F16 and BF16 rows against F32: one loop; only the 8-wide load and the scalar conversion differ.
+template <bool BF16>
+static float dot_half_f32(const uint16_t* a, const float* b, int64_t n) {
     int64_t i = 0;
 #if GP_AVX2
+    const auto load = [](const uint16_t* p) { return BF16 ? load_bf16x8(p) : load_f16x8(p); };
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     for (; i + 16 <= n; i += 16) {
-        s0 = _mm256_fmadd_ps(load_f16x8(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(load_f16x8(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+        s0 = _mm256_fmadd_ps(load(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(load(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
     }
-    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(load_f16x8(a + i), _mm256_loadu_ps(b + i), s0);
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(load(a + i), _mm256_loadu_ps(b + i), s0);
     float s = hsum(_mm256_add_ps(s0, s1));
 #else
     double s = 0.0;
 #endif
-    for (; i < n; ++i) s += fp16_to_fp32(a[i]) * b[i];
+    for (; i < n; ++i) s += (BF16 ? bf16_to_fp32(a[i]) : fp16_to_fp32(a[i])) * b[i];
     return (float)s;
 }
 
-float dot_bf16_f32(const uint16_t* a, const float* b, int64_t n) {
-    int64_t i = 0;
-#if GP_AVX2
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    for (; i + 16 <= n; i += 16) {
-        s0 = _mm256_fmadd_ps(load_bf16x8(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(load_bf16x8(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-    }
-    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(load_bf16x8(a + i), _mm256_loadu_ps(b + i), s0);
-    float s = hsum(_mm256_add_ps(s0, s1));
-#else
-    double s = 0.0;
-#endif
-    for (; i < n; ++i) s += bf16_to_fp32(a[i]) * b[i];
-    return (float)s;
-}
+float dot_f16_f32(const uint16_t* a, const float* b, int64_t n) { return dot_half_f32<false>(a, b, n); }
+float dot_bf16_f32(const uint16_t* a, const float* b, int64_t n) { return dot_half_f32<true>(a, b, n); }
 
 double stream_read(const uint8_t* p, size_t n) {
     size_t i = 0;
