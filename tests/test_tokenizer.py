@@ -249,12 +249,30 @@ def _write_vocab_gguf(path: Path, meta: dict) -> None:
     w.close()
 
 
+def _spm_base() -> tuple[list, list, list]:
+    """The start of a SentencePiece vocab: <unk>, <s>, </s> and the 256 byte tokens (tokens, types, scores)."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
+    return tokens, types, [0.0] * len(tokens)
+
+
+def _spm_keys(tokens: list, types: list, scores: list) -> dict:
+    """The GGUF tokenizer keys of a SentencePiece ('llama') vocab built on _spm_base."""
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+
+
 def _spm_variant(smol: Tokenizer, smol_meta: dict) -> dict:
     """A realistic SentencePiece vocab made from SmolLM2's: pieces with U+2581 for spaces, scores from the ids
     (with a run of equal scores), byte tokens, a control and a user-defined token."""
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
-    scores = [0.0] * len(tokens)
+    tokens, types, scores = _spm_base()
     seen = set(tokens)
     for i in range(17, smol.n_vocab):
         try:
@@ -271,15 +289,7 @@ def _spm_variant(smol: Tokenizer, smol_meta: dict) -> dict:
     types += [TokenType.CONTROL, TokenType.USER_DEFINED]
     scores += [0.0, 0.0]
     meta = {k: v for k, v in smol_meta.items() if not k.startswith("tokenizer.")}
-    meta.update({
-        "tokenizer.ggml.model": "llama",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.scores": scores,
-        "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.bos_token_id": 1,
-        "tokenizer.ggml.eos_token_id": 2,
-        "tokenizer.ggml.unknown_token_id": 0,
-    })  # fmt: skip
+    meta.update(_spm_keys(tokens, types, scores))
     return meta
 
 
@@ -365,22 +375,12 @@ def _timed(fn) -> float:
 
 
 def spm_meta(pieces: dict[str, float], **extra) -> dict:
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
-    scores = [0.0] * len(tokens)
+    tokens, types, scores = _spm_base()
     for text, score in pieces.items():
         tokens.append(text)
         types.append(TokenType.NORMAL)
         scores.append(score)
-    meta = {
-        "tokenizer.ggml.model": "llama",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.scores": scores,
-        "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.bos_token_id": 1,
-        "tokenizer.ggml.eos_token_id": 2,
-        "tokenizer.ggml.unknown_token_id": 0,
-    }
+    meta = _spm_keys(tokens, types, scores)
     meta.update(extra)
     return meta
 
