@@ -19,6 +19,19 @@ GP_INLINE float load_elem(const uint8_t* p, int type) {
 }
 
 #if GP_AVX2
+// The 8 horizontal sums of part[0..7] as one vector: lane t = sum of the lanes of part[t].
+GP_INLINE __m256 hsum_lanes8(const __m256* part) {
+    __m256 t0 = _mm256_hadd_ps(part[0], part[1]);
+    const __m256 t1 = _mm256_hadd_ps(part[2], part[3]);
+    __m256 t2 = _mm256_hadd_ps(part[4], part[5]);
+    const __m256 t3 = _mm256_hadd_ps(part[6], part[7]);
+    t0 = _mm256_hadd_ps(t0, t1);
+    t2 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20), _mm256_permute2f128_ps(t0, t2, 0x31));
+}
+#endif
+
+#if GP_AVX2
 GP_INLINE __m256 load8(const uint8_t* p, bool f16) {
     return f16 ? load_f16x8((const uint16_t*)p) : _mm256_loadu_ps((const float*)p);
 }
@@ -66,13 +79,7 @@ static double fa_row_reg(const float* qf, int64_t D, const uint8_t* kb, int64_t 
             for (; i < D; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load8(kr + i * es, kf16), a0);
             part[t] = _mm256_add_ps(a0, a1);
         }
-        __m256 t0 = _mm256_hadd_ps(part[0], part[1]);
-        __m256 t1 = _mm256_hadd_ps(part[2], part[3]);
-        __m256 t2 = _mm256_hadd_ps(part[4], part[5]);
-        __m256 t3 = _mm256_hadd_ps(part[6], part[7]);
-        t0 = _mm256_hadd_ps(t0, t1);
-        t2 = _mm256_hadd_ps(t2, t3);
-        __m256 sc = _mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20), _mm256_permute2f128_ps(t0, t2, 0x31));
+        __m256 sc = hsum_lanes8(part);
         sc = _mm256_mul_ps(sc, _mm256_set1_ps(scale));
         if (softcap != 0.0f) sc = _mm256_mul_ps(_mm256_set1_ps(softcap), tanh_ps(sc));
         const __m256 vmv = _mm256_load_ps(mv);
@@ -185,13 +192,7 @@ static void fa_group(const Node& n, int64_t iq, int64_t hk, int64_t b, float* sc
                 for (; i < D; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kd + i), a0);
                 part[t] = _mm256_add_ps(a0, a1);
             }
-            __m256 t0 = _mm256_hadd_ps(part[0], part[1]);
-            __m256 t1 = _mm256_hadd_ps(part[2], part[3]);
-            __m256 t2 = _mm256_hadd_ps(part[4], part[5]);
-            __m256 t3 = _mm256_hadd_ps(part[6], part[7]);
-            t0 = _mm256_hadd_ps(t0, t1);
-            t2 = _mm256_hadd_ps(t2, t3);
-            __m256 sc = _mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20), _mm256_permute2f128_ps(t0, t2, 0x31));
+            __m256 sc = hsum_lanes8(part);
             sc = _mm256_mul_ps(sc, _mm256_set1_ps(scale));
             if (softcap != 0.0f) sc = _mm256_mul_ps(_mm256_set1_ps(softcap), tanh_ps(sc));
             const float sl = g < 64 ? slope[g] : alibi_slope_fa(max_bias, h0 + g, H);
@@ -329,13 +330,7 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                                                       part[t]);
                     }
                 }
-                __m256 t0 = _mm256_hadd_ps(part[0], part[1]);
-                __m256 t1 = _mm256_hadd_ps(part[2], part[3]);
-                __m256 t2 = _mm256_hadd_ps(part[4], part[5]);
-                __m256 t3 = _mm256_hadd_ps(part[6], part[7]);
-                t0 = _mm256_hadd_ps(t0, t1);
-                t2 = _mm256_hadd_ps(t2, t3);
-                __m256 sc = _mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20), _mm256_permute2f128_ps(t0, t2, 0x31));
+                __m256 sc = hsum_lanes8(part);
                 sc = _mm256_mul_ps(sc, _mm256_set1_ps(scale));
                 if (softcap != 0.0f) sc = _mm256_mul_ps(_mm256_set1_ps(softcap), tanh_ps(sc));
                 __m256 vmv = _mm256_loadu_ps(mv);

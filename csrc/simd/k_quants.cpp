@@ -285,6 +285,27 @@ void dequantize_row(int type, const void* src, float* dst, int64_t n) {
 // ===============================================================================================================
 // ggml's reference quantization (bit-exact with ggml-quants.c / gguf.quants; compiled with -ffp-contract=off)
 
+// The first of the 32 values with the largest magnitude, sign kept (Q4_0 / Q5_0 scale from it).
+static float signed_absmax32(const float* x) {
+    float amax = 0.0f, max = 0.0f;
+    for (int j = 0; j < 32; ++j)
+        if (amax < fabsf(x[j])) {
+            amax = fabsf(x[j]);
+            max = x[j];
+        }
+    return max;
+}
+
+// Smallest and largest of 32 values (Q4_1 / Q5_1).
+static void min_max32(const float* x, float* min, float* max) {
+    *min = INFINITY;
+    *max = -INFINITY;
+    for (int j = 0; j < 32; ++j) {
+        if (x[j] < *min) *min = x[j];
+        if (x[j] > *max) *max = x[j];
+    }
+}
+
 static void q_q8_0(const float* x, blk_q8_0* y, int64_t nb) {
     for (int64_t i = 0; i < nb; ++i) {
         float amax = 0.0f;
@@ -298,11 +319,7 @@ static void q_q8_0(const float* x, blk_q8_0* y, int64_t nb) {
 
 static void q_q4_0(const float* x, blk_q4_0* y, int64_t nb) {
     for (int64_t i = 0; i < nb; ++i) {
-        float amax = 0.0f, max = 0.0f;
-        for (int j = 0; j < 32; ++j) {
-            const float v = x[32 * i + j];
-            if (amax < fabsf(v)) { amax = fabsf(v); max = v; }
-        }
+        const float max = signed_absmax32(x + 32 * i);
         const float d = max / -8.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         y[i].d = fp32_to_fp16(d);
@@ -319,12 +336,8 @@ static void q_q4_0(const float* x, blk_q4_0* y, int64_t nb) {
 
 static void q_q4_1(const float* x, blk_q4_1* y, int64_t nb) {
     for (int64_t i = 0; i < nb; ++i) {
-        float min = INFINITY, max = -INFINITY;
-        for (int j = 0; j < 32; ++j) {
-            const float v = x[32 * i + j];
-            if (v < min) min = v;
-            if (v > max) max = v;
-        }
+        float min, max;
+        min_max32(x + 32 * i, &min, &max);
         const float d = (max - min) / 15.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         y[i].d = fp32_to_fp16(d);
@@ -342,11 +355,7 @@ static void q_q4_1(const float* x, blk_q4_1* y, int64_t nb) {
 
 static void q_q5_0(const float* x, blk_q5_0* y, int64_t nb) {
     for (int64_t i = 0; i < nb; ++i) {
-        float amax = 0.0f, max = 0.0f;
-        for (int j = 0; j < 32; ++j) {
-            const float v = x[32 * i + j];
-            if (amax < fabsf(v)) { amax = fabsf(v); max = v; }
-        }
+        const float max = signed_absmax32(x + 32 * i);
         const float d = max / -16.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         y[i].d = fp32_to_fp16(d);
@@ -367,12 +376,8 @@ static void q_q5_0(const float* x, blk_q5_0* y, int64_t nb) {
 
 static void q_q5_1(const float* x, blk_q5_1* y, int64_t nb) {
     for (int64_t i = 0; i < nb; ++i) {
-        float min = INFINITY, max = -INFINITY;
-        for (int j = 0; j < 32; ++j) {
-            const float v = x[32 * i + j];
-            if (v < min) min = v;
-            if (v > max) max = v;
-        }
+        float min, max;
+        min_max32(x + 32 * i, &min, &max);
         const float d = (max - min) / 31.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         y[i].d = fp32_to_fp16(d);
