@@ -41,18 +41,13 @@ lint: $(VENV)/bin/activate
 	$(PIP) install ruff >/dev/null
 	$(VENV)/bin/ruff check ggml_py backends tests examples
 
-# The SIMD extension built with AddressSanitizer + UndefinedBehaviorSanitizer, the test suite run under it. ASan and
-# LeakSanitizer reports go to $(ASAN_LOG).<pid>; tests/lsan_check.py then fails on any error report and on any leak
-# allocated by our native code (CPython's own exit-time leaks are expected and counted, not failed).
-ASAN_LOG := $(CURDIR)/build/asan/log
-ASAN_ENV := ASAN_OPTIONS='detect_leaks=1:exitcode=0:abort_on_error=1:log_path=$(ASAN_LOG):stack_trace_format="    \#%n %p in %f %S [%m]"' \
-	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)"
+# The SIMD extension built with AddressSanitizer + UndefinedBehaviorSanitizer, the tests run under it with
+# LeakSanitizer: tests/lsan_check.py runs pytest on each file (or on PYTEST_ARGS's files) in a process of its own, logs
+# to build/asan/<file>.<attempt>/log.<pid>, and fails on any sanitizer error report and on any leak allocated by our
+# native code (CPython's own exit-time leaks are expected and counted, not failed).
 test-asan: $(VENV)/bin/activate
 	GGML_PY_SANITIZE=address,undefined $(PIP) install ".[test]" --config-settings=build-dir=build/asan
-	rm -f $(ASAN_LOG).*
-	$(ASAN_ENV) $(PY) -m pytest -q -x $(PYTEST_ARGS); rc=$$?; $(PY) tests/lsan_check.py $(ASAN_LOG) || rc=1; exit $$rc
-	$(PIP) install ".[test]"
+	$(PY) tests/lsan_check.py run $(CURDIR)/build/asan $(or $(PYTEST_ARGS),tests); rc=$$?; $(PIP) install ".[test]"; exit $$rc
 
 bench: install
 	$(VENV)/bin/ggml-py bench reuse

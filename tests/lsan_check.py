@@ -1,17 +1,25 @@
-"""Reads sanitizer logs: fails on any ASan error report, and on any leak allocated by ggml_py's own native code.
+"""Runs test files under ASan+UBSan+LSan and reads the sanitizer logs: fails on any ASan error report, and on any
+leak allocated by ggml_py's own native code.
 
 CPython frees few of its objects at exit, so a run of the suite under LSan always reports leaks; they are the
 interpreter's, not ours. A leak is attributed to the first frame of its allocation stack past the allocator itself
-(malloc/new interceptors, libstdc++): if that frame is in one of our native modules it is ours. Used by
-`make test-asan`, which runs LSan with `stack_trace_format=STACK_TRACE_FORMAT`:
+(malloc/new interceptors, libstdc++): if that frame is in one of our native modules it is ours.
 
-    python tests/lsan_check.py build/asan/log    # reads build/asan/log.<pid>; exit 1 printing what we leaked or erred
+Each test file runs in a process of its own (`make test-asan`): LeakSanitizer's exit-time check suspends every thread
+with ptrace, and in a long, large process it can fail by itself ("LeakSanitizer has encountered a fatal error"; seen
+once in CI after all tests had passed). Such a failure of the tool, not a finding, is retried (twice, with LSan's
+verbose thread log), and fails the run if it persists.
+
+    python tests/lsan_check.py run build/asan tests/test_model.py ...   # pytest per file under the sanitizers
+    python tests/lsan_check.py build/asan/log                            # only read build/asan/log.<pid>
 """
 
 from __future__ import annotations
 
 import glob
+import os
 import re
+import subprocess
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -25,6 +33,9 @@ OURS = re.compile(r"ggml_py_simd/_simd[^/\]]*\.so|libggml_py_|/csrc/simd/|/csrc/
 ALLOCATOR = re.compile(r"lib(asan|lsan|ubsan|stdc\+\+)[.-][^/\]]*\]$|\bin (__interceptor_\w+|operator new)")
 RECORD = re.compile(r"^(Direct|Indirect) leak of (\d+) byte\(s\) in (\d+) object\(s\) allocated from:")
 FRAME = re.compile(r"^\s+#\d+ ")
+# LeakSanitizer failing to run (its tracer could not stop the threads), as opposed to a report.
+TOOL_FAILURE = re.compile(r"LeakSanitizer has encountered a fatal error|Tracer caught signal")
+ATTEMPTS = 3
 
 
 @dataclass
@@ -67,25 +78,85 @@ def errors(text: str) -> list[str]:
     return out
 
 
+@dataclass
+class Logs:
+    """What the sanitizers wrote to `prefix.<pid>`, one file per process."""
+
+    paths: list[str]
+    leaks: list[Leak]
+    errors: list[str]
+    tool_failures: list[str]
+
+    @classmethod
+    def read(cls, prefix: str) -> Logs:
+        logs = cls(sorted(glob.glob(glob.escape(prefix) + ".*")), [], [], [])
+        for p in logs.paths:
+            with open(p, errors="replace") as f:
+                text = f.read()
+            logs.leaks += parse(text.splitlines())
+            logs.errors += errors(text)
+            if TOOL_FAILURE.search(text):
+                logs.tool_failures.append(f"{p}:\n{text.strip()[-4000:]}")
+        return logs
+
+    def report(self, what: str) -> int:
+        """Prints the summary and what is ours or an error; 1 if the run must fail."""
+        ours = [lk for lk in self.leaks if lk.ours]
+        print(f"lsan: {what}{len(self.paths)} log(s), {len(self.leaks)} leak record(s), "
+              f"{sum(lk.nbytes for lk in self.leaks)} bytes; from ggml_py's native code: {len(ours)} record(s), "
+              f"{sum(lk.nbytes for lk in ours)} bytes; other sanitizer errors: {len(self.errors)}")
+        for lk in ours:
+            print(f"\n{lk.kind} leak of {lk.nbytes} bytes:\n  " + "\n  ".join(lk.frames))
+        for e in self.errors:
+            print("\n" + e)
+        return 1 if ours or self.errors else 0
+
+
 def main(prefix: str) -> int:
-    paths = sorted(glob.glob(glob.escape(prefix) + ".*"))
-    leaks: list[Leak] = []
-    errs: list[str] = []
-    for p in paths:
-        with open(p, errors="replace") as f:
-            text = f.read()
-        leaks += parse(text.splitlines())
-        errs += errors(text)
-    ours = [lk for lk in leaks if lk.ours]
-    print(f"lsan: {len(paths)} log(s), {len(leaks)} leak record(s), {sum(lk.nbytes for lk in leaks)} bytes; "
-          f"from ggml_py's native code: {len(ours)} record(s), {sum(lk.nbytes for lk in ours)} bytes; "
-          f"other sanitizer errors: {len(errs)}")
-    for lk in ours:
-        print(f"\n{lk.kind} leak of {lk.nbytes} bytes:\n  " + "\n  ".join(lk.frames))
-    for e in errs:
-        print("\n" + e)
-    return 1 if ours or errs else 0
+    return Logs.read(prefix).report("")
+
+
+def sanitizer_env(prefix: str, verbose: bool) -> dict[str, str]:
+    """ASan with LSan at exit, logging to `prefix.<pid>`; `exitcode=0` because CPython always leaks at exit, and
+    `abort_on_error=1` so that memory errors still stop the process. The runtimes are preloaded because the
+    interpreter is not instrumented."""
+    def lib(name: str) -> str:
+        return subprocess.run(["gcc", f"-print-file-name={name}"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    asan = ["detect_leaks=1", "exitcode=0", "abort_on_error=1", f"log_path={prefix}",
+            f'stack_trace_format="{STACK_TRACE_FORMAT}"']
+    env = dict(os.environ, ASAN_OPTIONS=":".join(asan), UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",
+               LD_PRELOAD=f"{lib('libasan.so')} {lib('libubsan.so')}")
+    if verbose:
+        env["LSAN_OPTIONS"] = "verbosity=1:log_threads=1"
+    return env
+
+
+def run(log_dir: str, test_files: list[str]) -> int:
+    """pytest on each file in a process of its own under the sanitizers; 1 if a test, a check or LSan fails."""
+    failed = 0
+    for path in test_files:
+        name = os.path.splitext(os.path.basename(path))[0]
+        for attempt in range(1, ATTEMPTS + 1):
+            prefix = os.path.join(log_dir, f"{name}.{attempt}", "log")
+            os.makedirs(os.path.dirname(prefix), exist_ok=True)
+            for old in glob.glob(glob.escape(prefix) + ".*"):
+                os.remove(old)
+            rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", path],
+                                env=sanitizer_env(prefix, verbose=attempt > 1)).returncode
+            logs = Logs.read(prefix)
+            bad = logs.report(f"{path} (attempt {attempt}, pytest exit {rc}): ")
+            if logs.tool_failures and not bad and attempt < ATTEMPTS:
+                print(f"lsan: LeakSanitizer itself failed in {len(logs.tool_failures)} process(es); retrying")
+                continue
+            for failure in logs.tool_failures:
+                print("\nLeakSanitizer failed to run in " + failure)
+            failed |= bad or rc != 0 or bool(logs.tool_failures)
+            break
+    return int(failed)
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["run"]:
+        sys.exit(run(sys.argv[2], sys.argv[3:]))
     sys.exit(main(sys.argv[1]))

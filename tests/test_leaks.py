@@ -1,9 +1,11 @@
-"""Leaks: the LSan log reader used by `make test-asan` (tests/lsan_check.py) attributes leaks correctly, and
-preparing, computing and closing plans over and over does not grow the process's memory on any backend."""
+"""Leaks: the LSan runner and log reader used by `make test-asan` (tests/lsan_check.py) attributes leaks correctly
+and retries only LeakSanitizer's own failures, and preparing, computing and closing plans over and over does not
+grow the process's memory on any backend."""
 
 from __future__ import annotations
 
 import resource
+import subprocess
 
 import numpy as np
 import pytest
@@ -68,6 +70,54 @@ def test_lsan_check_fails_on_our_leaks_and_on_error_reports_only(tmp_path, capsy
     (tmp_path / "log.12").write_text(OVERFLOW.format(SIMD=SIMD))
     assert lsan_check.main(prefix) == 1
     assert "heap-buffer-overflow" in capsys.readouterr().out
+
+
+TRACER_CRASH = """
+Tracer caught signal 11: addr=0x2c48 pc=0x55ea3eb1903a sp=0x7f945ce44d40
+==13==LeakSanitizer has encountered a fatal error.
+==13==HINT: For debugging, try setting environment variable LSAN_OPTIONS=verbosity=1:log_threads=1
+"""
+
+
+def _fake_pytest(monkeypatch, outcomes):
+    """lsan_check.run with pytest replaced: attempt k writes outcomes[k] = (exit code, log text) to its log."""
+    calls = []
+
+    def fake_run(cmd, env=None, **kw):
+        if cmd[0] == "gcc":
+            return subprocess.CompletedProcess(cmd, 0, stdout="/usr/lib/libasan.so\n")
+        rc, text = outcomes[len(calls)]
+        calls.append(env)
+        prefix = next(o for o in env["ASAN_OPTIONS"].split(":") if o.startswith("log_path="))[len("log_path="):]
+        with open(prefix + ".13", "w") as f:
+            f.write(text)
+        return subprocess.CompletedProcess(cmd, rc)
+
+    monkeypatch.setattr(lsan_check.subprocess, "run", fake_run)
+    return calls
+
+
+def test_lsan_runner_retries_leak_sanitizers_own_failure_verbosely(tmp_path, monkeypatch, capsys):
+    clean = LOG.split("Direct leak of 64")[0]
+    calls = _fake_pytest(monkeypatch, [(134, TRACER_CRASH), (0, clean)])
+    assert lsan_check.run(str(tmp_path), ["tests/test_x.py"]) == 0
+    assert len(calls) == 2 and "LSAN_OPTIONS" not in calls[0] and "log_threads=1" in calls[1]["LSAN_OPTIONS"]
+    assert "retrying" in capsys.readouterr().out
+
+
+def test_lsan_runner_fails_when_leak_sanitizer_keeps_failing(tmp_path, monkeypatch, capsys):
+    calls = _fake_pytest(monkeypatch, [(134, TRACER_CRASH)] * lsan_check.ATTEMPTS)
+    assert lsan_check.run(str(tmp_path), ["tests/test_x.py"]) == 1
+    assert len(calls) == lsan_check.ATTEMPTS
+    assert "LeakSanitizer failed to run in" in capsys.readouterr().out
+
+
+def test_lsan_runner_does_not_retry_findings_or_test_failures(tmp_path, monkeypatch):
+    overflow = OVERFLOW.format(SIMD=SIMD) + TRACER_CRASH
+    for outcome in [(134, overflow), (1, LOG.split("Direct leak of 64")[0]), (0, LOG)]:
+        calls = _fake_pytest(monkeypatch, [outcome] * lsan_check.ATTEMPTS)
+        assert lsan_check.run(str(tmp_path), ["tests/test_x.py"]) == 1
+        assert len(calls) == 1
 
 
 def _max_rss_mib() -> float:
