@@ -535,9 +535,11 @@ def test_repacked_nbytes(t):
     K = 1024
     block, size = QBLOCK[t]
     per_row = K // block * size * (148 / 144 if t == Q4_K else 1)
-    for M in (7, 8, 45, 4096):
-        assert _simd.repacked_nbytes(t, K, M) == int(M // 8 * 8 * per_row)
-    assert _simd.repacked_nbytes(Q5_K, K, 64) == 0
+    for level in _simd.levels():
+        for M in (7, 8, 45, 4096):
+            want = 0 if level == "scalar" else int(M // 8 * 8 * per_row)  # scalar plans don't repack
+            assert _simd.repacked_nbytes(t, K, M, level) == want
+        assert _simd.repacked_nbytes(Q5_K, K, 64, level) == 0
 
 
 @pytest.mark.parametrize("t", [*REPACKED_TYPES, Q2_K, Q3_K])

@@ -232,9 +232,11 @@ class SimdBackend(Backend):
         return _require().validate(d, syms.max) == ""
 
     def weight_cache_bytes(self, weights: Sequence[Tensor]) -> int:
-        """The interleaved copies made for matrix-vector products (Q4_1, Q8_0, Q4_K matrices): an upper bound, as
-        a matrix only used by GET_ROWS (an untied embedding) is never repacked."""
-        return sum(_simd.repacked_nbytes(t.dtype.ggml_id, t.shape[1], t.shape[0]) for t in weights if t.ndim == 2)
+        """The interleaved copies made for matrix-vector products (Q4_1, Q8_0, Q4_K, Q6_K matrices, at AVX2 and up):
+        an upper bound, as a matrix only used by GET_ROWS (an untied embedding) is never repacked."""
+        simd = _require()
+        return sum(simd.repacked_nbytes(t.dtype.ggml_id, t.shape[1], t.shape[0], self.level)
+                   for t in weights if t.ndim == 2)
 
     def graph_plan_create(self, split: Split) -> SimdPlan:
         simd = _require()

@@ -296,8 +296,10 @@ void quantize_a256(const float* x, uint8_t* row, int64_t k);
 float vec_dot_w(int type, const void* w, const uint8_t* act, int64_t k);
 // nr consecutive weight rows (stride wstride) against one activation row -> out[nr]
 void gemv_rows(int type, const uint8_t* w, int64_t wstride, int64_t nr, const uint8_t* act, int64_t k, float* out);
-// ngroups groups of 8 repacked rows ("x8", see common.h) against one A32 activation row -> out[8 * ngroups]
+#if GP_AVX2
+// ngroups groups of 8 repacked rows ("x8", see common.h) against one activation row -> out[8 * ngroups]
 void gemv_x8(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, int64_t k, float* out);
+#endif
 float dot_f32(const float* a, const float* b, int64_t n);
 float dot_f16_f32(const uint16_t* a, const float* b, int64_t n);
 float dot_bf16_f32(const uint16_t* a, const float* b, int64_t n);

@@ -294,11 +294,13 @@ void k_mul_mat(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
                 const uint8_t* arow = ctx.wdata + (size_t)((b3 * B2 + b2) * N + i1) * ars;
                 float* out = (float*)(d.data + i1 * d.nb[1] + b2 * d.nb[2] + b3 * d.nb[3]);
                 int64_t m = m0;
+#if GP_AVX2
                 if (x8 && m < full) {
                     const int64_t me = imin(m1, full);
                     gemv_x8(w.type, n.repack + m * rec_row, (me - m) / 8, arow, K, out + m);
                     m = me;
                 }
+#endif
                 if (m < m1) gemv_rows(w.type, wbase + m * w.nb[1], w.nb[1], m1 - m, arow, K, out + m);
             }
         }

@@ -309,12 +309,14 @@ PYBIND11_MODULE(_simd, m) {
 
     m.def(
         "repacked_nbytes",
-        [](int type, int64_t ne0, int64_t ne1) -> int64_t {
-            if (!repack_supported(type) || ne1 < 8 || ne0 <= 0) return 0;
+        [](int type, int64_t ne0, int64_t ne1, py::object level) -> int64_t {
+            if (!level_table(level_arg(level))->uses_repack || !repack_supported(type) || ne1 < 8 || ne0 <= 0)
+                return 0;
             return ne1 / 8 * 8 * repack_row_bytes(type, ne0);
         },
-        py::arg("type"), py::arg("ne0"), py::arg("ne1"),
-        "Bytes of the interleaved copy a constant (ne1 rows of ne0) matrix gets for GEMV; 0 if it is not repacked.");
+        py::arg("type"), py::arg("ne0"), py::arg("ne1"), py::arg("level") = py::none(),
+        "Bytes of the interleaved copy a constant (ne1 rows of ne0) matrix gets for GEMV in plans of that level "
+        "(default: the active one); 0 if it is not repacked.");
 
     m.def(
         "stream_read_bandwidth",
