@@ -505,7 +505,7 @@ def test_mul_mat_broadcast_and_strides(level, arena, t, n, rng):
     assert nmse(ref, D) < 5e-4
 
 
-REPACKED_TYPES = [Q4_1, Q8_0, Q4_K, Q6_K]
+REPACKED_TYPES = [Q4_1, Q8_0, Q4_K, Q5_K, Q6_K]
 
 
 @pytest.mark.parametrize("t", REPACKED_TYPES)
@@ -531,15 +531,16 @@ def test_mul_mat_repacked_weights(level, arena, t, m, n, rng):
 
 @pytest.mark.parametrize("t", REPACKED_TYPES)
 def test_repacked_nbytes(t):
-    """The interleaved copy covers the full groups of 8 rows (Q4_K: +3%, the others: the weight's own size)."""
+    """The interleaved copy covers the full groups of 8 rows (Q4_K: +3%, Q5_K: +2%, the others: the weight's own
+    size)."""
     K = 1024
     block, size = QBLOCK[t]
-    per_row = K // block * size * (148 / 144 if t == Q4_K else 1)
+    per_row = K // block * {Q4_K: 148, Q5_K: 180}.get(t, size)
     for level in _simd.levels():
         for M in (7, 8, 45, 4096):
             want = 0 if level == "scalar" else int(M // 8 * 8 * per_row)  # scalar plans don't repack
             assert _simd.repacked_nbytes(t, K, M, level) == want
-        assert _simd.repacked_nbytes(Q5_K, K, 64, level) == 0
+        assert _simd.repacked_nbytes(Q3_K, K, 64, level) == 0
 
 
 @pytest.mark.parametrize("t", [*REPACKED_TYPES, Q2_K, Q3_K])

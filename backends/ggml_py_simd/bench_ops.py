@@ -159,7 +159,7 @@ def run(json: bool = False, threads: int = 2, **_: Any) -> dict[str, Any]:
     res["gemv_q4_k"] = bench_gemv("Q4_K", threads)
     from ggml_py import dtypes
 
-    for name in ("Q2_K", "Q3_K", "Q6_K"):  # informational: no target
+    for name in ("Q2_K", "Q3_K", "Q5_K", "Q6_K"):  # informational: no target
         if getattr(dtypes, name, None) is not None:
             res[f"gemv_{name.lower()}"] = bench_gemv(name, threads)
     res["dispatch"] = bench_dispatch(threads)

@@ -167,7 +167,7 @@ struct Scratch {
 // Rows of activations at or above which MUL_MAT takes the tiled GEMM path.
 enum { GEMM_MIN_ROWS = 4 };
 
-// Interleaved weight layout "x8" (GEMV of constant Q4_1 / Q8_0 / Q4_K / Q6_K weights): groups of 8 rows; per group
+// Interleaved weight layout "x8" (GEMV of constant Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights): groups of 8 rows; per group
 // and 32-column block b a record of 8 * type_size bytes:
 //   Q4_1: qs[128] then d[8] (f16) then m[8] (f16). Byte 32c + 4r + i holds row r's elements 8c+i (low nibble) and
 //         8c+4+i (high nibble), c = 0..3, i = 0..3: a 32-byte load, masked, gives 8 lanes (rows) x 4 elements.
@@ -175,6 +175,9 @@ enum { GEMM_MIN_ROWS = 4 };
 //   Q4_K: per group and 256-column super-block a record of 1184 bytes: qs[1024] (sub-block j = 0..7 at 128j, laid
 //         out as Q4_1's qs), sc[64] (6-bit scale of row r, sub-block j at 8j + r), m[64] (mins, same order),
 //         d[8] (f16), dmin[8] (f16).
+//   Q5_K: per group and super-block a record of 1440 bytes (8 x 180, +2%): Q4_K's qs[1024] (the low 4 bits), then
+//         qh[256] (sub-block j at 1024 + 32j, byte 4r + i: the fifth bits of row r's elements 8c+i at bit 2c and
+//         8c+4+i at bit 2c+1, c = 0..3), then Q4_K's sc, m, d, dmin at 1280, 1344, 1408, 1424.
 //   Q6_K: per group and 256-column super-block a record of 1680 bytes (8 x 210: no extra memory): for each of the
 //         16 sub-blocks j (16 columns) 96 bytes at 96j: ql[64] (byte 32c + 4r + i: row r's 4 low bits of elements
 //         16j+8c+i (low nibble) and 16j+8c+4+i (high nibble), c = 0..1, i = 0..3), then qh[32] (byte 4r + i: row
@@ -182,13 +185,16 @@ enum { GEMM_MIN_ROWS = 4 };
 //         r, sub-block j at 16(j/2) + 2r + (j&1): widened to i16, sub-blocks 2p and 2p+1 form one i32 lane per row);
 //         then d[8] (f16) at 1664.
 // Rows beyond the last full group stay in the original layout.
-static inline bool repack_supported(int t) { return t == T_Q4_1 || t == T_Q8_0 || t == T_Q4_K || t == T_Q6_K; }
+static inline bool repack_supported(int t) {
+    return t == T_Q4_1 || t == T_Q8_0 || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
+}
 // bytes per repacked row (a group of 8 rows takes 8 times this)
 static inline int64_t repack_row_bytes(int t, int64_t k) {
     switch (t) {
         case T_Q4_1: return k / 32 * 20;
         case T_Q8_0: return k / 32 * 34;
         case T_Q4_K: return k / 256 * 148;
+        case T_Q5_K: return k / 256 * 180;
         case T_Q6_K: return k / 256 * 210;
         default: return 0;
     }

@@ -1071,38 +1071,52 @@ void gemv_rows(int type, const uint8_t* w, int64_t ws, int64_t nr, const uint8_t
 // scalar, the interleaved layout made GEMV slower (Q4_K 3.5 -> 1.3 GB/s), so plans don't repack there.
 
 #if GP_AVX2
-static void gemv_x8_q4_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act, int64_t k, float* out) {
+// Q4_K / Q5_K x8 (common.h). Q5_K's fifth bit makes the quants 0..31, so one 16-bit sum holds only two of a
+// sub-block's four chunks (2 x 2 x 31 x 127 < 2^15): it takes two madds with the scale where Q4_K takes one.
+template <bool Five>
+static void gemv_x8_q45_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act, int64_t k, float* out) {
+    constexpr int64_t size = Five ? 1440 : 1184, meta = Five ? 1280 : 1024;
     const int64_t nb = k / 256;
     const auto [aq, ad, bs] = a256_parts(act, k);
     const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
     for (int64_t g = 0; g < ngroups; ++g) {
-        const uint8_t* p = rec + g * nb * 1184;
+        const uint8_t* p = rec + g * nb * size;
         __m256 acc = _mm256_setzero_ps();
-        for (int64_t s = 0; s < nb; ++s, p += 1184) {
+        for (int64_t s = 0; s < nb; ++s, p += size) {
             const int32_t* a32 = (const int32_t*)(aq + 256 * s);
             const int16_t* b = bs + 16 * s;
             __m256i sumi = _mm256_setzero_si256(), mi = _mm256_setzero_si256();
             for (int j = 0; j < 8; ++j) {
                 const uint8_t* q = p + 128 * j;
-                _mm_prefetch((const char*)(q + 2368), _MM_HINT_T0);
-                _mm_prefetch((const char*)(q + 2368 + 64), _MM_HINT_T0);
-                __m256i s16 = _mm256_setzero_si256();
+                _mm_prefetch((const char*)(q + 2 * size), _MM_HINT_T0);
+                _mm_prefetch((const char*)(q + 2 * size + 64), _MM_HINT_T0);
+                __m256i h = Five ? _mm256_loadu_si256((const __m256i*)(p + 1024 + 32 * j)) : _mm256_setzero_si256();
+                __m256i s16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
                 for (int c = 0; c < 4; ++c) {
                     const __m256i L = _mm256_loadu_si256((const __m256i*)(q + 32 * c));
-                    const __m256i lo = _mm256_and_si256(L, m4);
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(L, 4), m4);
-                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a32[8 * j + 2 * c])));
-                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a32[8 * j + 2 * c + 1])));
+                    __m256i lo = _mm256_and_si256(L, m4);
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(L, 4), m4);
+                    if constexpr (Five) {  // bits 2c and 2c+1 of h (shifted down by 2c) to bit 4
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
+                        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
+                        h = _mm256_srli_epi16(h, 2);
+                    }
+                    __m256i& t = s16[Five ? c / 2 : 0];
+                    t = _mm256_add_epi16(t, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a32[8 * j + 2 * c])));
+                    t = _mm256_add_epi16(t, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a32[8 * j + 2 * c + 1])));
                 }
-                const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 1024 + 8 * j)));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(s16, _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16))));
-                const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 1088 + 8 * j)));
+                const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + meta + 8 * j)));
+                const __m256i sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(s16[0], sc2));
+                if constexpr (Five) sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(s16[1], sc2));
+                const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + meta + 64 + 8 * j)));
                 const int pair = (int)b[2 * j] + (int)b[2 * j + 1];
                 mi = _mm256_add_epi32(mi, _mm256_madd_epi16(mn, _mm256_set1_epi32(pair & 0xffff)));
             }
             const __m256 vda = _mm256_set1_ps(ad[s]);
-            const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 1152))), vda);
-            const __m256 dmin = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 1168))), vda);
+            const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + meta + 128))), vda);
+            const __m256 dmin = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + meta + 144))), vda);
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), d, acc);
             acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mi), dmin, acc);
         }
@@ -1232,7 +1246,8 @@ void gemv_x8(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, 
     switch (type) {
         case T_Q4_1: gemv_x8_q4_1(rec, ngroups, act, k, out); break;
         case T_Q8_0: gemv_x8_q8_0(rec, ngroups, act, k, out); break;
-        case T_Q4_K: gemv_x8_q4_K(rec, ngroups, act, k, out); break;
+        case T_Q4_K: gemv_x8_q45_K<false>(rec, ngroups, act, k, out); break;
+        case T_Q5_K: gemv_x8_q45_K<true>(rec, ngroups, act, k, out); break;
         case T_Q6_K: gemv_x8_q6_K(rec, ngroups, act, k, out); break;
         default: break;
     }

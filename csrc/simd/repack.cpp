@@ -1,10 +1,11 @@
-// Interleaved ("x8") layouts of constant Q4_1 / Q8_0 / Q4_K / Q6_K weights for the GEMV kernels (see common.h),
+// Interleaved ("x8") layouts of constant Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights for the GEMV kernels (see common.h),
 // made once per weight and shared by every plan through a cache keyed by the weight's unique id, address and shape.
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 
 #include "blocks.h"
 #include "runtime.h"
@@ -52,13 +53,18 @@ static void repack_q8_0(const Tensor& w, uint8_t* out) {
     }
 }
 
-static void repack_q4_K(const Tensor& w, uint8_t* out) {
+// Q4_K and Q5_K: the same records, Q5_K's with its fifth bits in qh[256] after the nibbles (see common.h)
+template <typename Block>
+static void repack_q45_K(const Tensor& w, uint8_t* out) {
+    constexpr bool five = std::is_same_v<Block, blk_q5_K>;
+    constexpr int64_t size = five ? 1440 : 1184, meta = five ? 1280 : 1024;
     const int64_t K = w.ne[0], groups = w.ne[1] / 8, nb = K / 256;
     for (int64_t g = 0; g < groups; ++g) {
         for (int64_t s = 0; s < nb; ++s) {
-            uint8_t* rec = out + (g * nb + s) * 1184;
+            uint8_t* rec = out + (g * nb + s) * size;
+            if constexpr (five) memset(rec + 1024, 0, 256);  // the fifth bits are OR-ed together below
             for (int r = 0; r < 8; ++r) {
-                const blk_q4_K* x = (const blk_q4_K*)(w.data + (8 * g + r) * w.nb[1]) + s;
+                const Block* x = (const Block*)(w.data + (8 * g + r) * w.nb[1]) + s;
                 uint8_t sm[16];
                 unpack_k_scales(x->scales, sm);
                 for (int j = 0; j < 8; ++j) {
@@ -67,13 +73,18 @@ static void repack_q4_K(const Tensor& w, uint8_t* out) {
                     uint8_t v[32];
                     for (int l = 0; l < 32; ++l) v[l] = (j & 1) ? (q[l] >> 4) : (q[l] & 0x0f);
                     for (int c = 0; c < 4; ++c)
-                        for (int i = 0; i < 4; ++i)
+                        for (int i = 0; i < 4; ++i) {
                             rec[128 * j + 32 * c + 4 * r + i] = (uint8_t)(v[8 * c + i] | (v[8 * c + 4 + i] << 4));
-                    rec[1024 + 8 * j + r] = sm[j];
-                    rec[1088 + 8 * j + r] = sm[8 + j];
+                            if constexpr (five)  // Q5_K: element l's fifth bit is bit j of qh[l]
+                                rec[1024 + 32 * j + 4 * r + i] |=
+                                    (uint8_t)((((x->qh[8 * c + i] >> j) & 1) << (2 * c)) |
+                                              (((x->qh[8 * c + 4 + i] >> j) & 1) << (2 * c + 1)));
+                        }
+                    rec[meta + 8 * j + r] = sm[j];
+                    rec[meta + 64 + 8 * j + r] = sm[8 + j];
                 }
-                memcpy(rec + 1152 + 2 * r, &x->d, 2);
-                memcpy(rec + 1168 + 2 * r, &x->dmin, 2);
+                memcpy(rec + meta + 128 + 2 * r, &x->d, 2);
+                memcpy(rec + meta + 144 + 2 * r, &x->dmin, 2);
             }
         }
     }
@@ -138,7 +149,8 @@ std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w) {
     buf->data = (uint8_t*)p;
     if (w.type == T_Q4_1) repack_q4_1(w, buf->data);
     else if (w.type == T_Q8_0) repack_q8_0(w, buf->data);
-    else if (w.type == T_Q4_K) repack_q4_K(w, buf->data);
+    else if (w.type == T_Q4_K) repack_q45_K<blk_q4_K>(w, buf->data);
+    else if (w.type == T_Q5_K) repack_q45_K<blk_q5_K>(w, buf->data);
     else repack_q6_K(w, buf->data);
     (*cache)[key] = buf;
     return buf;
