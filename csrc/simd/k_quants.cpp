@@ -247,6 +247,41 @@ static void deq_q6_K(const blk_q6_K* x, float* y, int64_t nb) {
     }
 }
 
+// 32 elements of an IQ4 block: y = dl * iq4_values[q]
+static void deq_iq4_32(const uint8_t* qs, float dl, float* y) {
+#if GP_AVX2
+    const __m128i t = _mm_loadu_si128((const __m128i*)qs);
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    const __m128i tab = _mm_load_si128((const __m128i*)iq4_values);
+    const __m128i v[2] = {_mm_shuffle_epi8(tab, _mm_and_si128(t, m4)),
+                          _mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(t, 4), m4))};
+    const __m256 vd = _mm256_set1_ps(dl);
+    for (int h = 0; h < 2; ++h) {
+        _mm256_storeu_ps(y + 16 * h, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v[h]))));
+        _mm256_storeu_ps(y + 16 * h + 8,
+                         _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v[h], 8)))));
+    }
+#else
+    for (int j = 0; j < 16; ++j) {
+        y[j] = dl * (float)iq4_values[qs[j] & 0x0f];
+        y[j + 16] = dl * (float)iq4_values[qs[j] >> 4];
+    }
+#endif
+}
+
+static void deq_iq4_nl(const blk_iq4_nl* x, float* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i) deq_iq4_32(x[i].qs, fp16_to_fp32(x[i].d), y + 32 * i);
+}
+
+static void deq_iq4_xs(const blk_iq4_xs* x, float* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i) {
+        const float d = fp16_to_fp32(x[i].d);
+        const uint64_t sc = iq4_xs_scales(x + i);
+        for (int j = 0; j < 8; ++j)
+            deq_iq4_32(x[i].qs + 16 * j, d * (float)((int)((sc >> (8 * j)) & 63) - 32), y + 256 * i + 32 * j);
+    }
+}
+
 void dequantize_row(int type, const void* src, float* dst, int64_t n) {
     switch (type) {
         case T_F32: memcpy(dst, src, (size_t)n * 4); return;
@@ -278,6 +313,8 @@ void dequantize_row(int type, const void* src, float* dst, int64_t n) {
         case T_Q4_K: deq_q4_K((const blk_q4_K*)src, dst, n / 256); return;
         case T_Q5_K: deq_q5_K((const blk_q5_K*)src, dst, n / 256); return;
         case T_Q6_K: deq_q6_K((const blk_q6_K*)src, dst, n / 256); return;
+        case T_IQ4_NL: deq_iq4_nl((const blk_iq4_nl*)src, dst, n / 32); return;
+        case T_IQ4_XS: deq_iq4_xs((const blk_iq4_xs*)src, dst, n / 256); return;
         default: return;
     }
 }
@@ -597,6 +634,7 @@ template <> struct Blk<T_Q4_1> { enum { size = 20 }; };
 template <> struct Blk<T_Q5_0> { enum { size = 22 }; };
 template <> struct Blk<T_Q5_1> { enum { size = 24 }; };
 template <> struct Blk<T_Q8_0> { enum { size = 34 }; };
+template <> struct Blk<T_IQ4_NL> { enum { size = 18 }; };
 
 // R weight rows (unsigned-with-offset types) against one A32 activation row.
 template <int T, int R>
@@ -620,20 +658,41 @@ static void gemv_u32(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t k
     for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + summ[r];
 }
 
-template <int R>
-static void gemv_q8_0(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t k, float* out) {
+// Decode one 32-element block of a signed weight type T (w = d * q, q int8) to its 32 values.
+template <int T>
+GP_TINLINE __m256i dec_s32(const uint8_t* blk, float* d);
+template <>
+GP_TINLINE __m256i dec_s32<T_Q8_0>(const uint8_t* blk, float* d) {
+    const blk_q8_0* b = (const blk_q8_0*)blk;
+    *d = fp16_to_fp32(b->d);
+    return _mm256_loadu_si256((const __m256i*)b->qs);
+}
+GP_INLINE __m256i iq4_lookup(const uint8_t* qs) {  // 16 bytes of 4-bit indices -> 32 table values (int8)
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)iq4_values)),
+                               nibbles32(qs));
+}
+template <>
+GP_TINLINE __m256i dec_s32<T_IQ4_NL>(const uint8_t* blk, float* d) {
+    const blk_iq4_nl* b = (const blk_iq4_nl*)blk;
+    *d = fp16_to_fp32(b->d);
+    return iq4_lookup(b->qs);
+}
+
+// R weight rows of a signed type against one A32 activation row.
+template <int T, int R>
+static void gemv_s32(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t k, float* out) {
     const int64_t nb = k / 32;
-    const int8_t* aq = (const int8_t*)act;
-    const float* ad = (const float*)(act + k);
+    const auto [aq, ad, as] = a32_parts(act, k);
+    (void)as;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const __m256i av = _mm256_loadu_si256((const __m256i*)(aq + 32 * b));
         const float da = ad[b];
         for (int r = 0; r < R; ++r) {
-            const blk_q8_0* blk = (const blk_q8_0*)(w + r * ws + b * 34);
-            __m256i wv = _mm256_loadu_si256((const __m256i*)blk->qs);
-            acc[r] = _mm256_fmadd_ps(mul_sum_ss8(wv, av), _mm256_set1_ps(fp16_to_fp32(blk->d) * da), acc[r]);
+            float d;
+            const __m256i wv = dec_s32<T>(w + r * ws + b * Blk<T>::size, &d);
+            acc[r] = _mm256_fmadd_ps(mul_sum_ss8(wv, av), _mm256_set1_ps(d * da), acc[r]);
         }
     }
     for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
@@ -854,6 +913,48 @@ static float dot_q6_K(const uint8_t* w, const uint8_t* act, int64_t k) {
     return hsum(acc);
 }
 
+// IQ4_XS against A256: two 32-element sub-blocks per 32-byte load. The low nibbles hold elements 0..15 of
+// sub-block 2p (low lane) and 2p+1 (high lane), the high nibbles elements 16..31: the activations are regrouped
+// the same way, and the scales (even sub-blocks in the low lane, odd in the high one) applied by one madd per half.
+template <int R>
+static void gemv_iq4_xs(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t k, float* out) {
+    const int64_t nb = k / 256;
+    const auto [aq, ad, bs] = a256_parts(act, k);
+    (void)bs;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i tab = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)iq4_values));
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; ++i) {
+        const int8_t* a = aq + 256 * i;
+        __m256i alo[4], ahi[4];
+        for (int p = 0; p < 4; ++p) {
+            const __m256i a0 = _mm256_loadu_si256((const __m256i*)(a + 64 * p));
+            const __m256i a1 = _mm256_loadu_si256((const __m256i*)(a + 64 * p + 32));
+            alo[p] = _mm256_permute2x128_si256(a0, a1, 0x20);
+            ahi[p] = _mm256_permute2x128_si256(a0, a1, 0x31);
+        }
+        for (int r = 0; r < R; ++r) {
+            const blk_iq4_xs* x = (const blk_iq4_xs*)(w + r * ws + i * 136);
+            const __m128i sc8 = _mm_sub_epi8(_mm_cvtsi64_si128((long long)iq4_xs_scales(x)), _mm_set1_epi8(32));
+            const __m256i sc = even_odd_i16(sc8, true);
+            __m256i sumi = _mm256_setzero_si256();
+            for (int p = 0; p < 4; ++p) {
+                const __m256i q = _mm256_loadu_si256((const __m256i*)(x->qs + 32 * p));
+                const __m256i lo = _mm256_shuffle_epi8(tab, _mm256_and_si256(q, m4));
+                const __m256i hi = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+                // a pair of products reaches 2 * 127 * 127: the halves can only be added as i32
+                const __m256i plo = _mm256_maddubs_epi16(_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(alo[p], lo));
+                const __m256i phi = _mm256_maddubs_epi16(_mm256_sign_epi8(hi, hi), _mm256_sign_epi8(ahi[p], hi));
+                const __m256i s = bcast_i16(sc, p);
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_madd_epi16(plo, s), _mm256_madd_epi16(phi, s)));
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(x->d) * ad[i]), _mm256_cvtepi32_ps(sumi), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+
 #else  // scalar
 
 template <int T>
@@ -869,6 +970,10 @@ static float dot32_scalar(const uint8_t* w, const uint8_t* act, int64_t k) {
             const blk_q8_0* x = (const blk_q8_0*)(w + b * 34);
             d = fp16_to_fp32(x->d);
             for (int j = 0; j < 32; ++j) q[j] = x->qs[j];
+        } else if (T == T_IQ4_NL) {
+            const blk_iq4_nl* x = (const blk_iq4_nl*)(w + b * 18);
+            d = fp16_to_fp32(x->d);
+            for (int j = 0; j < 16; ++j) { q[j] = iq4_values[x->qs[j] & 0x0f]; q[j + 16] = iq4_values[x->qs[j] >> 4]; }
         } else if (T == T_Q4_0 || T == T_Q4_1) {
             const uint8_t* qs;
             if (T == T_Q4_0) {
@@ -956,6 +1061,27 @@ static float dot_q3_K_scalar(const uint8_t* w, const uint8_t* act, int64_t k) {
     return acc;
 }
 
+static float dot_iq4_xs_scalar(const uint8_t* w, const uint8_t* act, int64_t k) {
+    const int64_t nb = k / 256;
+    const int8_t* aq = (const int8_t*)act;
+    const float* ad = (const float*)(act + k);
+    float acc = 0.0f;
+    for (int64_t i = 0; i < nb; ++i) {
+        const blk_iq4_xs* x = (const blk_iq4_xs*)(w + i * 136);
+        const uint64_t sc = iq4_xs_scales(x);
+        int sumi = 0;
+        for (int j = 0; j < 8; ++j) {
+            const uint8_t* q = x->qs + 16 * j;
+            const int8_t* a = aq + 256 * i + 32 * j;
+            int s = 0;
+            for (int l = 0; l < 16; ++l) s += iq4_values[q[l] & 0x0f] * a[l] + iq4_values[q[l] >> 4] * a[l + 16];
+            sumi += ((int)((sc >> (8 * j)) & 63) - 32) * s;
+        }
+        acc += fp16_to_fp32(x->d) * ad[i] * (float)sumi;
+    }
+    return acc;
+}
+
 static float dot_qK_scalar(int type, const uint8_t* w, const uint8_t* act, int64_t k) {
     const int64_t nb = k / 256;
     const auto [aq, ad, bs] = a256_parts(act, k);
@@ -1027,12 +1153,14 @@ float vec_dot_w(int type, const void* w, const uint8_t* act, int64_t k) {
         case T_Q4_1: gemv_u32<T_Q4_1, 1>(wb, 0, act, k, &out); return out;
         case T_Q5_0: gemv_u32<T_Q5_0, 1>(wb, 0, act, k, &out); return out;
         case T_Q5_1: gemv_u32<T_Q5_1, 1>(wb, 0, act, k, &out); return out;
-        case T_Q8_0: gemv_q8_0<1>(wb, 0, act, k, &out); return out;
+        case T_Q8_0: gemv_s32<T_Q8_0, 1>(wb, 0, act, k, &out); return out;
         case T_Q2_K: return dot_q2_K(wb, act, k);
         case T_Q3_K: return dot_q3_K(wb, act, k);
         case T_Q4_K: return dot_q4_K(wb, act, k);
         case T_Q5_K: return dot_q5_K(wb, act, k);
         case T_Q6_K: return dot_q6_K(wb, act, k);
+        case T_IQ4_NL: gemv_s32<T_IQ4_NL, 1>(wb, 0, act, k, &out); return out;
+        case T_IQ4_XS: gemv_iq4_xs<1>(wb, 0, act, k, &out); return out;
         default: return 0.0f;
     }
 #else
@@ -1045,6 +1173,8 @@ float vec_dot_w(int type, const void* w, const uint8_t* act, int64_t k) {
         case T_Q2_K: return dot_q2_K_scalar(wb, act, k);
         case T_Q3_K: return dot_q3_K_scalar(wb, act, k);
         case T_Q4_K: case T_Q5_K: case T_Q6_K: return dot_qK_scalar(type, wb, act, k);
+        case T_IQ4_NL: return dot32_scalar<T_IQ4_NL>(wb, act, k);
+        case T_IQ4_XS: return dot_iq4_xs_scalar(wb, act, k);
         default: return 0.0f;
     }
 #endif
@@ -1058,8 +1188,9 @@ void gemv_rows(int type, const uint8_t* w, int64_t ws, int64_t nr, const uint8_t
         case T_Q4_1: for (; r + 4 <= nr; r += 4) gemv_u32<T_Q4_1, 4>(w + r * ws, ws, act, k, out + r); break;
         case T_Q5_0: for (; r + 4 <= nr; r += 4) gemv_u32<T_Q5_0, 4>(w + r * ws, ws, act, k, out + r); break;
         case T_Q5_1: for (; r + 4 <= nr; r += 4) gemv_u32<T_Q5_1, 4>(w + r * ws, ws, act, k, out + r); break;
-        case T_Q8_0: for (; r + 4 <= nr; r += 4) gemv_q8_0<4>(w + r * ws, ws, act, k, out + r); break;
-        case T_Q4_K: break;
+        case T_Q8_0: for (; r + 4 <= nr; r += 4) gemv_s32<T_Q8_0, 4>(w + r * ws, ws, act, k, out + r); break;
+        case T_IQ4_NL: for (; r + 4 <= nr; r += 4) gemv_s32<T_IQ4_NL, 4>(w + r * ws, ws, act, k, out + r); break;
+        case T_IQ4_XS: for (; r + 4 <= nr; r += 4) gemv_iq4_xs<4>(w + r * ws, ws, act, k, out + r); break;
         default: break;
     }
 #endif
