@@ -634,7 +634,6 @@ template <> struct Blk<T_Q4_1> { enum { size = 20 }; };
 template <> struct Blk<T_Q5_0> { enum { size = 22 }; };
 template <> struct Blk<T_Q5_1> { enum { size = 24 }; };
 template <> struct Blk<T_Q8_0> { enum { size = 34 }; };
-template <> struct Blk<T_IQ4_NL> { enum { size = 18 }; };
 
 // R weight rows (unsigned-with-offset types) against one A32 activation row.
 template <int T, int R>
@@ -658,41 +657,25 @@ static void gemv_u32(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t k
     for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + summ[r];
 }
 
-// Decode one 32-element block of a signed weight type T (w = d * q, q int8) to its 32 values.
-template <int T>
-GP_TINLINE __m256i dec_s32(const uint8_t* blk, float* d);
-template <>
-GP_TINLINE __m256i dec_s32<T_Q8_0>(const uint8_t* blk, float* d) {
-    const blk_q8_0* b = (const blk_q8_0*)blk;
-    *d = fp16_to_fp32(b->d);
-    return _mm256_loadu_si256((const __m256i*)b->qs);
-}
 GP_INLINE __m256i iq4_lookup(const uint8_t* qs) {  // 16 bytes of 4-bit indices -> 32 table values (int8)
     return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)iq4_values)),
                                nibbles32(qs));
 }
-template <>
-GP_TINLINE __m256i dec_s32<T_IQ4_NL>(const uint8_t* blk, float* d) {
-    const blk_iq4_nl* b = (const blk_iq4_nl*)blk;
-    *d = fp16_to_fp32(b->d);
-    return iq4_lookup(b->qs);
-}
 
-// R weight rows of a signed type against one A32 activation row.
-template <int T, int R>
-static void gemv_s32(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t k, float* out) {
+template <int R>
+static void gemv_q8_0(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t k, float* out) {
     const int64_t nb = k / 32;
-    const auto [aq, ad, as] = a32_parts(act, k);
-    (void)as;
+    const int8_t* aq = (const int8_t*)act;
+    const float* ad = (const float*)(act + k);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const __m256i av = _mm256_loadu_si256((const __m256i*)(aq + 32 * b));
         const float da = ad[b];
         for (int r = 0; r < R; ++r) {
-            float d;
-            const __m256i wv = dec_s32<T>(w + r * ws + b * Blk<T>::size, &d);
-            acc[r] = _mm256_fmadd_ps(mul_sum_ss8(wv, av), _mm256_set1_ps(d * da), acc[r]);
+            const blk_q8_0* blk = (const blk_q8_0*)(w + r * ws + b * 34);
+            __m256i wv = _mm256_loadu_si256((const __m256i*)blk->qs);
+            acc[r] = _mm256_fmadd_ps(mul_sum_ss8(wv, av), _mm256_set1_ps(fp16_to_fp32(blk->d) * da), acc[r]);
         }
     }
     for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
@@ -913,46 +896,77 @@ static float dot_q6_K(const uint8_t* w, const uint8_t* act, int64_t k) {
     return hsum(acc);
 }
 
-// IQ4_XS against A256: two 32-element sub-blocks per 32-byte load. The low nibbles hold elements 0..15 of
-// sub-block 2p (low lane) and 2p+1 (high lane), the high nibbles elements 16..31: the activations are regrouped
-// the same way, and the scales (even sub-blocks in the low lane, odd in the high one) applied by one madd per half.
-template <int R>
-static void gemv_iq4_xs(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t k, float* out) {
+// IQ4_NL against A32, one row: two blocks per step, their 16-byte code fields in the two lanes of one register
+// (low nibbles: elements 0..15 of each block, high nibbles 16..31; the activations are regrouped to match). Decode
+// reads the rows in order: a streaming read the hardware prefetcher follows, which 4 interleaved rows are not.
+static float dot_iq4_nl(const uint8_t* w, const uint8_t* act, int64_t k) {
+    const int64_t nb = k / 32;
+    const auto [aq, ad, as] = a32_parts(act, k);
+    (void)as;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i tab = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)iq4_values));
+    __m256 acc = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const blk_iq4_nl* x = (const blk_iq4_nl*)(w + b * 18);
+        const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)x[0].qs)),
+                                                  _mm_loadu_si128((const __m128i*)x[1].qs), 1);
+        const __m256i lo = _mm256_shuffle_epi8(tab, _mm256_and_si256(q, m4));
+        const __m256i hi = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+        const __m256i a0 = _mm256_loadu_si256((const __m256i*)(aq + 32 * b));
+        const __m256i a1 = _mm256_loadu_si256((const __m256i*)(aq + 32 * b + 32));
+        const __m256i alo = _mm256_permute2x128_si256(a0, a1, 0x20);
+        const __m256i ahi = _mm256_permute2x128_si256(a0, a1, 0x31);
+        const __m256i plo = _mm256_maddubs_epi16(_mm256_sign_epi8(alo, alo), _mm256_sign_epi8(lo, alo));
+        const __m256i phi = _mm256_maddubs_epi16(_mm256_sign_epi8(ahi, ahi), _mm256_sign_epi8(hi, ahi));
+        const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(plo, ones), _mm256_madd_epi16(phi, ones));
+        const __m256 d = _mm256_set_m128(_mm_set1_ps(fp16_to_fp32(x[1].d) * ad[b + 1]),
+                                         _mm_set1_ps(fp16_to_fp32(x[0].d) * ad[b]));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc);
+    }
+    if (b < nb) {  // an odd block count
+        const blk_iq4_nl* x = (const blk_iq4_nl*)(w + b * 18);
+        const __m256i av = _mm256_loadu_si256((const __m256i*)(aq + 32 * b));
+        acc = _mm256_fmadd_ps(mul_sum_ss8(av, iq4_lookup(x->qs)), _mm256_set1_ps(fp16_to_fp32(x->d) * ad[b]), acc);
+    }
+    return hsum(acc);
+}
+
+// IQ4_XS against A256, one row (as IQ4_NL: in order): two 32-element sub-blocks per 32-byte load. The low nibbles
+// hold elements 0..15 of sub-block 2p (low lane) and 2p+1 (high lane), the high nibbles elements 16..31: the
+// activations are regrouped the same way, and the scales (even sub-blocks in the low lane, odd in the high one)
+// applied by one madd per half.
+static float dot_iq4_xs(const uint8_t* w, const uint8_t* act, int64_t k) {
     const int64_t nb = k / 256;
     const auto [aq, ad, bs] = a256_parts(act, k);
     (void)bs;
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     const __m256i tab = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)iq4_values));
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; ++i) {
         const int8_t* a = aq + 256 * i;
-        __m256i alo[4], ahi[4];
+        const blk_iq4_xs* x = (const blk_iq4_xs*)(w + i * 136);
+        const __m128i sc8 = _mm_sub_epi8(_mm_cvtsi64_si128((long long)iq4_xs_scales(x)), _mm_set1_epi8(32));
+        const __m256i sc = even_odd_i16(sc8, true);
+        __m256i sumi = _mm256_setzero_si256();
         for (int p = 0; p < 4; ++p) {
             const __m256i a0 = _mm256_loadu_si256((const __m256i*)(a + 64 * p));
             const __m256i a1 = _mm256_loadu_si256((const __m256i*)(a + 64 * p + 32));
-            alo[p] = _mm256_permute2x128_si256(a0, a1, 0x20);
-            ahi[p] = _mm256_permute2x128_si256(a0, a1, 0x31);
+            const __m256i alo = _mm256_permute2x128_si256(a0, a1, 0x20);
+            const __m256i ahi = _mm256_permute2x128_si256(a0, a1, 0x31);
+            const __m256i q = _mm256_loadu_si256((const __m256i*)(x->qs + 32 * p));
+            const __m256i lo = _mm256_shuffle_epi8(tab, _mm256_and_si256(q, m4));
+            const __m256i hi = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+            // a pair of products reaches 2 * 127 * 127: the halves can only be added as i32
+            const __m256i plo = _mm256_maddubs_epi16(_mm256_sign_epi8(alo, alo), _mm256_sign_epi8(lo, alo));
+            const __m256i phi = _mm256_maddubs_epi16(_mm256_sign_epi8(ahi, ahi), _mm256_sign_epi8(hi, ahi));
+            const __m256i s = bcast_i16(sc, p);
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_madd_epi16(plo, s), _mm256_madd_epi16(phi, s)));
         }
-        for (int r = 0; r < R; ++r) {
-            const blk_iq4_xs* x = (const blk_iq4_xs*)(w + r * ws + i * 136);
-            const __m128i sc8 = _mm_sub_epi8(_mm_cvtsi64_si128((long long)iq4_xs_scales(x)), _mm_set1_epi8(32));
-            const __m256i sc = even_odd_i16(sc8, true);
-            __m256i sumi = _mm256_setzero_si256();
-            for (int p = 0; p < 4; ++p) {
-                const __m256i q = _mm256_loadu_si256((const __m256i*)(x->qs + 32 * p));
-                const __m256i lo = _mm256_shuffle_epi8(tab, _mm256_and_si256(q, m4));
-                const __m256i hi = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
-                // a pair of products reaches 2 * 127 * 127: the halves can only be added as i32
-                const __m256i plo = _mm256_maddubs_epi16(_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(alo[p], lo));
-                const __m256i phi = _mm256_maddubs_epi16(_mm256_sign_epi8(hi, hi), _mm256_sign_epi8(ahi[p], hi));
-                const __m256i s = bcast_i16(sc, p);
-                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_madd_epi16(plo, s), _mm256_madd_epi16(phi, s)));
-            }
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(x->d) * ad[i]), _mm256_cvtepi32_ps(sumi), acc[r]);
-        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(x->d) * ad[i]), _mm256_cvtepi32_ps(sumi), acc);
     }
-    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+    return hsum(acc);
 }
 
 #else  // scalar
@@ -1153,14 +1167,14 @@ float vec_dot_w(int type, const void* w, const uint8_t* act, int64_t k) {
         case T_Q4_1: gemv_u32<T_Q4_1, 1>(wb, 0, act, k, &out); return out;
         case T_Q5_0: gemv_u32<T_Q5_0, 1>(wb, 0, act, k, &out); return out;
         case T_Q5_1: gemv_u32<T_Q5_1, 1>(wb, 0, act, k, &out); return out;
-        case T_Q8_0: gemv_s32<T_Q8_0, 1>(wb, 0, act, k, &out); return out;
+        case T_Q8_0: gemv_q8_0<1>(wb, 0, act, k, &out); return out;
         case T_Q2_K: return dot_q2_K(wb, act, k);
         case T_Q3_K: return dot_q3_K(wb, act, k);
         case T_Q4_K: return dot_q4_K(wb, act, k);
         case T_Q5_K: return dot_q5_K(wb, act, k);
         case T_Q6_K: return dot_q6_K(wb, act, k);
-        case T_IQ4_NL: gemv_s32<T_IQ4_NL, 1>(wb, 0, act, k, &out); return out;
-        case T_IQ4_XS: gemv_iq4_xs<1>(wb, 0, act, k, &out); return out;
+        case T_IQ4_NL: return dot_iq4_nl(wb, act, k);
+        case T_IQ4_XS: return dot_iq4_xs(wb, act, k);
         default: return 0.0f;
     }
 #else
@@ -1188,9 +1202,8 @@ void gemv_rows(int type, const uint8_t* w, int64_t ws, int64_t nr, const uint8_t
         case T_Q4_1: for (; r + 4 <= nr; r += 4) gemv_u32<T_Q4_1, 4>(w + r * ws, ws, act, k, out + r); break;
         case T_Q5_0: for (; r + 4 <= nr; r += 4) gemv_u32<T_Q5_0, 4>(w + r * ws, ws, act, k, out + r); break;
         case T_Q5_1: for (; r + 4 <= nr; r += 4) gemv_u32<T_Q5_1, 4>(w + r * ws, ws, act, k, out + r); break;
-        case T_Q8_0: for (; r + 4 <= nr; r += 4) gemv_s32<T_Q8_0, 4>(w + r * ws, ws, act, k, out + r); break;
-        case T_IQ4_NL: for (; r + 4 <= nr; r += 4) gemv_s32<T_IQ4_NL, 4>(w + r * ws, ws, act, k, out + r); break;
-        case T_IQ4_XS: for (; r + 4 <= nr; r += 4) gemv_iq4_xs<4>(w + r * ws, ws, act, k, out + r); break;
+        case T_Q8_0: for (; r + 4 <= nr; r += 4) gemv_q8_0<4>(w + r * ws, ws, act, k, out + r); break;
+        case T_Q4_K: break;
         default: break;
     }
 #endif
