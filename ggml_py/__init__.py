@@ -11,7 +11,25 @@
 from __future__ import annotations
 
 from . import dtypes, ops
-from .dtypes import BF16, F16, F32, I32, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, DType
+from .dtypes import (
+    BF16,
+    F16,
+    F32,
+    I32,
+    IQ4_NL,
+    IQ4_XS,
+    Q2_K,
+    Q3_K,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    DType,
+)
 from .errors import BackendError, GgmlPyError, GGUFError, ModelError, PlanError, ShapeError
 from .graph import Graph
 from .registry import get_backend, registry
@@ -22,8 +40,8 @@ from .tensor import Tensor, input, state, weight
 __version__ = "0.1.0"
 
 __all__ = [
-    "BF16", "F16", "F32", "I32", "Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0",
-    "DType",
+    "BF16", "F16", "F32", "I32", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K",
+    "Q6_K", "Q8_0", "DType",
     "BackendError", "GGUFError", "GgmlPyError", "ModelError", "PlanError", "ShapeError",
     "Graph", "Plan", "Tensor", "dtypes", "get_backend", "input", "load_model", "ops", "prepare", "registry", "state",
     "sym", "weight",

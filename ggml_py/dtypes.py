@@ -46,6 +46,8 @@ Q4_K = DType("Q4_K", 12, 256, 144, None)
 Q5_K = DType("Q5_K", 13, 256, 176, None)
 Q6_K = DType("Q6_K", 14, 256, 210, None)
 Q8_K = DType("Q8_K", 15, 256, 292, None)
+IQ4_NL = DType("IQ4_NL", 20, 32, 18, None)
+IQ4_XS = DType("IQ4_XS", 23, 256, 136, None)
 I8 = DType("I8", 24, 1, 1, np.dtype(np.int8))
 I16 = DType("I16", 25, 1, 2, np.dtype(np.int16))
 I32 = DType("I32", 26, 1, 4, np.dtype(np.int32))
@@ -54,10 +56,11 @@ BF16 = DType("BF16", 30, 1, 2, np.dtype(np.uint16))  # stored as raw 16-bit patt
 
 ALL: tuple[DType, ...] = (
     F32, F16, BF16, I8, I16, I32, I64, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K,
+    IQ4_NL, IQ4_XS,
 )  # fmt: skip
 # Block types ggml_py computes with: quants.py (de)quantizes every one of them. Q8_1 / Q8_K are only ggml's
 # activation formats for its dot products and stay out.
-QUANTIZED: tuple[DType, ...] = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+QUANTIZED: tuple[DType, ...] = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)
 # Types a weight of mul_mat / get_rows may have.
 WEIGHT_TYPES: tuple[DType, ...] = (F32, F16, BF16, *QUANTIZED)
 FLOAT_TYPES: tuple[DType, ...] = (F32, F16, BF16)

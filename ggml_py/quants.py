@@ -6,10 +6,12 @@ As in gguf, F32 and F16 are plain casts/views (quantize returns float32/float16 
 to always get raw bytes.
 
 Results are bit-identical to gguf for everything gguf implements (all dequantizers here; quantizers of
-BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). gguf cannot quantize the K-quants; ours follow ggml's reference quantizers
-(`quantize_row_q{2,3,4,5,6}_K_ref`), keeping C's float32 operation order (sums run sequentially over the element axis)
-and no fused multiply-add: Q2_K and Q3_K match ggml-quants.c built with -O2 for baseline x86-64 byte for byte; a
-build with FMA contraction (-march=native) rounds differently and gives other (equally valid) Q2_K bytes.
+BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). gguf cannot quantize the K-quants and IQ4_NL/IQ4_XS; ours follow ggml's
+reference quantizers (`quantize_row_q{2,3,4,5,6}_K_ref`; for the IQ4 types `quantize_iq4_{nl,xs}` without an
+importance matrix, as llama-quantize runs them), keeping C's float32 operation order (sums run sequentially over the
+element axis) and no fused multiply-add: Q2_K, Q3_K, IQ4_NL and IQ4_XS match ggml-quants.c built with -O2 for
+baseline x86-64 byte for byte; a build with FMA contraction (-march=native) rounds differently and gives other
+(equally valid) Q2_K bytes.
 No gguf import here: the core does its own math.
 """
 
@@ -21,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes
-from .dtypes import BF16, F16, F32, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, DType
+from .dtypes import BF16, F16, F32, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, DType
 from .errors import ShapeError
 
 QType = DType | int | str  # also gguf.GGMLQuantizationType (an IntEnum)
@@ -560,15 +562,122 @@ def _q_q6_k(x: np.ndarray) -> np.ndarray:
     return out
 
 
+# ---------------------------------------------------------------------------------------- 4-bit non-linear (IQ4)
+
+# ggml's kvalues_iq4nl: the 16 int8 levels both IQ4 types index with 4-bit codes
+_IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+_IQ4_LEVELS = _IQ4_VALUES.astype(np.float32)
+_IQ4_NTRY = 7  # scale candidates either side of the first guess (quantize_iq4_nl / quantize_iq4_xs)
+
+
+def _iq4_decode(qs: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """qs (n, k, 16) code bytes (per 32 elements: low nibbles, then high nibbles), scale (n, k) float32."""
+    n, k, _ = qs.shape
+    q = _IQ4_LEVELS[_nibbles(qs.reshape(n * k, 16)).reshape(n, k, 32)]
+    q *= scale[:, :, None]
+    return q.reshape(n, k * 32)
+
+
+def _iq4_xs_scales(b: np.ndarray) -> np.ndarray:
+    """The 8 six-bit sub-block scales (n, 8) uint8, still offset by 32: low nibbles in bytes 4-7 (even sub-block
+    low, odd high), top two bits of sub-block j at bits 2j of the uint16 at byte 2."""
+    low = _nibbles(b[:, 4:8]).transpose(0, 2, 1).reshape(-1, 8)
+    high = (np.ascontiguousarray(b[:, 2:4]).view(np.uint16) >> np.arange(0, 16, 2, dtype=np.uint16)) & np.uint16(3)
+    return low | (high.astype(np.uint8) << np.uint8(4))
+
+
+def _deq_iq4_nl(b: np.ndarray) -> np.ndarray:
+    return _iq4_decode(b[:, None, 2:18], _f16_field(b, 0))
+
+
+def _deq_iq4_xs(b: np.ndarray) -> np.ndarray:
+    sc = _iq4_xs_scales(b).astype(np.float32)
+    sc -= 32
+    return _iq4_decode(b[:, 8:136].reshape(-1, 8, 16), _f16_field(b, 0) * sc)
+
+
+def _iq4_index(v: np.ndarray) -> np.ndarray:
+    """ggml's best_index_int8 over the IQ4 levels: the nearest level, the upper one on ties (and for NaN)."""
+    hi = np.searchsorted(_IQ4_LEVELS, v, side="right").clip(1, 15)  # NaN sorts last: 15, as C's search ends
+    lo_v, hi_v = _IQ4_LEVELS[hi - 1], _IQ4_LEVELS[hi]
+    idx = np.where(v - lo_v < hi_v - v, hi - 1, hi)
+    return np.where(v <= _IQ4_LEVELS[0], 0, np.where(v >= _IQ4_LEVELS[15], 15, idx)).astype(np.uint8)
+
+
+def _iq4_fit(x: np.ndarray) -> np.ndarray:
+    """The scale quantize_row_iq4_nl_impl picks for each 32-element sub-block (no importance matrix: weights x^2).
+
+    x: (32, m), element axis first (C's sequential sums). A first guess maps the largest |x| to the -127 end, then
+    ntry scales either side are tried; the one maximising sum(w q x)^2 / sum(w q^2) wins (strictly, in order)."""
+    f = _f32
+    m = x.shape[1]
+    ax = np.abs(x)
+    ax = np.where(np.isnan(ax), f(0), ax)  # C's `fabsf(x) > amax` never takes a NaN
+    imax = ax.argmax(axis=0)
+    cols = np.arange(m)
+    amax, mx = ax[imax, cols], x[imax, cols]
+    w = x * x
+
+    def sums(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        q = _IQ4_LEVELS[_iq4_index(iscale * x)]
+        wq = w * q
+        return (wq * x).sum(axis=0), (wq * q).sum(axis=0)
+
+    sumqx, sumq2 = sums(f(1) / (-mx / _IQ4_LEVELS[0]))
+    d = np.where(sumq2 > 0, sumqx / sumq2, f(0))
+    best = d * sumqx
+    for itry in range(-_IQ4_NTRY, _IQ4_NTRY + 1):
+        sumqx, sumq2 = sums(f(itry + int(_IQ4_VALUES[0])) / mx)
+        better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
+        d = np.where(better, sumqx / sumq2, d)
+        best = np.where(better, d * sumqx, best)
+    return np.where(amax < _GROUP_MAX_EPS, f(0), d)
+
+
+def _iq4_pack(codes: np.ndarray) -> np.ndarray:
+    """(n, k, 32) codes to (n, 16 k) bytes: element j in the low nibble of byte j, element 16 + j in its high one."""
+    n = codes.shape[0]
+    return _pack_nibbles(codes[:, :, :16], codes[:, :, 16:]).reshape(n, -1)
+
+
+def _q_iq4_nl(x: np.ndarray) -> np.ndarray:
+    d = _iq4_fit(np.ascontiguousarray(x.T))[:, None]
+    codes = _iq4_index(_inverse(d) * x)  # C requantizes with the float scale, not the stored f16 one
+    return np.concatenate([_f16_bytes(d), _iq4_pack(codes[:, None, :])], axis=1)
+
+
+def _q_iq4_xs(x: np.ndarray) -> np.ndarray:
+    """quantize_iq4_xs: 8 sub-blocks of 32 fitted as IQ4_NL, their scales then quantized to 6 bits (offset 32)
+    against one f16 super-scale d = -max/32, where max is the (first) scale of largest magnitude."""
+    f = _f32
+    n = x.shape[0]
+    scales = _iq4_fit(np.ascontiguousarray(x.reshape(n * 8, 32).T)).reshape(n, 8)
+    ascale = np.abs(scales)
+    imax = np.where(np.isnan(ascale), f(0), ascale).argmax(axis=1)[:, None]
+    max_scale = np.take_along_axis(scales, imax, axis=1)
+    max_scale = np.where(np.take_along_axis(ascale, imax, axis=1) > 0, max_scale, f(0))
+    d = -max_scale / f(32)  # -0.0 for an all-zero block, stored as such
+    ls = np.clip(_nearest_int(_inverse(d) * scales), -32, 31)
+    dl = d * ls.astype(np.float32)
+    codes = _iq4_index(_inverse(dl)[:, :, None] * x.reshape(n, 8, 32))
+    ls = (ls + 32).astype(np.uint8)
+    high = (ls >> np.uint8(4)).astype(np.uint16) << np.arange(0, 16, 2, dtype=np.uint16)
+    scales_h = np.bitwise_or.reduce(high, axis=1, keepdims=True).view(np.uint8)
+    scales_l = _pack_nibbles(ls[:, 0::2], ls[:, 1::2])
+    return np.concatenate([_f16_bytes(d), scales_h, scales_l, _iq4_pack(codes)], axis=1)
+
+
 # ---------------------------------------------------------------------------------------------------------- tables
 
 _DEQUANT: dict[DType, Kernel] = {
     Q4_0: _deq_q4_0, Q4_1: _deq_q4_1, Q5_0: _deq_q5_0, Q5_1: _deq_q5_1, Q8_0: _deq_q8_0,
     Q2_K: _deq_q2_k, Q3_K: _deq_q3_k, Q4_K: _deq_q4_k, Q5_K: _deq_q5_k, Q6_K: _deq_q6_k,
+    IQ4_NL: _deq_iq4_nl, IQ4_XS: _deq_iq4_xs,
 }  # fmt: skip
 _QUANT: dict[DType, Kernel] = {
     Q4_0: _q_q4_0, Q4_1: _q_q4_1, Q5_0: _q_q5_0, Q5_1: _q_q5_1, Q8_0: _q_q8_0,
     Q2_K: _q_q2_k, Q3_K: _q_q3_k, Q4_K: _q_q4_k, Q5_K: _q_q5_k, Q6_K: _q_q6_k,
+    IQ4_NL: _q_iq4_nl, IQ4_XS: _q_iq4_xs,
 }  # fmt: skip
 
 QUANTIZABLE: tuple[DType, ...] = (F32, F16, BF16, *_QUANT)

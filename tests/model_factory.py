@@ -74,7 +74,7 @@ def _store(w: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: QT, skip: tup
         return h.astype(np.float64)
     try:
         q = gguf.quants.quantize(data, qtype)
-    except NotImplementedError:  # gguf cannot make K-quants: take ggml_py's bytes, still decoded by gguf below
+    except NotImplementedError:  # gguf cannot make K-quants or IQ4: take ggml_py's bytes, still decoded by gguf below
         from ggml_py.quants import quantize
 
         q = quantize(data, int(qtype))

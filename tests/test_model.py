@@ -33,6 +33,8 @@ CONFIGS = {
     # the low-bit K-quants (256-element blocks need n_embd and n_ff multiples of 256): Q2_K matrices, tied Q3_K
     # embedding and output head
     "q2_k_tied_q3_k": dict(weight_type=QT.Q2_K, embd_type=QT.Q3_K, output_type=None, n_embd=256, n_ff=512),
+    # the non-linear 4-bit types: IQ4_XS matrices (256-element blocks), tied IQ4_NL embedding and output head
+    "iq4_xs_tied_iq4_nl": dict(weight_type=QT.IQ4_XS, embd_type=QT.IQ4_NL, output_type=None, n_embd=256, n_ff=512),
 }
 
 

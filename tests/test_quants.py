@@ -1,5 +1,6 @@
-"""ggml_py.quants against gguf.quants (bit for bit) and, for the K-quant quantizers gguf lacks, against a literal
-scalar transliteration of ggml's reference C (quantize_row_q{2,3,4,5,6}_K_ref) plus round-trip error bounds."""
+"""ggml_py.quants against gguf.quants (bit for bit) and, for the K-quant and IQ4 quantizers gguf lacks, against a
+literal scalar transliteration of ggml's reference C (quantize_row_q{2,3,4,5,6}_K_ref, quantize_iq4_{nl,xs}) plus
+round-trip error bounds."""
 
 from __future__ import annotations
 
@@ -20,13 +21,14 @@ pytestmark = [
     pytest.mark.filterwarnings("error::RuntimeWarning:ggml_py.quants"),
 ]
 
-BLOCK_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+BLOCK_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 FLOAT_TYPES = ["F32", "F16", "BF16"]
 LEGACY_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # gguf can quantize these
-K_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]  # gguf raises NotImplementedError for these
+K_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]  # gguf raises NotImplementedError for these
 # Byte offsets of the f16 fields (d, and m/dmin) inside one block.
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-              "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}  # fmt: skip
+              "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+              "IQ4_NL": [0], "IQ4_XS": [0]}  # fmt: skip
 
 F = np.float32
 
@@ -113,7 +115,7 @@ def test_dequantize_random_bytes_matches_gguf(rng, name):
         assert_bits_equal(quants.dequantize(raw, name), gguf_dequantize(raw, name))
 
 
-@pytest.mark.parametrize("name", ["Q2_K", "Q3_K"])
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"])
 def test_dequantize_low_bit_k_extremes(rng, name):
     """Uniform byte patterns (every scale / min / level at 0, at its top, alternating) under extreme finite f16
     scales: max, -max, smallest subnormal, +-0, one; every combination, bit for bit against gguf."""
@@ -517,10 +519,91 @@ def ref_q6_k_block(x: np.ndarray) -> bytes:
     return bytes(ql) + bytes(qh) + np.array(sc, np.int8).tobytes() + d16.tobytes()
 
 
+IQ4_VALUES = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]
+
+
+def ref_iq4_index(x) -> int:
+    """best_index_int8: bisection over the 16 levels, then the nearer neighbour (the upper one on ties)."""
+    if x <= IQ4_VALUES[0]:
+        return 0
+    if x >= IQ4_VALUES[15]:
+        return 15
+    lo, hi = 0, 15
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if x < IQ4_VALUES[mid]:
+            hi = mid
+        else:
+            lo = mid
+    return hi - 1 if x - F(IQ4_VALUES[hi - 1]) < F(IQ4_VALUES[hi]) - x else hi
+
+
+def ref_iq4_scale(xb, ntry=7):
+    """quantize_row_iq4_nl_impl's scale search for one 32-element sub-block, weights x*x."""
+    amax, mx = F(0), F(0)
+    for v in xb:
+        if abs(v) > amax:
+            amax, mx = abs(v), v
+    if amax < F(1e-15):
+        return F(0)
+
+    def sums(iscale):
+        sqx, sq2 = F(0), F(0)
+        for v in xb:
+            q = F(IQ4_VALUES[ref_iq4_index(iscale * v)])
+            sqx += v * v * q * v
+            sq2 += v * v * q * q
+        return sqx, sq2
+
+    sqx, sq2 = sums(F(1) / (-mx / F(-127)))
+    d = sqx / sq2 if sq2 > 0 else F(0)
+    best = d * sqx
+    for itry in range(-ntry, ntry + 1):
+        sqx, sq2 = sums(F(itry - 127) / mx)
+        if sq2 > 0 and sqx * sqx > best * sq2:
+            d = sqx / sq2
+            best = d * sqx
+    return d
+
+
+def ref_iq4_pack(L) -> bytes:
+    return bytes(L[32 * i + j] | (L[32 * i + 16 + j] << 4) for i in range(len(L) // 32) for j in range(16))
+
+
+def ref_iq4_nl_blocks(x) -> bytes:
+    out = b""
+    for ib in range(len(x) // 32):
+        xb = x[32 * ib : 32 * ib + 32]
+        d = ref_iq4_scale(xb)
+        inv = F(1) / d if d else F(0)
+        out += np.float16(d).tobytes() + ref_iq4_pack([ref_iq4_index(inv * v) for v in xb])
+    return out
+
+
+def ref_iq4_xs_block(x) -> bytes:
+    scales = [ref_iq4_scale(x[32 * ib : 32 * ib + 32]) for ib in range(8)]
+    amax, max_scale = F(0), F(0)
+    for s in scales:
+        if abs(s) > amax:
+            amax, max_scale = abs(s), s
+    d = -max_scale / F(32)
+    inv = F(1) / d if d else F(0)
+    L, scales_h, scales_l = [], 0, [0] * 4
+    for ib in range(8):
+        ls = max(-32, min(31, nearest_int_bits(inv * scales[ib])))
+        dl = d * F(ls)
+        idl = F(1) / dl if dl else F(0)
+        L += [ref_iq4_index(idl * v) for v in x[32 * ib : 32 * ib + 32]]
+        scales_l[ib // 2] |= ((ls + 32) & 0xF) << (4 * (ib % 2))
+        scales_h |= ((ls + 32) >> 4) << (2 * ib)
+    return np.float16(d).tobytes() + np.uint16(scales_h).tobytes() + bytes(scales_l) + ref_iq4_pack(L)
+
+
 def reference_k(x: np.ndarray, name: str) -> np.ndarray:
     blocks = x.reshape(-1, 256)
     fn = {"Q2_K": ref_q2_k_block, "Q3_K": ref_q3_k_block, "Q4_K": lambda b: ref_q45_k_block(b, 15),
-          "Q5_K": lambda b: ref_q45_k_block(b, 31), "Q6_K": ref_q6_k_block}  # fmt: skip
+          "Q5_K": lambda b: ref_q45_k_block(b, 31), "Q6_K": ref_q6_k_block,
+          "IQ4_NL": ref_iq4_nl_blocks, "IQ4_XS": ref_iq4_xs_block}  # fmt: skip
     out = b"".join(fn[name](b) for b in blocks)
     return np.frombuffer(out, np.uint8).reshape(*x.shape[:-1], -1)
 
@@ -553,7 +636,7 @@ def test_k_quantize_matches_scalar_reference(rng, name):
     x = k_test_blocks(rng)
     ours = quants.quantize(x, name)
     ref = reference_k(x, name)
-    assert ours.shape == ref.shape == (x.shape[0], sizes(name)[1])
+    assert ours.shape == ref.shape == (x.shape[0], dtypes.get(name).row_size(256))
     for i in range(x.shape[0]):
         np.testing.assert_array_equal(ours[i], ref[i], err_msg=f"block {i}")
 
@@ -578,7 +661,7 @@ def low_bit_extreme_blocks(rng: np.random.Generator) -> np.ndarray:
     return np.stack(blocks).astype(np.float32)
 
 
-@pytest.mark.parametrize("name", ["Q2_K", "Q3_K"])
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"])
 def test_low_bit_k_quantize_extremes_match_scalar_reference(rng, name):
     x = np.concatenate([low_bit_extreme_blocks(rng), sample_data(rng, 22, 256)])
     with np.errstate(all="ignore"):  # the scalar reference overflows where C does
@@ -590,15 +673,17 @@ def test_low_bit_k_quantize_extremes_match_scalar_reference(rng, name):
 
 # Bounds on the per-row relative RMSE (sqrt of the row's NMSE). Measured maxima on this data (the rng fixture):
 # Q2_K 0.318 (NMSE 0.101; 2.625 bits per weight is coarse), Q3_K 0.158 (NMSE 0.025), Q4_K 0.077, Q5_K 0.039,
-# Q6_K 0.019.
+# Q6_K 0.019, IQ4_NL 0.080, IQ4_XS 0.080.
 @pytest.mark.parametrize(
-    "name,max_rel_rmse", [("Q2_K", 0.36), ("Q3_K", 0.19), ("Q4_K", 0.09), ("Q5_K", 0.045), ("Q6_K", 0.022)]
+    "name,max_rel_rmse",
+    [("Q2_K", 0.36), ("Q3_K", 0.19), ("Q4_K", 0.09), ("Q5_K", 0.045), ("Q6_K", 0.022), ("IQ4_NL", 0.09),
+     ("IQ4_XS", 0.09)],  # fmt: skip
 )
 def test_k_quantize_round_trip(rng, name, max_rel_rmse):
     # magnitudes where the f16 super-scale keeps full precision (below ~1e-3 it goes subnormal: a format limit)
     x = (rng.standard_normal((33, 512)) * 10.0 ** rng.uniform(-2, 4, (33, 1))).astype(np.float32)
     raw = quants.quantize(x, name)
-    assert raw.dtype == np.uint8 and raw.shape == (33, 2 * sizes(name)[1])
+    assert raw.dtype == np.uint8 and raw.shape == (33, dtypes.get(name).row_size(512))
     back = quants.dequantize(raw, name)
     assert_bits_equal(back, gguf_dequantize(raw, name))  # the bytes are a valid encoding as gguf reads them
     rel = np.sqrt(np.mean((back - x) ** 2, axis=1) / np.mean(x**2, axis=1))
@@ -626,7 +711,7 @@ def test_low_bit_k_requantize_is_stable(rng, name):
 def test_k_quantize_shapes_and_zeros(rng, name):
     x = sample_data(rng, 6, 512).reshape(2, 3, 512)
     raw = quants.quantize(x, name)
-    assert raw.shape == (2, 3, 2 * sizes(name)[1])
+    assert raw.shape == (2, 3, dtypes.get(name).row_size(512))
     np.testing.assert_array_equal(raw.reshape(6, -1), quants.quantize(x.reshape(6, 512), name))
     zeros = quants.dequantize(quants.quantize(np.zeros((3, 256), np.float32), name), name)
     assert not zeros.any()
@@ -643,7 +728,7 @@ def test_qtype_spellings(rng, spec):
     np.testing.assert_array_equal(quants.quantize(x, spec), quants.quantize(x, "Q4_K"))
 
 
-@pytest.mark.parametrize("spec", ["Q8_K", "I32", "Q8_1", "I8", GT.IQ2_XXS, GT.IQ4_NL, GT.Q8_K])
+@pytest.mark.parametrize("spec", ["Q8_K", "I32", "Q8_1", "I8", GT.IQ2_XXS, GT.IQ3_S, GT.Q8_K])
 def test_unsupported_types_raise_not_implemented(spec):
     name = spec if isinstance(spec, str) else spec.name
     with pytest.raises(NotImplementedError, match=name):

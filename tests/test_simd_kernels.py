@@ -21,13 +21,16 @@ LEVELS = _simd.levels()
 OPS = _simd.OPS
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, I32, I64, BF16 = 0, 1, 2, 3, 6, 7, 8, 26, 27, 30
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 10, 11, 12, 13, 14, 20, 23
 K_QUANTS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+IQ4 = (IQ4_NL, IQ4_XS)
+RANDOM_BLOCK_TYPES = (*K_QUANTS, *IQ4)  # types gguf cannot quantize: tests use random blocks
 QBLOCK = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), Q2_K: (256, 84),
-          Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
-# byte offset of the f16 super-block scales (d, then dmin where there is one) in a K-quant block
-K_SCALE_OFFSET = {Q2_K: 80, Q3_K: 108, Q4_K: 0, Q5_K: 0, Q6_K: 208}
-K_SCALE_COUNT = {Q2_K: 2, Q3_K: 1, Q4_K: 2, Q5_K: 2, Q6_K: 1}
+          Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), IQ4_NL: (32, 18),
+          IQ4_XS: (256, 136)}
+# byte offset of the f16 super-block scales (d, then dmin where there is one) in a random block
+K_SCALE_OFFSET = {Q2_K: 80, Q3_K: 108, Q4_K: 0, Q5_K: 0, Q6_K: 208, IQ4_NL: 0, IQ4_XS: 0}
+K_SCALE_COUNT = {Q2_K: 2, Q3_K: 1, Q4_K: 2, Q5_K: 2, Q6_K: 1, IQ4_NL: 1, IQ4_XS: 1}
 NP_TYPE = {F32: np.float32, F16: np.float16, I32: np.int32, I64: np.int64, BF16: np.uint16}
 
 
@@ -102,7 +105,7 @@ def nmse(ref, got) -> float:
 
 
 def random_k_blocks(shape, t: int, seed: int = 7) -> np.ndarray:
-    """Random valid K-quant rows (gguf cannot quantize K types): random bits, sane super-block scales."""
+    """Random valid rows of a type gguf cannot quantize (K-quants, IQ4): random bits, sane super-block scales."""
     bs, ts = QBLOCK[t]
     rows = int(np.prod(shape[:-1]))
     nb = shape[-1] // bs
@@ -116,7 +119,7 @@ def random_k_blocks(shape, t: int, seed: int = 7) -> np.ndarray:
 
 
 def quantize(x: np.ndarray, t: int) -> np.ndarray:
-    if t in K_QUANTS:
+    if t in RANDOM_BLOCK_TYPES:
         return random_k_blocks(x.shape, t)
     return gq.quantize(np.ascontiguousarray(x, dtype=np.float32), t)
 
@@ -451,7 +454,7 @@ def test_flash_attn_softcap_alibi(level, arena, rng):
 # ---------------------------------------------------------------------------------------------------------------
 # matmul
 
-WEIGHT_TYPES = [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K]
+WEIGHT_TYPES = [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS]
 
 
 def _weight(arena, w: np.ndarray, t: int):
@@ -473,7 +476,7 @@ def _weight(arena, w: np.ndarray, t: int):
 @pytest.mark.parametrize("t", WEIGHT_TYPES)
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 67])
 def test_mul_mat(level, arena, t, n, rng):
-    K = 512 if t in K_QUANTS else 320
+    K = 512 if t in K_QUANTS or t == IQ4_XS else 352 if t == IQ4_NL else 320  # IQ4_NL: an odd block count
     M = 45
     w = rng.standard_normal((M, K)).astype(np.float32)
     wd, wref = _weight(arena, w, t)
@@ -484,7 +487,7 @@ def test_mul_mat(level, arena, t, n, rng):
     assert nmse(x.astype(np.float64) @ wref.astype(np.float64).T, D) < 5e-4
 
 
-@pytest.mark.parametrize("t", [F32, F16, Q4_1, Q8_0, Q2_K, Q3_K, Q4_K])
+@pytest.mark.parametrize("t", [F32, F16, Q4_1, Q8_0, Q2_K, Q3_K, Q4_K, IQ4_NL, IQ4_XS])
 @pytest.mark.parametrize("n", [1, 9])
 def test_mul_mat_broadcast_and_strides(level, arena, t, n, rng):
     K = 256
@@ -543,7 +546,7 @@ def test_repacked_nbytes(t):
         assert _simd.repacked_nbytes(Q3_K, K, 64, level) == 0
 
 
-@pytest.mark.parametrize("t", [*REPACKED_TYPES, Q2_K, Q3_K])
+@pytest.mark.parametrize("t", [*REPACKED_TYPES, Q2_K, Q3_K, IQ4_NL, IQ4_XS])
 @pytest.mark.parametrize("n_threads", [1, 3])
 def test_mul_mat_decode_levels_agree(arena, t, n_threads, rng):
     """Decode GEMV gives the same results at every level and, for the repacked types, as the plain path (the integer
@@ -565,6 +568,27 @@ def test_mul_mat_decode_levels_agree(arena, t, n_threads, rng):
     for o in outs:
         assert nmse(ref, o) < 5e-4
         np.testing.assert_allclose(o, outs[0], rtol=tol, atol=tol * float(np.abs(outs[0]).max()))
+
+
+@pytest.mark.parametrize("t", IQ4)
+@pytest.mark.parametrize("fill", [0x00, 0xFF, 0x0F])
+def test_mul_mat_iq4_extreme_products(level, arena, t, fill):
+    """IQ4 codes at the table's ends (-127, 113) against activations that quantize to +-127: the largest integer
+    products the AVX2 kernels must accumulate without 16-bit overflow."""
+    M, K = 8, 800 if t == IQ4_NL else 768  # odd block counts
+    raw = np.full((M, K // QBLOCK[t][0] * QBLOCK[t][1]), fill, np.uint8)
+    blocks = raw.reshape(-1, QBLOCK[t][1])
+    blocks[:, 0:2] = np.array([0.01], np.float16).view(np.uint8)
+    if t == IQ4_XS:
+        blocks[:, 2:8] = 0xFF  # every sub-block scale 63 - 32 = 31
+    W = arena.put(raw)
+    wref = dequantize(raw, t).reshape(M, K)
+    # one sign over most of the row: a wrapped 16-bit sum would not cancel against one of the opposite sign
+    x = np.where(np.arange(K) < K - 64, 1.0, -1.0).astype(np.float32)[None, :]
+    X = arena.put(x)
+    D = arena.empty((1, M), np.float32)
+    run(arena, "MUL_MAT", desc(arena, D), [desc(arena, W, t, ne0=K), desc(arena, X)], level=level)
+    assert nmse(x.astype(np.float64) @ wref.astype(np.float64).T, D) < 1e-10
 
 
 def test_mul_mat_large_gemm(level, arena, rng):
@@ -594,9 +618,10 @@ def test_get_rows(level, arena, t, rng):
         assert np.array_equal(wref[idx], D)
 
 
-@pytest.mark.parametrize("t", K_QUANTS)
+@pytest.mark.parametrize("t", RANDOM_BLOCK_TYPES)
 def test_dequantize_k_quants_bit_exact(level, t):
-    """Every K-quant row decodes bit-exactly as gguf.quants at every level: many blocks, scales of both signs."""
+    """Every K-quant / IQ4 row decodes bit-exactly as gguf.quants at every level: many blocks, scales of both
+    signs."""
     raw = random_k_blocks((3, 256 * 7), t, seed=11 + t)
     rows = raw.reshape(3 * 7, -1)
     off, n = K_SCALE_OFFSET[t], K_SCALE_COUNT[t]
@@ -765,9 +790,10 @@ def test_validation_rejects_bad_plans(arena):
         _simd.Plan([(OPS["NEG"], ok)], arena.ranges)
 
 
-@pytest.mark.parametrize("t", [Q2_K, Q3_K])
-def test_validation_q2_q3_k_only_as_weights(arena, t):
-    """Q2_K/Q3_K are accepted where the kernels read them (MUL_MAT weights, GET_ROWS sources) and refused elsewhere."""
+@pytest.mark.parametrize("t", [Q2_K, Q3_K, IQ4_NL, IQ4_XS])
+def test_validation_read_only_types_only_as_weights(arena, t):
+    """Q2_K/Q3_K/IQ4_NL/IQ4_XS are accepted where the kernels read them (MUL_MAT weights, GET_ROWS sources) and
+    refused elsewhere."""
     K = 256
     W = arena.put(random_k_blocks((4, K), t))
     wd = desc(arena, W, t, ne0=K)
@@ -780,7 +806,7 @@ def test_validation_q2_q3_k_only_as_weights(arena, t):
         _simd.Plan([node], arena.ranges)
     qd = desc(arena, arena.empty((2, QBLOCK[t][1]), np.uint8), t, ne0=K)
     refused = [
-        (OPS["CPY"], qd, [desc(arena, X)]),  # quantizing into Q2_K/Q3_K
+        (OPS["CPY"], qd, [desc(arena, X)]),  # quantizing into the type
         (OPS["SET_ROWS"], wd, [desc(arena, X), desc(arena, Ix)]),
         (OPS["CPY"], desc(arena, arena.empty((4, K), np.float32)), [wd]),  # a quantized CPY source
         (OPS["CONCAT"], desc(arena, arena.empty((6, QBLOCK[t][1]), np.uint8), t, ne0=K), [wd, qd], [1]),
@@ -791,7 +817,7 @@ def test_validation_q2_q3_k_only_as_weights(arena, t):
         with pytest.raises(_simd.PlanError):
             _simd.Plan([node], arena.ranges)
     # a weight whose rows are not whole blocks
-    bad = (t, [K + 32, 4, 1, 1], wd[2], wd[3], wd[4])
+    bad = (t, [K + 16, 4, 1, 1], wd[2], wd[3], wd[4])
     with pytest.raises(_simd.PlanError, match="block size"):
         _simd.Plan([(OPS["MUL_MAT"], desc(arena, arena.empty((2, 4), np.float32)), [bad, desc(arena, X)])],
                    arena.ranges)
@@ -899,6 +925,6 @@ def test_stream_bandwidth_and_quant_helpers():
     x = np.random.default_rng(0).standard_normal(256).astype(np.float32)
     for t in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1):
         assert np.array_equal(_simd.quantize(t, x), quantize(x, t))
-    for t in (*K_QUANTS, Q8_0):
+    for t in (*RANDOM_BLOCK_TYPES, Q8_0):
         raw = quantize(x.reshape(1, -1), t).reshape(-1)
         assert np.array_equal(_simd.dequantize(t, raw, 256), dequantize(raw, t).reshape(-1))

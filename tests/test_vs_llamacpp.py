@@ -59,6 +59,7 @@ WEIGHTS = {
     QT.F32: 1e-6, QT.F16: 1e-4, QT.BF16: 1e-4,
     QT.Q4_0: 1e-3, QT.Q4_1: 1e-3, QT.Q5_0: 1e-3, QT.Q5_1: 1e-3, QT.Q8_0: 1e-3,
     QT.Q2_K: 1e-3, QT.Q3_K: 1e-3, QT.Q4_K: 1e-3, QT.Q5_K: 1e-3, QT.Q6_K: 1e-3,
+    QT.IQ4_NL: 1e-3, QT.IQ4_XS: 1e-3,
 }  # fmt: skip
 
 

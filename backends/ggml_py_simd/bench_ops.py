@@ -2,8 +2,8 @@
 
 - F32 MUL_MAT 4096x4096 (weight) x 4096x512 (activations): GFLOP/s of simd vs numpy's `@` (BLAS), ratio (target >= 0.8).
 - Q4_1 and Q4_K GEMV 4096x4096 x one row: effective GB/s (weight bytes / time) vs a plain streaming read of the same
-  number of bytes by the module's C read loop with the same threads, ratio (target >= 0.6). Q2_K, Q3_K and Q6_K
-  the same way when ggml_py.dtypes has them (reported, no target). Measured with weights
+  number of bytes by the module's C read loop with the same threads, ratio (target >= 0.6). Q2_K, Q3_K, Q6_K,
+  IQ4_NL and IQ4_XS the same way when ggml_py.dtypes has them (reported, no target). Measured with weights
   that exceed the last-level cache (several matrices used in turn, as in a model's decode), and with one matrix
   that stays cached ("cached" figures).
 - Dispatch: a plan of 600 tiny nodes computed in one call, microseconds per node (target < 2).
@@ -67,7 +67,7 @@ def bench_mul_mat_f32(threads: int, m: int = 4096, k: int = 4096, n: int = 512, 
 
 # byte offset and count of a block's f16 scales where they are not the first two f16 (d and m of Q4_1, d and dmin
 # of Q4_K); Q6_K's int8 sub-block scales may be any byte
-_F16_SCALES = {"Q2_K": (80, 2), "Q3_K": (108, 1), "Q6_K": (208, 1)}
+_F16_SCALES = {"Q2_K": (80, 2), "Q3_K": (108, 1), "Q6_K": (208, 1), "IQ4_NL": (0, 1), "IQ4_XS": (0, 1)}
 
 
 def _quant_rows(t, m: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -159,7 +159,7 @@ def run(json: bool = False, threads: int = 2, **_: Any) -> dict[str, Any]:
     res["gemv_q4_k"] = bench_gemv("Q4_K", threads)
     from ggml_py import dtypes
 
-    for name in ("Q2_K", "Q3_K", "Q5_K", "Q6_K"):  # informational: no target
+    for name in ("Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"):  # informational: no target
         if getattr(dtypes, name, None) is not None:
             res[f"gemv_{name.lower()}"] = bench_gemv(name, threads)
     res["dispatch"] = bench_dispatch(threads)
@@ -179,7 +179,7 @@ def report(r: dict[str, Any]) -> str:
              f"  mul_mat F32 {mm['shape'][0]}x{mm['shape'][1]} x {mm['shape'][1]}x{mm['shape'][2]}: "
              f"simd {mm['simd_gflops']:.1f} GFLOP/s, numpy {mm['numpy_gflops']:.1f} GFLOP/s, ratio {mm['ratio']:.2f} "
              f"(target >= {mm['target']})"]
-    for key in ("gemv_q4_1", "gemv_q4_k", "gemv_q2_k", "gemv_q3_k", "gemv_q6_k"):
+    for key in ("gemv_q4_1", "gemv_q4_k", "gemv_q2_k", "gemv_q3_k", "gemv_q6_k", "gemv_iq4_nl", "gemv_iq4_xs"):
         if key not in r:
             continue
         g = r[key]

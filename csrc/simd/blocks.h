@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 namespace gp {
 
@@ -20,6 +21,11 @@ struct blk_q3_K { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; uint16_
 struct blk_q4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
 struct blk_q5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
 struct blk_q6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
+// IQ4_NL / IQ4_XS: 4-bit indices into the fixed non-linear table iq4_values; per 32 elements 16 bytes, element j
+// in the low nibble of byte j, element 16 + j in its high nibble. value = d * iq4_values[q] (IQ4_NL), or
+// d * (scale - 32) * iq4_values[q] with a six-bit scale per 32 elements (IQ4_XS: see iq4_xs_scales).
+struct blk_iq4_nl { uint16_t d; uint8_t qs[16]; };
+struct blk_iq4_xs { uint16_t d; uint16_t scales_h; uint8_t scales_l[4]; uint8_t qs[128]; };
 
 static_assert(sizeof(blk_q4_0) == 18, "q4_0");
 static_assert(sizeof(blk_q4_1) == 20, "q4_1");
@@ -31,6 +37,28 @@ static_assert(sizeof(blk_q3_K) == 110, "q3_K");
 static_assert(sizeof(blk_q4_K) == 144, "q4_K");
 static_assert(sizeof(blk_q5_K) == 176, "q5_K");
 static_assert(sizeof(blk_q6_K) == 210, "q6_K");
+static_assert(sizeof(blk_iq4_nl) == 18, "iq4_nl");
+static_assert(sizeof(blk_iq4_xs) == 136, "iq4_xs");
+
+// ggml's kvalues_iq4nl
+alignas(16) static const int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                  1,    13,   25,  38,  53,  69,  89,  113};
+
+// The 8 six-bit scales of an IQ4_XS block as bytes of a uint64 (sub-block j in byte j, stored value 0..63, i.e.
+// + 32): the low 4 bits of scale j are nibble j of scales_l, its high 2 bits are bits 2j..2j+1 of scales_h. Built
+// in a register by spreading the bit fields apart (no byte stores for a vector load to trip over).
+static inline uint64_t iq4_xs_scales(const blk_iq4_xs* x) {
+    uint32_t l32;
+    memcpy(&l32, x->scales_l, 4);
+    uint64_t lo = l32, hi = x->scales_h;
+    lo = (lo | lo << 16) & 0x0000ffff0000ffffull;  // nibbles j -> byte j
+    lo = (lo | lo << 8) & 0x00ff00ff00ff00ffull;
+    lo = (lo | lo << 4) & 0x0f0f0f0f0f0f0f0full;
+    hi = (hi | hi << 24) & 0x000000ff000000ffull;  // 2-bit fields j -> byte j
+    hi = (hi | hi << 12) & 0x000f000f000f000full;
+    hi = (hi | hi << 6) & 0x0303030303030303ull;
+    return lo | hi << 4;
+}
 
 // The 12 packed bytes of a Q4_K/Q5_K block -> 8 six-bit scales (out[0..7]) and 8 mins (out[8..15]).
 static inline void unpack_k_scales(const uint8_t* s, uint8_t* out) {

@@ -27,6 +27,8 @@ enum TypeId : int32_t {
     T_Q5_K = 13,
     T_Q6_K = 14,
     T_Q8_K = 15,
+    T_IQ4_NL = 20,
+    T_IQ4_XS = 23,
     T_I8 = 24,
     T_I16 = 25,
     T_I32 = 26,
@@ -37,8 +39,8 @@ enum TypeId : int32_t {
 // Elements per block and bytes per block; 0 for unknown types.
 static inline int type_block(int t) {
     switch (t) {
-        case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: case T_Q8_1: return 32;
-        case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_Q8_K: return 256;
+        case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: case T_Q8_1: case T_IQ4_NL: return 32;
+        case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_Q8_K: case T_IQ4_XS: return 256;
         case T_F32: case T_F16: case T_BF16: case T_I8: case T_I16: case T_I32: case T_I64: return 1;
         default: return 0;
     }
@@ -64,6 +66,8 @@ static inline int type_size(int t) {
         case T_Q5_K: return 176;
         case T_Q6_K: return 210;
         case T_Q8_K: return 292;
+        case T_IQ4_NL: return 18;
+        case T_IQ4_XS: return 136;
         default: return 0;
     }
 }
@@ -202,8 +206,8 @@ static inline int64_t repack_row_bytes(int t, int64_t k) {
 
 // Internal activation formats of MUL_MAT (per row, 64-byte aligned row stride).
 // A32: 32-element blocks: int8 qs[nb*32], then float d[nb], then float s[nb] (s = d * sum(qs)).
-// A256 (Q8_K-like): int8 qs[nb*256], then float d[nb], then int16 bsums[nb*16]; used by every K-quant weight
-// (weight_is_k_quant: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K).
+// A256 (Q8_K-like): int8 qs[nb*256], then float d[nb], then int16 bsums[nb*16]; used by the weights of 256-element
+// super-blocks (weight_uses_a256: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), A32 by the others.
 static inline size_t align64(size_t x) { return (x + 63) & ~(size_t)63; }
 static inline size_t a32_row_size(int64_t k) { return align64((size_t)k + (size_t)(k / 32) * 8); }
 static inline size_t a256_row_size(int64_t k) { return align64((size_t)k + (size_t)(k / 256) * (4 + 32)); }
@@ -218,12 +222,7 @@ static inline A256Parts a256_parts(const uint8_t* act, int64_t k) {
     const float* d = (const float*)(act + k);
     return {(const int8_t*)act, d, (const int16_t*)(d + k / 256)};
 }
-static inline bool weight_is_k_quant(int t) {
-    return t == T_Q2_K || t == T_Q3_K || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
-}
-static inline bool weight_is_32_quant(int t) {
-    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0;
-}
+static inline bool weight_uses_a256(int t) { return type_is_quant(t) && type_block(t) == 256; }
 
 // GEMM blocking (floats): activations rows MR x weights NR micro tiles; K blocked by KC.
 enum { GEMM_MR = 6, GEMM_NR = 16, GEMM_KC = 256, GEMM_MC = 120, GEMM_NC = 1024 };

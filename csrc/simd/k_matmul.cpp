@@ -253,7 +253,7 @@ void k_mul_mat(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     const int compute_phase = n.n_phases - 1;
 
     if (gemv && quant) {
-        const bool k256 = weight_is_k_quant(w.type);
+        const bool k256 = weight_uses_a256(w.type);
         const size_t ars = k256 ? a256_row_size(K) : a32_row_size(K);
         if (phase == 0) {  // quantize all activation rows
             const int64_t rows = N * B2 * B3;

@@ -247,6 +247,41 @@ static void deq_q6_K(const blk_q6_K* x, float* y, int64_t nb) {
     }
 }
 
+// 32 elements of an IQ4 block: y = dl * iq4_values[q]
+static void deq_iq4_32(const uint8_t* qs, float dl, float* y) {
+#if GP_AVX2
+    const __m128i t = _mm_loadu_si128((const __m128i*)qs);
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    const __m128i tab = _mm_load_si128((const __m128i*)iq4_values);
+    const __m128i v[2] = {_mm_shuffle_epi8(tab, _mm_and_si128(t, m4)),
+                          _mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(t, 4), m4))};
+    const __m256 vd = _mm256_set1_ps(dl);
+    for (int h = 0; h < 2; ++h) {
+        _mm256_storeu_ps(y + 16 * h, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v[h]))));
+        _mm256_storeu_ps(y + 16 * h + 8,
+                         _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v[h], 8)))));
+    }
+#else
+    for (int j = 0; j < 16; ++j) {
+        y[j] = dl * (float)iq4_values[qs[j] & 0x0f];
+        y[j + 16] = dl * (float)iq4_values[qs[j] >> 4];
+    }
+#endif
+}
+
+static void deq_iq4_nl(const blk_iq4_nl* x, float* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i) deq_iq4_32(x[i].qs, fp16_to_fp32(x[i].d), y + 32 * i);
+}
+
+static void deq_iq4_xs(const blk_iq4_xs* x, float* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i) {
+        const float d = fp16_to_fp32(x[i].d);
+        const uint64_t sc = iq4_xs_scales(x + i);
+        for (int j = 0; j < 8; ++j)
+            deq_iq4_32(x[i].qs + 16 * j, d * (float)((int)((sc >> (8 * j)) & 63) - 32), y + 256 * i + 32 * j);
+    }
+}
+
 void dequantize_row(int type, const void* src, float* dst, int64_t n) {
     switch (type) {
         case T_F32: memcpy(dst, src, (size_t)n * 4); return;
@@ -278,6 +313,8 @@ void dequantize_row(int type, const void* src, float* dst, int64_t n) {
         case T_Q4_K: deq_q4_K((const blk_q4_K*)src, dst, n / 256); return;
         case T_Q5_K: deq_q5_K((const blk_q5_K*)src, dst, n / 256); return;
         case T_Q6_K: deq_q6_K((const blk_q6_K*)src, dst, n / 256); return;
+        case T_IQ4_NL: deq_iq4_nl((const blk_iq4_nl*)src, dst, n / 32); return;
+        case T_IQ4_XS: deq_iq4_xs((const blk_iq4_xs*)src, dst, n / 256); return;
         default: return;
     }
 }
@@ -620,6 +657,11 @@ static void gemv_u32(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t k
     for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + summ[r];
 }
 
+GP_INLINE __m256i iq4_lookup(const uint8_t* qs) {  // 16 bytes of 4-bit indices -> 32 table values (int8)
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)iq4_values)),
+                               nibbles32(qs));
+}
+
 template <int R>
 static void gemv_q8_0(const uint8_t* w, int64_t ws, const uint8_t* act, int64_t k, float* out) {
     const int64_t nb = k / 32;
@@ -854,6 +896,79 @@ static float dot_q6_K(const uint8_t* w, const uint8_t* act, int64_t k) {
     return hsum(acc);
 }
 
+// IQ4_NL against A32, one row: two blocks per step, their 16-byte code fields in the two lanes of one register
+// (low nibbles: elements 0..15 of each block, high nibbles 16..31; the activations are regrouped to match). Decode
+// reads the rows in order: a streaming read the hardware prefetcher follows, which 4 interleaved rows are not.
+static float dot_iq4_nl(const uint8_t* w, const uint8_t* act, int64_t k) {
+    const int64_t nb = k / 32;
+    const auto [aq, ad, as] = a32_parts(act, k);
+    (void)as;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i tab = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)iq4_values));
+    __m256 acc = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const blk_iq4_nl* x = (const blk_iq4_nl*)(w + b * 18);
+        const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)x[0].qs)),
+                                                  _mm_loadu_si128((const __m128i*)x[1].qs), 1);
+        const __m256i lo = _mm256_shuffle_epi8(tab, _mm256_and_si256(q, m4));
+        const __m256i hi = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+        const __m256i a0 = _mm256_loadu_si256((const __m256i*)(aq + 32 * b));
+        const __m256i a1 = _mm256_loadu_si256((const __m256i*)(aq + 32 * b + 32));
+        const __m256i alo = _mm256_permute2x128_si256(a0, a1, 0x20);
+        const __m256i ahi = _mm256_permute2x128_si256(a0, a1, 0x31);
+        const __m256i plo = _mm256_maddubs_epi16(_mm256_sign_epi8(alo, alo), _mm256_sign_epi8(lo, alo));
+        const __m256i phi = _mm256_maddubs_epi16(_mm256_sign_epi8(ahi, ahi), _mm256_sign_epi8(hi, ahi));
+        const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(plo, ones), _mm256_madd_epi16(phi, ones));
+        const __m256 d = _mm256_set_m128(_mm_set1_ps(fp16_to_fp32(x[1].d) * ad[b + 1]),
+                                         _mm_set1_ps(fp16_to_fp32(x[0].d) * ad[b]));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc);
+    }
+    if (b < nb) {  // an odd block count
+        const blk_iq4_nl* x = (const blk_iq4_nl*)(w + b * 18);
+        const __m256i av = _mm256_loadu_si256((const __m256i*)(aq + 32 * b));
+        acc = _mm256_fmadd_ps(mul_sum_ss8(av, iq4_lookup(x->qs)), _mm256_set1_ps(fp16_to_fp32(x->d) * ad[b]), acc);
+    }
+    return hsum(acc);
+}
+
+// IQ4_XS against A256, one row (as IQ4_NL: in order): two 32-element sub-blocks per 32-byte load. The low nibbles
+// hold elements 0..15 of sub-block 2p (low lane) and 2p+1 (high lane), the high nibbles elements 16..31: the
+// activations are regrouped the same way, and the scales (even sub-blocks in the low lane, odd in the high one)
+// applied by one madd per half.
+static float dot_iq4_xs(const uint8_t* w, const uint8_t* act, int64_t k) {
+    const int64_t nb = k / 256;
+    const auto [aq, ad, bs] = a256_parts(act, k);
+    (void)bs;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i tab = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)iq4_values));
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; ++i) {
+        const int8_t* a = aq + 256 * i;
+        const blk_iq4_xs* x = (const blk_iq4_xs*)(w + i * 136);
+        const __m128i sc8 = _mm_sub_epi8(_mm_cvtsi64_si128((long long)iq4_xs_scales(x)), _mm_set1_epi8(32));
+        const __m256i sc = even_odd_i16(sc8, true);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int p = 0; p < 4; ++p) {
+            const __m256i a0 = _mm256_loadu_si256((const __m256i*)(a + 64 * p));
+            const __m256i a1 = _mm256_loadu_si256((const __m256i*)(a + 64 * p + 32));
+            const __m256i alo = _mm256_permute2x128_si256(a0, a1, 0x20);
+            const __m256i ahi = _mm256_permute2x128_si256(a0, a1, 0x31);
+            const __m256i q = _mm256_loadu_si256((const __m256i*)(x->qs + 32 * p));
+            const __m256i lo = _mm256_shuffle_epi8(tab, _mm256_and_si256(q, m4));
+            const __m256i hi = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+            // a pair of products reaches 2 * 127 * 127: the halves can only be added as i32
+            const __m256i plo = _mm256_maddubs_epi16(_mm256_sign_epi8(alo, alo), _mm256_sign_epi8(lo, alo));
+            const __m256i phi = _mm256_maddubs_epi16(_mm256_sign_epi8(ahi, ahi), _mm256_sign_epi8(hi, ahi));
+            const __m256i s = bcast_i16(sc, p);
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_madd_epi16(plo, s), _mm256_madd_epi16(phi, s)));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(x->d) * ad[i]), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum(acc);
+}
+
 #else  // scalar
 
 template <int T>
@@ -869,6 +984,10 @@ static float dot32_scalar(const uint8_t* w, const uint8_t* act, int64_t k) {
             const blk_q8_0* x = (const blk_q8_0*)(w + b * 34);
             d = fp16_to_fp32(x->d);
             for (int j = 0; j < 32; ++j) q[j] = x->qs[j];
+        } else if (T == T_IQ4_NL) {
+            const blk_iq4_nl* x = (const blk_iq4_nl*)(w + b * 18);
+            d = fp16_to_fp32(x->d);
+            for (int j = 0; j < 16; ++j) { q[j] = iq4_values[x->qs[j] & 0x0f]; q[j + 16] = iq4_values[x->qs[j] >> 4]; }
         } else if (T == T_Q4_0 || T == T_Q4_1) {
             const uint8_t* qs;
             if (T == T_Q4_0) {
@@ -956,6 +1075,27 @@ static float dot_q3_K_scalar(const uint8_t* w, const uint8_t* act, int64_t k) {
     return acc;
 }
 
+static float dot_iq4_xs_scalar(const uint8_t* w, const uint8_t* act, int64_t k) {
+    const int64_t nb = k / 256;
+    const int8_t* aq = (const int8_t*)act;
+    const float* ad = (const float*)(act + k);
+    float acc = 0.0f;
+    for (int64_t i = 0; i < nb; ++i) {
+        const blk_iq4_xs* x = (const blk_iq4_xs*)(w + i * 136);
+        const uint64_t sc = iq4_xs_scales(x);
+        int sumi = 0;
+        for (int j = 0; j < 8; ++j) {
+            const uint8_t* q = x->qs + 16 * j;
+            const int8_t* a = aq + 256 * i + 32 * j;
+            int s = 0;
+            for (int l = 0; l < 16; ++l) s += iq4_values[q[l] & 0x0f] * a[l] + iq4_values[q[l] >> 4] * a[l + 16];
+            sumi += ((int)((sc >> (8 * j)) & 63) - 32) * s;
+        }
+        acc += fp16_to_fp32(x->d) * ad[i] * (float)sumi;
+    }
+    return acc;
+}
+
 static float dot_qK_scalar(int type, const uint8_t* w, const uint8_t* act, int64_t k) {
     const int64_t nb = k / 256;
     const auto [aq, ad, bs] = a256_parts(act, k);
@@ -1033,6 +1173,8 @@ float vec_dot_w(int type, const void* w, const uint8_t* act, int64_t k) {
         case T_Q4_K: return dot_q4_K(wb, act, k);
         case T_Q5_K: return dot_q5_K(wb, act, k);
         case T_Q6_K: return dot_q6_K(wb, act, k);
+        case T_IQ4_NL: return dot_iq4_nl(wb, act, k);
+        case T_IQ4_XS: return dot_iq4_xs(wb, act, k);
         default: return 0.0f;
     }
 #else
@@ -1045,6 +1187,8 @@ float vec_dot_w(int type, const void* w, const uint8_t* act, int64_t k) {
         case T_Q2_K: return dot_q2_K_scalar(wb, act, k);
         case T_Q3_K: return dot_q3_K_scalar(wb, act, k);
         case T_Q4_K: case T_Q5_K: case T_Q6_K: return dot_qK_scalar(type, wb, act, k);
+        case T_IQ4_NL: return dot32_scalar<T_IQ4_NL>(wb, act, k);
+        case T_IQ4_XS: return dot_iq4_xs_scalar(wb, act, k);
         default: return 0.0f;
     }
 #endif

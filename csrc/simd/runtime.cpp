@@ -236,7 +236,7 @@ static bool tiles(const Tensor& small, const Tensor& big) {  // each dim of smal
 static bool is_float_storage(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
 static bool is_weight_type(int t) {
     return is_float_storage(t) || t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0 ||
-           t == T_Q2_K || t == T_Q3_K || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
+           t == T_Q2_K || t == T_Q3_K || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K || t == T_IQ4_NL || t == T_IQ4_XS;
 }
 static bool is_cpy_dst(int t) {
     return is_float_storage(t) || t == T_Q8_0 || t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1;
@@ -432,7 +432,7 @@ Scratch node_scratch(const Node& n) {
             const int64_t K = w.ne[0];
             const int64_t rows = x.ne[1] * x.ne[2] * x.ne[3];
             if (type_is_quant(w.type) && x.ne[1] < GEMM_MIN_ROWS)
-                s.shared = (size_t)rows * (weight_is_k_quant(w.type) ? a256_row_size(K) : a32_row_size(K));
+                s.shared = (size_t)rows * (weight_uses_a256(w.type) ? a256_row_size(K) : a32_row_size(K));
             s.per_thread = pad64((size_t)K * 4 + 64);
             if (x.ne[1] >= GEMM_MIN_ROWS) s.per_thread = pad64(s.per_thread > gemm_thread_scratch() ? s.per_thread : gemm_thread_scratch());
             break;

@@ -22,7 +22,26 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import ops
-from ..dtypes import BF16, F16, F32, I32, I64, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, DType
+from ..dtypes import (
+    BF16,
+    F16,
+    F32,
+    I32,
+    I64,
+    IQ4_NL,
+    IQ4_XS,
+    Q2_K,
+    Q3_K,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    DType,
+)  # fmt: skip
 from ..quants import quantize
 from ..tensor import Tensor
 from ..tensor import input as _input
@@ -47,7 +66,9 @@ CONVERT_MAX_NMSE: dict[str, float] = {
     "F32": 0.0, "F16": 1e-7, "BF16": 1e-6, "Q8_0": 5e-6, "Q5_0": 2.5e-4, "Q5_1": 2.5e-4, "Q4_0": 1e-3, "Q4_1": 1e-3,
 }  # fmt: skip
 
-WEIGHT_TYPES: tuple[DType, ...] = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+WEIGHT_TYPES: tuple[DType, ...] = (
+    F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS,
+)  # fmt: skip
 
 
 @dataclass

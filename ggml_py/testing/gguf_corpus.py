@@ -534,7 +534,7 @@ def malformed_cases(base: bytes | None = None, fat_base: bytes | None = None) ->
     # Tensor infos.
     for nd in (0, 5, 0xFFFFFFFF):
         yield Case(f"n_dims:{nd}", edit(lambda r, nd=nd: setattr(r.tensors[1], "n_dims", nd)), "n_dims")
-    for t in (4, 5, 16, 23, 28, 39, 200, 0xFFFFFFFF):  # ids ggml_py does not model (Q2_K=10 now loads)
+    for t in (4, 5, 16, 21, 28, 39, 200, 0xFFFFFFFF):  # ids ggml_py does not model (21 = IQ3_S)
         yield Case(f"tensor-type:{t}", edit(lambda r, t=t: setattr(r.tensors[1], "ttype", t)), f"type id {t}")
     for dims, why in (
         ([64, 0], "is 0"),
