@@ -2,8 +2,8 @@
 
 - F32 MUL_MAT 4096x4096 (weight) x 4096x512 (activations): GFLOP/s of simd vs numpy's `@` (BLAS), ratio (target >= 0.8).
 - Q4_1 and Q4_K GEMV 4096x4096 x one row: effective GB/s (weight bytes / time) vs a plain streaming read of the same
-  number of bytes by the module's C read loop with the same threads, ratio (target >= 0.6). Q2_K, Q3_K, Q6_K,
-  IQ4_NL and IQ4_XS the same way when ggml_py.dtypes has them (reported, no target). Measured with weights
+  number of bytes by the module's C read loop with the same threads, ratio (target >= 0.6). Q2_K, Q3_K, Q5_K,
+  Q6_K, IQ4_NL and IQ4_XS the same way when ggml_py.dtypes has them (reported, no target). Measured with weights
   that exceed the last-level cache (several matrices used in turn, as in a model's decode), and with one matrix
   that stays cached ("cached" figures).
 - Dispatch: a plan of 600 tiny nodes computed in one call, microseconds per node (target < 2).
@@ -179,9 +179,7 @@ def report(r: dict[str, Any]) -> str:
              f"  mul_mat F32 {mm['shape'][0]}x{mm['shape'][1]} x {mm['shape'][1]}x{mm['shape'][2]}: "
              f"simd {mm['simd_gflops']:.1f} GFLOP/s, numpy {mm['numpy_gflops']:.1f} GFLOP/s, ratio {mm['ratio']:.2f} "
              f"(target >= {mm['target']})"]
-    for key in ("gemv_q4_1", "gemv_q4_k", "gemv_q2_k", "gemv_q3_k", "gemv_q6_k", "gemv_iq4_nl", "gemv_iq4_xs"):
-        if key not in r:
-            continue
+    for key in [k for k in r if k.startswith("gemv_")]:  # in the order measured
         g = r[key]
         lines.append(f"  GEMV {g['type']} {g['shape'][0]}x{g['shape'][1]}: {g['gbps']:.1f} GB/s vs stream "
                      f"{g['stream_gbps']:.1f} GB/s, ratio {g['ratio']:.2f} (target >= {g['target']}); cached "
