@@ -878,6 +878,23 @@ static float dot_q6_K(const uint8_t* w, const uint8_t* act, int64_t k) {
     return hsum(acc);
 }
 
+// Two IQ4 16-byte code fields in the two lanes of q against 64 activations (a0: the first field's 32 elements, a1:
+// the second's), regrouped to match the nibbles (low: elements 0..15, high: 16..31). The i16 pair products of each
+// half: a pair reaches 2 * 127 * 127, so the halves can only be added as i32.
+struct Iq4Halves {
+    __m256i lo, hi;
+};
+GP_INLINE Iq4Halves iq4_pair_products(__m256i q, __m256i a0, __m256i a1) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i tab = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)iq4_values));
+    const __m256i lo = _mm256_shuffle_epi8(tab, _mm256_and_si256(q, m4));
+    const __m256i hi = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+    const __m256i alo = _mm256_permute2x128_si256(a0, a1, 0x20);
+    const __m256i ahi = _mm256_permute2x128_si256(a0, a1, 0x31);
+    return {_mm256_maddubs_epi16(_mm256_sign_epi8(alo, alo), _mm256_sign_epi8(lo, alo)),
+            _mm256_maddubs_epi16(_mm256_sign_epi8(ahi, ahi), _mm256_sign_epi8(hi, ahi))};
+}
+
 // IQ4_NL against A32, one row: two blocks per step, their 16-byte code fields in the two lanes of one register
 // (low nibbles: elements 0..15 of each block, high nibbles 16..31; the activations are regrouped to match). Decode
 // reads the rows in order: a streaming read the hardware prefetcher follows, which 4 interleaved rows are not.
@@ -885,24 +902,16 @@ static float dot_iq4_nl(const uint8_t* w, const uint8_t* act, int64_t k) {
     const int64_t nb = k / 32;
     const auto [aq, ad, as] = a32_parts(act, k);
     (void)as;
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
     const __m256i ones = _mm256_set1_epi16(1);
-    const __m256i tab = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)iq4_values));
     __m256 acc = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
         const blk_iq4_nl* x = (const blk_iq4_nl*)(w + b * 18);
         const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)x[0].qs)),
                                                   _mm_loadu_si128((const __m128i*)x[1].qs), 1);
-        const __m256i lo = _mm256_shuffle_epi8(tab, _mm256_and_si256(q, m4));
-        const __m256i hi = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
-        const __m256i a0 = _mm256_loadu_si256((const __m256i*)(aq + 32 * b));
-        const __m256i a1 = _mm256_loadu_si256((const __m256i*)(aq + 32 * b + 32));
-        const __m256i alo = _mm256_permute2x128_si256(a0, a1, 0x20);
-        const __m256i ahi = _mm256_permute2x128_si256(a0, a1, 0x31);
-        const __m256i plo = _mm256_maddubs_epi16(_mm256_sign_epi8(alo, alo), _mm256_sign_epi8(lo, alo));
-        const __m256i phi = _mm256_maddubs_epi16(_mm256_sign_epi8(ahi, ahi), _mm256_sign_epi8(hi, ahi));
-        const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(plo, ones), _mm256_madd_epi16(phi, ones));
+        const Iq4Halves pp = iq4_pair_products(q, _mm256_loadu_si256((const __m256i*)(aq + 32 * b)),
+                                               _mm256_loadu_si256((const __m256i*)(aq + 32 * b + 32)));
+        const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(pp.lo, ones), _mm256_madd_epi16(pp.hi, ones));
         const __m256 d = _mm256_set_m128(_mm_set1_ps(fp16_to_fp32(x[1].d) * ad[b + 1]),
                                          _mm_set1_ps(fp16_to_fp32(x[0].d) * ad[b]));
         acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc);
@@ -923,8 +932,6 @@ static float dot_iq4_xs(const uint8_t* w, const uint8_t* act, int64_t k) {
     const int64_t nb = k / 256;
     const auto [aq, ad, bs] = a256_parts(act, k);
     (void)bs;
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    const __m256i tab = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)iq4_values));
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; ++i) {
         const int8_t* a = aq + 256 * i;
@@ -933,18 +940,11 @@ static float dot_iq4_xs(const uint8_t* w, const uint8_t* act, int64_t k) {
         const __m256i sc = even_odd_i16(sc8, true);
         __m256i sumi = _mm256_setzero_si256();
         for (int p = 0; p < 4; ++p) {
-            const __m256i a0 = _mm256_loadu_si256((const __m256i*)(a + 64 * p));
-            const __m256i a1 = _mm256_loadu_si256((const __m256i*)(a + 64 * p + 32));
-            const __m256i alo = _mm256_permute2x128_si256(a0, a1, 0x20);
-            const __m256i ahi = _mm256_permute2x128_si256(a0, a1, 0x31);
-            const __m256i q = _mm256_loadu_si256((const __m256i*)(x->qs + 32 * p));
-            const __m256i lo = _mm256_shuffle_epi8(tab, _mm256_and_si256(q, m4));
-            const __m256i hi = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
-            // a pair of products reaches 2 * 127 * 127: the halves can only be added as i32
-            const __m256i plo = _mm256_maddubs_epi16(_mm256_sign_epi8(alo, alo), _mm256_sign_epi8(lo, alo));
-            const __m256i phi = _mm256_maddubs_epi16(_mm256_sign_epi8(ahi, ahi), _mm256_sign_epi8(hi, ahi));
+            const Iq4Halves pp = iq4_pair_products(_mm256_loadu_si256((const __m256i*)(x->qs + 32 * p)),
+                                                   _mm256_loadu_si256((const __m256i*)(a + 64 * p)),
+                                                   _mm256_loadu_si256((const __m256i*)(a + 64 * p + 32)));
             const __m256i s = bcast_i16(sc, p);
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_madd_epi16(plo, s), _mm256_madd_epi16(phi, s)));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_madd_epi16(pp.lo, s), _mm256_madd_epi16(pp.hi, s)));
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(x->d) * ad[i]), _mm256_cvtepi32_ps(sumi), acc);
     }
