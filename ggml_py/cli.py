@@ -24,6 +24,7 @@ COMMANDS = {
     "eval": "eval",
     "tokenize": "tokenize",
     "info": "info",
+    "config": "config",
 }
 
 
@@ -60,10 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
         print("\nerror: interrupted", file=sys.stderr)  # on a line of its own after partial output
         return 130
-    except (GgmlPyError, OSError, ValueError) as e:
+    except Exception as e:  # a plugin may raise anything: one line, the traceback under --debug
         if args.debug:
             raise
         msg = " ".join(str(e).split()) or type(e).__name__
+        if not isinstance(e, (GgmlPyError, OSError, ValueError)):  # not one of ours: say what it was
+            msg = f"{type(e).__name__}: {msg} (run with --debug for the traceback)"
         print(f"error: {msg}", file=sys.stderr)
         return 1
     code = 0

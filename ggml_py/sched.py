@@ -6,6 +6,7 @@ buffer types, and calls each backend's lowered plan.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -20,8 +21,16 @@ from .backend import Backend, Buffer, BufferType, Split
 from .errors import PlanError
 from .graph import Graph
 from .registry import resolve_backends
+from .schema import VIEW_OPS
 from .symbolic import Expr, Sym, evaluate
-from .tensor import INPUT, OUTPUT, PARAM, STATE, VIEW_OPS, Tensor, nbytes_upper
+from .tensor import INPUT, OUTPUT, PARAM, STATE, Tensor, nbytes_upper
+
+log = logging.getLogger("ggml_py")
+
+# A plan cut into more splits than this, averaging fewer nodes than TINY_SPLIT_NODES each, gets a warning: every
+# split boundary costs a backend call and maybe copies (a plugin claiming scattered elementwise ops, say).
+MANY_SPLITS = 16
+TINY_SPLIT_NODES = 4
 
 
 def _root(t: Tensor) -> Tensor:
@@ -91,6 +100,14 @@ class Plan:
         self._n_computes = 0
         self._assign()
         self._build_splits()
+        self.warnings: list[str] = []
+        n_compute = sum(len(r.split.nodes) for r in self.runs)
+        if len(self.runs) > MANY_SPLITS and n_compute < TINY_SPLIT_NODES * len(self.runs):
+            self.warnings.append(f"the plan is cut into {len(self.runs)} splits of {n_compute / len(self.runs):.1f} "
+                                 f"nodes on average ({', '.join(b.name for b in self.backends)}): every split costs "
+                                 "a backend call and maybe copies; see plan.profile() and plan.assignment()")
+        for w in self.warnings:
+            log.warning("ggml_py: %s", w)
         self.prepare_seconds = time.perf_counter() - t0
         counters.bump("plans_prepared")
 
@@ -300,7 +317,7 @@ class Plan:
             finally:
                 self._computing = None
 
-    def _compute_locked(self, bindings: Mapping[str, int]) -> None:
+    def _compute_locked(self, bindings: Mapping[str, int], split_seconds: list[float] | None = None) -> None:
         b = dict(self._pending)
         for k, v in bindings.items():
             if k in b and b[k] != v:
@@ -317,12 +334,15 @@ class Plan:
         # once running, the inputs' bindings are used up even if a split fails or Ctrl-C stops it: the next
         # set_input may bind other sizes (outputs are then undefined until a compute completes)
         self._pending = {}
-        for run in self.runs:
+        for k, run in enumerate(self.runs):
+            t0 = time.perf_counter() if split_seconds is not None else 0.0
             for c in run.copies:
                 (sb, so), (db, do) = c.src, c.dst
                 if not db.copy_tensor(sb, so, do, c.size):
                     db.set_tensor(do, sb.get_tensor(so, c.size))
             run.split.backend.graph_plan_compute(run.plan, b)
+            if split_seconds is not None:
+                split_seconds[k] += time.perf_counter() - t0
         self.bindings = b
         self._n_computes += 1
         counters.bump("plan_computes")
@@ -346,6 +366,45 @@ class Plan:
         npd = t.dtype.np_dtype
         return np.array(np.lib.stride_tricks.as_strided(raw.view(npd) if span % npd.itemsize == 0 and
                                                         raw.nbytes else raw, shape, strides))
+
+    def profile(self, computes: int = 1, **bindings: int) -> dict[str, Any]:
+        """Compute `computes` times and say where the time went: per split (with its copies), per backend, per op
+        type (from backends that time their nodes: every native plugin), and the host's share (time outside the
+        splits: input bindings, checks, Python). Inputs must be set as for compute()."""
+        profilers = [(run, run.split.backend) for run in self.runs
+                     if hasattr(run.split.backend, "graph_plan_profile")]
+        for run, be in profilers:
+            be.graph_plan_profile(run.plan, True)  # type: ignore[attr-defined]
+        split_s = [0.0] * len(self.runs)
+        total = 0.0
+        by_op: dict[str, float] = {}
+        try:
+            for _ in range(max(1, int(computes))):
+                pending = dict(self._pending)  # every compute uses the inputs' bindings
+                t0 = time.perf_counter()
+                with self._lock:
+                    self._pending = pending
+                    self._compute_locked(bindings, split_s)
+                total += time.perf_counter() - t0
+            for run, be in profilers:
+                secs = be.graph_plan_node_seconds(run.plan) or []  # type: ignore[attr-defined]
+                for n, sec in zip(run.split.nodes, secs):
+                    by_op[n.op or ""] = by_op.get(n.op or "", 0.0) + sec
+        finally:
+            for run, be in profilers:
+                be.graph_plan_profile(run.plan, False)  # type: ignore[attr-defined]
+        by_backend: dict[str, float] = {}
+        splits = []
+        for run, sec in zip(self.runs, split_s):
+            name = run.split.backend.name
+            by_backend[name] = by_backend.get(name, 0.0) + sec
+            splits.append({"backend": name, "nodes": len(run.split.nodes), "copies": len(run.copies), "seconds": sec})
+        n = max(1, int(computes))
+        return {"computes": n, "seconds_per_compute": total / n,
+                "host_seconds_per_compute": (total - sum(split_s)) / n,
+                "by_backend": {k: v / n for k, v in by_backend.items()},
+                "by_op": {k: v / n for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])},
+                "splits": [{**s, "seconds": s["seconds"] / n} for s in splits], "warnings": list(self.warnings)}
 
     # -- reports ------------------------------------------------------------------------------------------------
     def assignment(self) -> list[dict[str, str]]:

@@ -23,8 +23,6 @@ STATE = 8  # persistent tensor without initial data (e.g. a KV cache); zeroed on
 
 _ids = itertools.count()
 
-# Ops that only reinterpret memory of their first source; they run no kernel.
-VIEW_OPS = frozenset({"VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE"})
 
 
 def contiguous_strides(shape: Sequence[Dim], dtype: DType) -> tuple[Dim, ...]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import ops
+from .. import ops, schema
 from ..dtypes import (
     BF16,
     F16,
@@ -49,17 +49,13 @@ from ..tensor import weight as _weight
 
 __all__ = ["ALL_OPS", "CONVERT_MAX_NMSE", "Built", "Case", "Ctx", "all_cases", "cases", "encode"]
 
-# Every op the kit covers (view ops are exercised as inputs of these).
-ALL_OPS: tuple[str, ...] = (
-    "GET_ROWS", "SET_ROWS", "ADD", "SUB", "MUL", "DIV", "SCALE", "SQR", "SQRT", "NEG", "ABS", "EXP", "LOG", "SILU",
-    "GELU", "RELU", "TANH", "SIGMOID", "SWIGLU", "GEGLU", "NORM", "RMS_NORM", "MUL_MAT", "SOFT_MAX", "ROPE",
-    "DIAG_MASK_INF", "FLASH_ATTN_EXT", "CPY", "CONT", "CONCAT", "SUM_ROWS", "MEAN", "ARGMAX", "REPEAT", "CLAMP", "PAD",
-)  # fmt: skip
+# Every op the kit covers: every compute op of the schema (view ops are exercised as inputs of these).
+ALL_OPS: tuple[str, ...] = schema.COMPUTE_OPS
 
-DEFAULT_MAX_NMSE = 1e-7
-MUL_MAT_MAX_NMSE = 5e-4
-FLASH_ATTN_MAX_NMSE = 5e-4
-SOFT_MAX_MAX_NMSE = 1e-6
+DEFAULT_MAX_NMSE = schema.NMSE_DEFAULT
+MUL_MAT_MAX_NMSE = schema.OPS["MUL_MAT"].max_nmse
+FLASH_ATTN_MAX_NMSE = schema.OPS["FLASH_ATTN_EXT"].max_nmse
+SOFT_MAX_MAX_NMSE = schema.OPS["SOFT_MAX"].max_nmse
 
 # Converting F32 values to a narrower type (see the module docstring for why these values).
 CONVERT_MAX_NMSE: dict[str, float] = {
@@ -199,7 +195,7 @@ def _lay(how: str) -> str:
 
 # -- case families ------------------------------------------------------------------------------------------------
 def _binary_cases() -> list[Case]:
-    fns = {"ADD": ops.add, "SUB": ops.sub, "MUL": ops.mul, "DIV": ops.div}
+    fns = {op: getattr(ops, op.lower()) for op in schema.BINARY_OPS}
     shapes: list[tuple[tuple[int, ...], tuple[int, ...], str, str]] = [
         ((1,), (1,), "cont", "cont"),
         ((7,), (7,), "cont", "cont"),
@@ -237,8 +233,7 @@ _SPECIAL_OPS = ("SQR", "SQRT", "NEG", "ABS", "EXP", "LOG", "TANH")
 
 
 def _unary_cases() -> list[Case]:
-    fns = {"SQR": ops.sqr, "SQRT": ops.sqrt, "NEG": ops.neg, "ABS": ops.abs, "EXP": ops.exp, "LOG": ops.log,
-           "SILU": ops.silu, "GELU": ops.gelu, "RELU": ops.relu, "TANH": ops.tanh, "SIGMOID": ops.sigmoid}
+    fns = {op: getattr(ops, op.lower()) for op in schema.UNARY_OPS}
     layouts = [((1,), "cont"), ((7,), "cont"), ((33,), "cont"), ((4097,), "cont"), ((2, 3, 5, 33), "cont"),
                ((5, 7, 33), "perm"), ((7, 33), "view")]
     out = []
