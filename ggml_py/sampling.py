@@ -45,8 +45,8 @@ class Sampler:
     - ``top_k``: keep the k most likely tokens; 0 disables.
     - ``top_p``: keep the smallest most-likely set whose probability reaches p, in (0, 1]; 1 disables.
     - ``min_p``: drop tokens less likely than ``min_p`` times the most likely one, in [0, 1]; 0 disables.
-    - ``repeat_penalty``: in [1e-6, 1e6]; tokens among the last ``repeat_last_n`` of ``history`` get their logit divided by it
-      (multiplied when negative); 1 disables. ``repeat_last_n``: 0 disables, -1 means the whole history.
+    - ``repeat_penalty``: in [1e-6, 1e6]; tokens among the last ``repeat_last_n`` of ``history`` get their logit
+      divided by it (multiplied when negative); 1 disables. ``repeat_last_n``: 0 disables, -1 means the whole history.
     - ``frequency_penalty``/``presence_penalty``: subtracted per occurrence / once, over the same window.
     - ``seed``: int >= 0 for reproducible draws, None for fresh entropy.
     """
