@@ -200,8 +200,8 @@ def _num_array(meta: Mapping[str, Any], key: str, kind: str) -> np.ndarray | Non
     if v is None:
         return None
     arr = np.asarray(v) if isinstance(v, list | tuple | np.ndarray) else None
-    ok = arr is not None and arr.ndim == 1 and (
-        arr.dtype.kind in "iu" or (kind == "f" and arr.dtype.kind == "f") or arr.size == 0)
+    # llama.cpp reads these as raw float / int32 data: integers as scores (or floats as types) would be garbage
+    ok = arr is not None and arr.ndim == 1 and (arr.dtype.kind in ("f" if kind == "f" else "iu") or arr.size == 0)
     if not ok:
         what = "floats" if kind == "f" else "integers"
         raise ModelError(f"tokenizer metadata {key!r} must be an array of {what}, got {_kind(v)}")

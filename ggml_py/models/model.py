@@ -222,10 +222,10 @@ class Model:
         """
         with self._lock:
             arr = self._check_ids(ids)
-            self._owner = None  # the cache moves on: a running generate iterator is overtaken
             if arr.size == 0:
                 return np.zeros((0, self.n_vocab), np.float32)
             self._check_file()
+            self._owner = None  # the cache moves on: a running generate iterator is overtaken
             return self._forward(arr, last_only=last_only, kind="prefill" if arr.size > 1 else "decode")
 
     def _forward(self, ids: np.ndarray, last_only: bool, kind: str) -> np.ndarray:
