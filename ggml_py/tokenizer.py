@@ -925,26 +925,63 @@ def _bounded_range(*args: int) -> range:
     return r
 
 
-_FORMAT_WIDTH = re.compile(r"%[-+ #0]*(\d+)?(?:\.(\d+))?")
+# A width or precision of 8+ digits in a format string ('%0999999999d', '{:>99999999}'): 10M+ characters.
+_HUGE_WIDTH = re.compile(r"\d{8,}")
+_WIDTH_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
+_WIDTH_FILTERS = frozenset({"center", "indent", "wordwrap", "slice", "batch"})  # an int argument sizes the result
+
+
+def _check_format(fmt: Any, what: str) -> None:
+    if isinstance(fmt, str) and _HUGE_WIDTH.search(fmt):
+        raise _LimitError(f"{what}: a width in the format string exceeds the limit of {TEMPLATE_MAX_CHARS}")
+
+
+def _check_join(sep: Any, items: Any, what: str) -> None:
+    if isinstance(sep, str) and hasattr(items, "__len__") and len(sep) * len(items) > TEMPLATE_MAX_CHARS:
+        raise _LimitError(f"{what}: joining {len(items)} items with a separator of {len(sep)} characters exceeds "
+                          f"the limit of {TEMPLATE_MAX_CHARS}")
+
+
+def _check_replace(s: Any, old: Any, new: Any, what: str) -> None:
+    """'s'|replace('', s) squares the length."""
+    if isinstance(s, str) and isinstance(old, str) and isinstance(new, str):
+        n = len(s) + 1 if not old else s.count(old)
+        if len(s) + n * (len(new) - len(old)) > TEMPLATE_MAX_CHARS:
+            raise _LimitError(f"{what}: the result would exceed the limit of {TEMPLATE_MAX_CHARS}")
+
+
+def _check_method(obj: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    """Before a method of a str/list runs: the ones whose result size an argument decides."""
+    name = getattr(obj, "__name__", "")
+    target = obj.__self__
+    what = f"{name}()"
+    if name in _WIDTH_METHODS:
+        _check_int_args(args, kwargs, what)
+    elif name == "join" and args:
+        _check_join(target, args[0], what)
+    elif name == "replace" and len(args) >= 2:
+        _check_replace(target, args[0], args[1], what)
+    elif name in ("format", "format_map"):
+        _check_format(target, what)
 
 
 def _bounded_filter(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    # the filtered value comes after the context/environment jinja passes to marked filters
+    skip = 2 if getattr(fn, "jinja_pass_arg", None) is not None else 1
+
     @functools.wraps(fn)  # keeps jinja's pass_context/pass_environment marks
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         _tick()
         what = f"filter {name!r}"
-        _check_int_args(args, kwargs, what)
-        vals = [a for a in args if isinstance(a, str)]
-        if name == "format" and vals:  # '%0999999999d'|format(1)
-            for m in _FORMAT_WIDTH.finditer(vals[0]):
-                for g in m.groups():
-                    if g and int(g) > TEMPLATE_MAX_CHARS:
-                        raise _LimitError(f"{what}: width {g} exceeds the limit of {TEMPLATE_MAX_CHARS}")
-        if name == "replace" and len(vals) >= 3:  # 's'|replace('', s) squares the length
-            s, old, new = vals[-3:]
-            n = len(s) + 1 if not old else s.count(old)
-            if len(s) + n * (len(new) - len(old)) > TEMPLATE_MAX_CHARS:
-                raise _LimitError(f"{what}: the result would exceed the limit of {TEMPLATE_MAX_CHARS}")
+        value, rest = (args[skip - 1] if len(args) >= skip else None), args[skip:]
+        if name in _WIDTH_FILTERS:
+            _check_int_args(rest, kwargs, what)
+        if name == "format":
+            _check_format(value, what)
+        elif name == "join":
+            _check_join(rest[0] if rest else kwargs.get("d", ""), value, what)
+        elif name == "replace" and len(rest) >= 2:
+            _check_replace(value, rest[0], rest[1], what)
         return _check_size(fn(*args, **kwargs))
 
     return wrapper
@@ -969,16 +1006,18 @@ def _make_env() -> Any:
     class _BoundedEnv(ImmutableSandboxedEnvironment):
         """jinja2's immutable sandbox, with every loop, call, filter, `*`, `**`, `+` and `~` counted and bounded."""
 
-        intercepted_binops = frozenset({"*", "**", "+"})
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
             _binop_size(operator, left, right)
+            if operator == "%":
+                _check_format(left, "the % operator")
             return _check_size(super().call_binop(context, operator, left, right))
 
         def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
             _tick()
             if isinstance(getattr(__obj, "__self__", None), str | list | tuple | bytes):
-                _check_int_args(args, kwargs, f"{getattr(__obj, '__name__', 'method')}()")
+                _check_method(__obj, args, kwargs)
             return _check_size(super().call(__context, __obj, *args, **kwargs))
 
         def _parse(self, source: str, name: str | None, filename: str | None) -> Any:

@@ -87,6 +87,14 @@ BOMBS = [
     "{% set ns = namespace(n=2) %}{% for i in range(64) %}{% set ns.n = ns.n * ns.n %}{% endfor %}",
     "{% for i in range(10**9) %}{% endfor %}",
     "{{ 2 ** (10 ** 9) }}",
+    "{{ '%09999999999d' % 1 }}",
+    "{{ '{:>99999999}'.format(1) }}",
+    "{{ ('x' * 1000).join(range(100000)|map('string')|list) }}",
+    "{{ range(100000)|map('string')|join('x' * 1000) }}",
+    "{{ ('x' * 3000000).replace('', 'yyyy') }}",
+    "{{ ('x' * 3000000)|replace('', 'yyyy') }}",
+    "{{ 'x'|indent(10**9) }}",
+    "{{ [1]|slice(10**9)|list }}",
 ]
 
 
@@ -116,9 +124,11 @@ def test_template_errors_are_template_errors(template: str, kind: str) -> None:
 def test_templates_still_render() -> None:
     t = ("{% for m in messages %}{{ m.role ~ ':' ~ m.content }}{% if not loop.last %}|{% endif %}{% endfor %}"
          "{{ messages[0].content * 3 }}{{ [1] * 2 }}{{ 2 ** 10 }}{% for x in nothing %}never{% endfor %}"
-         "{{ 'ab'|replace('a', 'c') }}{{ 'x'|center(5) }}")
+         "{{ 'ab'|replace('a', 'c') }}{{ 'x'|center(5) }}{{ 12345678901|string }}{{ '%5d'|format(12345678901) }}"
+         "{{ [1, 2]|join(', ') }}{{ 'a-b'.replace('-', '+') }}{{ '%s!' % 'x' }}")
     two = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-    assert render_chat_template(t, two) == "user:hi|assistant:yohihihi[1, 1]1024cb  x  "
+    assert render_chat_template(t, two) == ("user:hi|assistant:yohihihi[1, 1]1024cb  x  1234567890112345678901"
+                                            "1, 2a+bx!")
     big = "y" * (TEMPLATE_MAX_CHARS // 2)  # a long message is fine, under the limit
     assert len(render_chat_template("{{ messages[0].content }}", [{"role": "user", "content": big}])) == len(big)
 
