@@ -99,6 +99,7 @@ def load_model(path: str | os.PathLike[str] | None = None, backends: str | Seque
             from ..tokenizer import Tokenizer
 
             tok = Tokenizer.from_metadata(gf.metadata)
+            tok.source = p
             if tok.n_vocab != hp.n_vocab:
                 log.warning("%s: tokenizer has %d tokens, the embedding %d", p, tok.n_vocab, hp.n_vocab)
         except GgmlPyError as e:  # eval still works with ids; tokenize/generate raise this error

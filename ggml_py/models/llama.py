@@ -49,7 +49,9 @@ def _meta(meta: dict[str, Any], key: str, path: str, default: Any = None, requir
 
 def _per_layer(v: Any, key: str, path: str) -> int:
     """Keys such as head_count_kv may be arrays (one value per layer); ggml_py needs them uniform."""
-    if isinstance(v, list):
+    if isinstance(v, list | np.ndarray):  # GGUF numeric arrays load as numpy arrays
+        if isinstance(v, np.ndarray):
+            v = v.tolist() if v.ndim == 1 and v.dtype.kind in "iu" else [v]
         if not v or any(x != v[0] for x in v):
             raise ModelError(f"{path}: {key} varies per layer ({v[:8]}...), which ggml_py does not support")
         v = v[0]
@@ -99,13 +101,17 @@ class LlamaHParams:
         scale = 1.0
         stype = meta.get(f"{a}.rope.scaling.type")
         factor = meta.get(f"{a}.rope.scaling.factor", meta.get(f"{a}.rope.scale_linear"))
-        if stype not in (None, "none", "linear"):
+        if not isinstance(stype, str | None) or stype not in (None, "none", "linear"):
             raise ModelError(f"{path}: rope scaling type {stype!r} is not supported (supported: none, linear)")
-        if factor and stype in (None, "linear") and float(factor) not in (0.0, 1.0):
+        if factor is not None and (not isinstance(factor, int | float) or isinstance(factor, bool)
+                                   or not math.isfinite(factor) or factor < 0):
+            raise ModelError(f"{path}: rope scaling factor must be a finite number >= 0 (0: none), got {factor!r}")
+        if factor and stype in (None, "linear") and float(factor) != 1.0:
             scale = 1.0 / float(factor)
-        for key, v in (("layer_norm_rms_epsilon", eps), ("rope.freq_base", base)):
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or not math.isfinite(v):
-                raise ModelError(f"{path}: {key} must be a positive number, got {v!r}")
+        # an eps of 1 already swamps a unit-variance activation; 1e300 would make every norm output 0 in float32
+        for key, v, hi in (("layer_norm_rms_epsilon", eps, 1.0), ("rope.freq_base", base, 1e30)):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= hi:
+                raise ModelError(f"{path}: {key} must be a number in (0, {hi:g}], got {v!r}")
         return cls(
             n_vocab=n_vocab,
             n_ctx_train=_per_layer(_meta(meta, f"{a}.context_length", path), "context_length", path),

@@ -229,7 +229,8 @@ def _binary_cases() -> list[Case]:
 _UNARY_RANGES = {"SQRT": (0.1, 2.0), "LOG": (0.1, 2.0), "EXP": (-2.0, 2.0)}
 # Inputs whose results IEEE arithmetic fixes exactly (zeros, infinities, NaNs), for ops where that is unambiguous.
 _SPECIALS = np.array([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan, 100.0, -100.0, 1e-30], dtype=np.float32)
-_SPECIAL_OPS = ("SQR", "SQRT", "NEG", "ABS", "EXP", "LOG", "TANH")
+# RELU follows ggml (x > 0 ? x : 0): relu(NaN) is 0 on every ggml backend, so it is 0 here too.
+_SPECIAL_OPS = ("SQR", "SQRT", "NEG", "ABS", "EXP", "LOG", "TANH", "RELU")
 
 
 def _unary_cases() -> list[Case]:
@@ -460,6 +461,20 @@ def _flash_attn_cases() -> list[Case]:
             if softcap:
                 desc += f",softcap={softcap}"
             out.append(Case("FLASH_ATTN_EXT", desc, types, make, max_nmse=FLASH_ATTN_MAX_NMSE))
+    # Queries whose every key is masked: ggml's CPU kernel divides by the softmax sum only when it is not 0, so such
+    # a row is all zeros (not NaN). Rows 0 and 5 (of 7) are fully masked, the others see a causal window.
+    for kvt, mt, nkv in ((F16, F16, 33), (F32, F32, 256)):
+        def make_fm(c: Ctx, kvt=kvt, mt=mt, nkv=nkv) -> Tensor:
+            q = c.rand((1, 4, 7, 64))
+            k = c.rand((1, 2, nkv, 64), kvt)
+            v = c.rand((1, 2, nkv, 64), kvt)
+            m = np.where(np.arange(nkv)[None, :] > nkv - 7 + np.arange(7)[:, None], -np.inf, 0.0)
+            m[[0, 5], :] = -np.inf
+            return ops.flash_attn_ext(q, k, v, c.input(m.astype(np.float32), mt), scale=0.125)
+
+        out.append(Case("FLASH_ATTN_EXT", f"q=[1,4,7,64],kv=[1,2,{nkv},64|64],mask=[7,{nkv}],rows 0 and 5 fully masked",
+                        f"F32,{kvt.name},{mt.name}", make_fm, max_nmse=FLASH_ATTN_MAX_NMSE,
+                        note="a fully masked row is zeros, as in ggml"))
     return out
 
 
