@@ -425,8 +425,6 @@ class Plan:
         type (from backends that time their nodes: every native plugin), and the host's share (time outside the
         splits: input bindings, checks, Python). Inputs must be set as for compute()."""
         self._enter("profile")
-        if self._closed:
-            raise PlanError("profile() on a closed plan")
         profilers = [(run, run.split.backend) for run in self.runs
                      if hasattr(run.split.backend, "graph_plan_profile")]
         for run, be in profilers:
