@@ -592,3 +592,27 @@ def test_cli_errors_from_plugins_are_one_line(libdir: Path, capsys: pytest.Captu
             cli.main(["test-backend", "boom", "--debug"])
     finally:
         registry.unregister("boom")
+
+
+@needs_cc
+def test_plugin_built_against_the_installed_header_passes_the_kit(tmp_path: Path) -> None:
+    """What a plugin author with a pip-installed ggml_py (no checkout) does: -I$(ggml-py config --include), build,
+    load through GGML_PY_BACKEND_PATH, run the kit. `python -I` ignores this checkout and uses the installed package."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-I", "-m", "ggml_py.cli", "config", "--include"], capture_output=True,
+                       text=True, cwd=tmp_path, env=env, timeout=120)
+    include = Path(r.stdout.strip())
+    if r.returncode != 0 or include == ROOT / "ggml_py" / "include":
+        pytest.skip(f"ggml_py is not installed apart from this checkout ({r.stderr.strip() or include})")
+    assert (include / "ggml_py" / "backend_abi.h").is_file()
+    lib = tmp_path / "libggml_py_cexample.so"
+    cmd = [CC, "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", f"-I{include}", "-o", str(lib),
+           str(EXAMPLE)]
+    b = subprocess.run(cmd, capture_output=True, text=True)
+    assert b.returncode == 0, b.stderr
+    r = subprocess.run([sys.executable, "-I", "-m", "ggml_py.cli", "test-backend", "cexample", "--json"],
+                       capture_output=True, text=True, cwd=tmp_path, env={**env, "GGML_PY_BACKEND_PATH": str(lib)},
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads(r.stdout)
+    assert rep["failed"] == 0 and rep["passed"] >= 40

@@ -8,6 +8,7 @@ import random
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ggml_py.errors import ModelError
@@ -243,6 +244,8 @@ def _write_vocab_gguf(path: Path, meta: dict) -> None:
             w.add_string(k, v)
         elif isinstance(v, list):
             w.add_array(k, v)
+        elif isinstance(v, np.ndarray):  # numeric metadata arrays are read as numpy arrays
+            w.add_array(k, v.tolist())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -230,6 +230,7 @@ class Model:
 
     def _forward(self, ids: np.ndarray, last_only: bool, kind: str) -> np.ndarray:
         t0 = time.perf_counter()
+        prepare0 = self.prepare_s  # preparing a plan (once per shape) is reported apart, not as a step's time
         compute = 0.0
         outs = []
         sizes = batch_sizes(ids.size)
@@ -242,7 +243,7 @@ class Model:
                 outs.append(logits)
             start += n
         out = outs[0] if len(outs) == 1 else np.concatenate(outs, axis=0)
-        dt = time.perf_counter() - t0
+        dt = time.perf_counter() - t0 - (self.prepare_s - prepare0)
         self._t[f"{kind}_tokens"] += int(ids.size)
         self._t[f"{kind}_s"] += dt
         self._t[f"{kind}_compute_s"] += compute
@@ -371,7 +372,8 @@ class Model:
     @property
     def timings(self) -> dict[str, Any]:
         """Since the last generate / reset_timings: tokens, seconds, tok/s of prefill and decode, and
-        host_overhead_frac = share of decode step time spent outside plan.compute (inputs, outputs, Python)."""
+        host_overhead_frac = share of decode step time spent outside plan.compute (inputs, outputs, Python). Step
+        times leave out preparing plans (prepare_s: once per shape, the first prefill and the first decode step)."""
         t = dict(self._t)
         t["prefill_tok_s"] = t["prefill_tokens"] / t["prefill_s"] if t["prefill_s"] else 0.0
         t["decode_tok_s"] = t["decode_tokens"] / t["decode_s"] if t["decode_s"] else 0.0
@@ -390,7 +392,21 @@ class Model:
                 "n_ctx_train": hp.n_ctx_train, "n_vocab": hp.n_vocab, "n_embd": hp.n_embd, "n_layer": hp.n_layer,
                 "n_head": hp.n_head, "n_head_kv": hp.n_head_kv, "n_ff": hp.n_ff, "kv_type": self.cache.dtype.name,
                 "kv_cache_bytes": self.cache.nbytes, "backends": self.backend_names, "graph_reuse": self.graph_reuse,
-                "tied_output": self.weights.tied, "weights_copied": self.weights_copied}
+                "tied_output": self.weights.tied, "weights_copied": self.weights_copied,
+                "plans": self._plan_summaries()}
+
+    def _plan_summaries(self) -> list[dict[str, Any]]:
+        """Each prepared plan (one per step shape): its tokens per step, splits, and how many nodes of each op every
+        backend runs (the node assignment, e.g. to see which ops a plugin left to numpy)."""
+        out = []
+        for (n, last), prep in sorted(self._plans.items()):
+            by_backend: dict[str, dict[str, int]] = {}
+            for a in prep.plan.assignment():
+                ops = by_backend.setdefault(a["backend"], {})
+                ops[a["op"]] = ops.get(a["op"], 0) + 1
+            out.append({"tokens": n, "last_only": last, "splits": len(prep.plan.runs), "nodes": by_backend,
+                        "warnings": list(prep.plan.warnings)})
+        return out
 
     def close(self) -> None:
         """Free the plans; every later call raises ModelError (a generate running in another thread stops at its
