@@ -423,8 +423,11 @@ class Plan:
     def profile(self, computes: int = 1, **bindings: int) -> dict[str, Any]:
         """Compute `computes` times and say where the time went: per split (with its copies), per backend, per op
         type (from backends that time their nodes: every native plugin), and the host's share (time outside the
-        splits: input bindings, checks, Python). Inputs must be set as for compute()."""
+        splits: input bindings, checks, Python). Inputs must be set as for compute(); without bindings and inputs
+        set since the last compute, the last compute's bindings are used again."""
         self._enter("profile")
+        if not bindings and not self._pending:
+            bindings = dict(getattr(self, "bindings", {}))
         profilers = [(run, run.split.backend) for run in self.runs
                      if hasattr(run.split.backend, "graph_plan_profile")]
         for run, be in profilers:

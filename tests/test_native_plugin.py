@@ -616,3 +616,27 @@ def test_plugin_built_against_the_installed_header_passes_the_kit(tmp_path: Path
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads(r.stdout)
     assert rep["failed"] == 0 and rep["passed"] >= 40
+
+
+def test_profile_per_backend_and_op_and_tiny_split_warning(cexample: Path, libdir: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    lib = plug(libdir, "timed")
+    be = native.backend(lib)
+    a = gp.input((64,), name="a")
+    y = ops.silu(ops.add(ops.add(a, a), a))  # ADD, ADD on the plugin; SILU on numpy
+    plan = gp.prepare(y, backends=[be, "numpy"])
+    plan.set_input("a", np.ones(64, np.float32))
+    rep = plan.profile(computes=3)
+    assert rep["computes"] == 3 and [s["backend"] for s in rep["splits"]] == ["timed", "numpy"]
+    assert rep["by_op"]["ADD"] > 0 and set(rep["by_op"]) == {"ADD"}  # the plugin timed its nodes through the ABI
+    assert rep["seconds_per_compute"] >= sum(rep["by_backend"].values()) > 0
+    assert rep["host_seconds_per_compute"] >= 0 and not rep["warnings"]
+    np.testing.assert_allclose(plan.get_output(y), 3 / (1 + np.exp(-3)) * np.ones(64), rtol=1e-5)
+    # a plugin that claims scattered nodes cuts the plan into many tiny splits: said at prepare
+    x = gp.input((8,), name="x")
+    z = x
+    for _ in range(20):
+        z = ops.silu(ops.add(z, x))
+    with caplog.at_level("WARNING", logger="ggml_py"):
+        cut = gp.prepare(z, backends=[native.backend(cexample), "numpy"])
+    assert len(cut.runs) == 40 and cut.warnings and "40 splits" in caplog.text
