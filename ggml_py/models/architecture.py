@@ -47,7 +47,7 @@ class Architecture:
         return build_step(hp, w, cache, self.layer, n_tokens, n_kv, last_only)
 
 
-_MODULES = ("llama",)  # one module per architecture, named as in GGUF
+_MODULES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")  # one module per architecture, named as in GGUF
 _registry: dict[str, Architecture] = {}
 
 
