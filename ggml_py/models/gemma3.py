@@ -47,14 +47,13 @@ CHAT_TEMPLATE = (
 def hparams(meta: dict[str, Any], path: str, n_vocab: int) -> HParams:
     m = Meta(meta, NAME, path)
     hp = read_hparams(meta, NAME, path, n_vocab, rope_mode=ops.ROPE_NEOX)
-    softcap = m.get("final_logit_softcapping", 0.0) or 0.0
-    hp = replace(hp, embd_scale=math.sqrt(hp.n_embd), final_softcap=float(softcap) if softcap else 0.0)
+    softcap = m.float_key("final_logit_softcapping") if m.get("final_logit_softcapping") else 0.0
+    hp = replace(hp, embd_scale=math.sqrt(hp.n_embd), final_softcap=softcap)
     if hp.n_layer == 62:  # the 27B model scales by the width per head, not the key length (gemma_pytorch config)
         hp = replace(hp, attn_scale=1.0 / math.sqrt(hp.n_embd // hp.n_head))
-    n_swa = m.get("attention.sliding_window", 0)
-    if n_swa:
-        hp = replace(hp, n_swa=m.int("attention.sliding_window"), swa_layers=swa_pattern(m, hp.n_layer, SWA_PERIOD),
-                     rope_freq_base_swa=m.float("rope.freq_base_swa", 10000.0), rope_freq_scale_swa=1.0)
+    if m.get("attention.sliding_window"):  # absent or 0: every layer is global
+        hp = replace(hp, n_swa=m.int_key("attention.sliding_window"), swa_layers=swa_pattern(m, hp.n_layer, SWA_PERIOD),
+                     rope_freq_base_swa=m.float_key("rope.freq_base_swa", 10000.0), rope_freq_scale_swa=1.0)
     return hp
 
 

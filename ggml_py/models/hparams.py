@@ -42,13 +42,13 @@ class Meta:
     def get(self, key: str, default: Any = None) -> Any:
         return self.meta.get(f"{self.arch}.{key}", default)
 
-    def int(self, key: str, default: int | None = None) -> int:
+    def int_key(self, key: str, default: int | None = None) -> int:
         v = self.get(key, default)
         if v is None:
             raise ModelError(f"{self.path}: missing metadata key {self.arch + '.' + key!r}")
         return _per_layer(v, key, self.path)
 
-    def float(self, key: str, default: float | None = None) -> float:
+    def float_key(self, key: str, default: float | None = None) -> float:
         v = self.get(key, default)
         if v is None:
             raise ModelError(f"{self.path}: missing metadata key {self.arch + '.' + key!r}")
@@ -110,16 +110,16 @@ def read_hparams(meta: dict[str, Any], arch: str, path: str, n_vocab: int, *, ro
     """The core keys every architecture has, plus the architecture's own values in `arch_specific` (HParams
     fields). rope scaling: none or linear."""
     m = Meta(meta, arch, path)
-    n_embd = m.int("embedding_length")
-    n_head = m.int("attention.head_count")
-    n_head_kv = m.int("attention.head_count_kv", n_head)
+    n_embd = m.int_key("embedding_length")
+    n_head = m.int_key("attention.head_count")
+    n_head_kv = m.int_key("attention.head_count_kv", n_head)
     if n_head % n_head_kv:
         raise ModelError(f"{path}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
     if n_embd % n_head and not m.has("attention.key_length"):
         raise ModelError(f"{path}: embedding_length {n_embd} is not a multiple of head_count {n_head}")
-    head_dim = m.int("attention.key_length", n_embd // n_head)
-    head_dim_v = m.int("attention.value_length", head_dim)
-    n_rot = m.int("rope.dimension_count", head_dim)
+    head_dim = m.int_key("attention.key_length", n_embd // n_head)
+    head_dim_v = m.int_key("attention.value_length", head_dim)
+    n_rot = m.int_key("rope.dimension_count", head_dim)
     if n_rot % 2 or n_rot > head_dim:
         raise ModelError(f"{path}: rope.dimension_count {n_rot} must be even and at most the head size {head_dim}")
     scale = 1.0
@@ -130,11 +130,11 @@ def read_hparams(meta: dict[str, Any], arch: str, path: str, n_vocab: int, *, ro
     if factor and stype in (None, "linear") and float(factor) not in (0.0, 1.0):
         scale = 1.0 / float(factor)
     values: dict[str, Any] = dict(
-        arch=arch, n_vocab=n_vocab, n_ctx_train=m.int("context_length"), n_embd=n_embd,
-        n_layer=m.int("block_count"), n_ff=m.int("feed_forward_length"), n_head=n_head, n_head_kv=n_head_kv,
+        arch=arch, n_vocab=n_vocab, n_ctx_train=m.int_key("context_length"), n_embd=n_embd,
+        n_layer=m.int_key("block_count"), n_ff=m.int_key("feed_forward_length"), n_head=n_head, n_head_kv=n_head_kv,
         head_dim=head_dim, head_dim_v=head_dim_v, n_rot=n_rot,
-        rms_eps=m.float("attention.layer_norm_rms_epsilon", 1e-5), rope_mode=rope_mode,
-        rope_freq_base=m.float("rope.freq_base", 10000.0), rope_freq_scale=scale,
+        rms_eps=m.float_key("attention.layer_norm_rms_epsilon", 1e-5), rope_mode=rope_mode,
+        rope_freq_base=m.float_key("rope.freq_base", 10000.0), rope_freq_scale=scale,
         attn_scale=1.0 / math.sqrt(head_dim),
     )
     values.update(arch_specific)

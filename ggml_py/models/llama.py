@@ -31,12 +31,11 @@ NAME = "llama"
 
 def hparams(meta: dict[str, Any], path: str, n_vocab: int) -> HParams:
     hp = read_hparams(meta, NAME, path, n_vocab, rope_mode=ops.ROPE_NORMAL)
-    n_swa = Meta(meta, NAME, path).get("attention.sliding_window", 0)
-    if n_swa:
-        n_swa = Meta(meta, NAME, path).int("attention.sliding_window")
+    m = Meta(meta, NAME, path)
+    if m.get("attention.sliding_window"):  # absent or 0: no window
         # every layer slides, with the model's one rope
-        hp = replace(hp, n_swa=n_swa, swa_layers=(True,) * hp.n_layer, rope_freq_base_swa=hp.rope_freq_base,
-                     rope_freq_scale_swa=hp.rope_freq_scale)
+        hp = replace(hp, n_swa=m.int_key("attention.sliding_window"), swa_layers=(True,) * hp.n_layer,
+                     rope_freq_base_swa=hp.rope_freq_base, rope_freq_scale_swa=hp.rope_freq_scale)
     return hp
 
 
