@@ -43,9 +43,16 @@ __all__ = [
     "BF16", "F16", "F32", "I32", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K",
     "Q6_K", "Q8_0", "DType",
     "BackendError", "GGUFError", "GgmlPyError", "ModelError", "PlanError", "ShapeError",
-    "Graph", "Plan", "Tensor", "dtypes", "get_backend", "input", "load_model", "ops", "prepare", "registry", "state",
-    "sym", "weight",
+    "Graph", "Plan", "Tensor", "dtypes", "get_backend", "get_include", "input", "load_model", "ops", "prepare",
+    "registry", "state", "sym", "weight",
 ]
+
+
+def get_include() -> str:
+    """The folder holding ggml_py/backend_abi.h, the C ABI a native backend plugin builds against."""
+    from .native import get_include as _get_include
+
+    return _get_include()
 
 
 def load_model(path: str | None = None, **kwargs: object) -> object:

@@ -10,13 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from .schema import INPLACE_OPS  # ops that may overwrite their first source (same shape, type and layout)
 from .tensor import INPUT, OUTPUT, PARAM, STATE, Tensor
-
-# Ops that may overwrite their first source (same shape, type and layout).
-INPLACE_OPS = frozenset({
-    "ADD", "SUB", "MUL", "DIV", "SCALE", "SQR", "SQRT", "NEG", "ABS", "EXP", "LOG", "SILU", "GELU", "RELU", "TANH",
-    "SIGMOID", "CLAMP", "DIAG_MASK_INF", "SOFT_MAX",
-})
 
 
 def _align(x: int, a: int) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +25,7 @@ COMMANDS = {
     "eval": "eval",
     "tokenize": "tokenize",
     "info": "info",
+    "config": "config",
 }
 
 
@@ -60,24 +62,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
         print("\nerror: interrupted", file=sys.stderr)  # on a line of its own after partial output
         return 130
-    except (GgmlPyError, OSError, ValueError) as e:
+    except Exception as e:  # a plugin may raise anything: one line, the traceback under --debug
         if args.debug:
             raise
         msg = " ".join(str(e).split()) or type(e).__name__
+        if not isinstance(e, (GgmlPyError, OSError, ValueError)):  # not one of ours: say what it was
+            msg = f"{type(e).__name__}: {msg} (run with --debug for the traceback)"
         print(f"error: {msg}", file=sys.stderr)
         return 1
     code = 0
     if isinstance(result, tuple):
         result, code = result
     if args.json and result is not None:
-        print(json.dumps(result, default=_jsonable))
+        print(json.dumps(_finite(result), default=_jsonable, allow_nan=False))
     return code
 
 
 def _jsonable(o: object) -> object:
     if hasattr(o, "tolist"):
-        return o.tolist()  # numpy scalars and arrays
+        return _finite(o.tolist())  # numpy scalars and arrays
     return str(o)
+
+
+def _finite(o: Any) -> Any:
+    """NaN and infinities become null, as JavaScript's JSON.stringify does: bare NaN is not JSON."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [_finite(v) for v in o]
+    return o
 
 
 if __name__ == "__main__":

@@ -30,3 +30,7 @@ class PlanError(GgmlPyError):
 
 class ModelError(GgmlPyError):
     """A model cannot be built or run (architecture, context, tokens)."""
+
+
+class TemplateError(ModelError):
+    """A chat template failed to render: bad syntax, raise_exception, a render limit, an error in its code."""

@@ -9,12 +9,18 @@ Layout (little-endian): magic ``GGUF``, version u32 (2 or 3), tensor count u64, 
 (key string, value type u32, value); tensor infos (name string, n_dims u32, ne u64 x n_dims, type u32, offset u64
 relative to the data section); padding to ``general.alignment`` (default 32); the data section.
 Strings are a u64 byte length followed by UTF-8 bytes; arrays are an element type u32, a u64 count, then the elements.
+
+Metadata values: scalars become Python scalars, strings `str`; an array of numbers or bools becomes a read-only
+numpy array (a copy: the bytes it holds, not a Python object per element), an array of strings a list of `str`, an
+array of arrays a list. A file may hold at most `MAX_NESTED_ARRAYS` arrays inside arrays, at most `MAX_ARRAY_DEPTH`
+levels deep (llama.cpp's reader accepts no nested arrays at all).
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 from array import array
 from dataclasses import dataclass
@@ -26,13 +32,17 @@ from ggml_py import dtypes
 from ggml_py.dtypes import DType
 from ggml_py.errors import GGUFError
 
-__all__ = ["GGUFFile", "TensorInfo", "open_gguf", "MAX_ARRAY_DEPTH", "MAX_DIMS", "DEFAULT_ALIGNMENT", "VALUE_TYPES"]
+__all__ = ["GGUFFile", "TensorInfo", "open_gguf", "MAX_ARRAY_DEPTH", "MAX_NESTED_ARRAYS", "MAX_DIMS",
+           "DEFAULT_ALIGNMENT", "VALUE_TYPES"]
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
 MAX_ARRAY_DEPTH = 8  # an array of arrays of ... at most this many levels
+# Arrays inside arrays, over the whole file: each becomes a Python list or numpy array (~100 bytes however empty),
+# so a file of 12-byte empty arrays would otherwise cost ~10x its size and minutes to build.
+MAX_NESTED_ARRAYS = 65536
 MAX_KEY_BYTES = 65535  # GGUF spec: keys are at most 2^16-1 bytes
 INT64_MAX = 2**63 - 1
 
@@ -114,6 +124,7 @@ class _Parser:
         self.path = path
         self.end = len(mm)
         self.pos = 0
+        self.nested = 0  # arrays met inside arrays so far
 
     def fail(self, reason: str) -> GGUFError:
         return GGUFError(self.path, reason)
@@ -163,9 +174,13 @@ class _Parser:
             return self.array(key, depth + 1)
         raise self.fail(f"unknown value type {vtype} for key {key!r}")
 
-    def array(self, key: str, depth: int) -> list[Any]:
+    def array(self, key: str, depth: int) -> list[Any] | np.ndarray:
         if depth > MAX_ARRAY_DEPTH:
             raise self.fail(f"arrays nested deeper than {MAX_ARRAY_DEPTH} levels in key {key!r}")
+        if depth > 1:
+            self.nested += 1
+            if self.nested > MAX_NESTED_ARRAYS:
+                raise self.fail(f"more than {MAX_NESTED_ARRAYS} arrays nested inside arrays (at key {key!r})")
         at = self.pos
         self.need(12, f"array header of key {key!r}")
         etype, count = _U32U64.unpack_from(self.buf, self.pos)
@@ -184,8 +199,10 @@ class _Parser:
             npd = sc[1]
             arr = np.frombuffer(self.buf, dtype=npd, count=count, offset=self.pos)
             self.pos += count * npd.itemsize
-            out = (arr != 0).tolist() if etype == T_BOOL else arr.tolist()
+            # a copy (the mapping may close) in native byte order, as compact as the file: not a list of objects
+            out = (arr != 0) if etype == T_BOOL else arr.astype(npd.newbyteorder("="))
             del arr  # release the buffer export at once
+            out.flags.writeable = False  # metadata is shared (tokenizer, hparams, info): nobody edits it in place
             return out
         if etype == T_STRING:
             return self.string_array(key, count)
@@ -414,6 +431,22 @@ class GGUFFile:
     def closed(self) -> bool:
         return self._mm is None
 
+    def check_size(self) -> None:
+        """Raise GGUFError if the file on disk is now shorter than when it was mapped.
+
+        Touching a mapped page past the new end of a truncated file kills the process with SIGBUS, so callers check
+        this where it is cheap (one fstat): at load and before each eval/generate. A file truncated *during* a
+        compute still faults; llama.cpp has the same exposure with its mmap'd weights."""
+        if self._mm is None:
+            raise GGUFError(self.path, "file is closed")
+        try:
+            size = self._mm.size()  # fstat of the mapping's own descriptor: the file as it is now
+        except (OSError, ValueError) as e:
+            raise GGUFError(self.path, f"cannot check the file's size: {e}") from None
+        if size < self.file_size:
+            raise GGUFError(self.path, f"the file shrank on disk from {self.file_size} to {size} bytes while "
+                                       "loaded; its weights can no longer be read (reload it)")
+
     def data(self, name: str) -> np.ndarray:
         """Zero-copy read-only view of a tensor's bytes: typed with the numpy shape for scalar types,
         uint8 of shape `(*shape[:-1], row_bytes)` for quantized types."""
@@ -453,11 +486,19 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     """Memory-map and validate a GGUF file; raises `GGUFError(path, reason)` on any problem."""
     spath = os.fspath(path)
     try:
-        with open(spath, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below like any non-regular file
+        fd = os.open(spath, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(spath)
+            if not stat.S_ISREG(st.st_mode):
+                raise GGUFError(spath, "not a regular file (a FIFO, socket or device cannot be memory-mapped)")
+            if st.st_size == 0:
                 raise GGUFError(spath, "file is empty")
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         raise GGUFError(spath, "no such file") from None
     except IsADirectoryError:

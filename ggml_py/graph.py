@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from . import counters
+from .errors import PlanError
 from .tensor import INPUT, OUTPUT, PARAM, STATE, Tensor
 
 
@@ -28,6 +29,7 @@ class Graph:
             if root.id in seen:
                 continue
             stack: list[tuple[Tensor, int]] = [(root, 0)]
+            open_: set[int] = {root.id}  # on the current path: meeting one again is a cycle (src edited by hand)
             while stack:
                 t, i = stack.pop()
                 srcs = [s for s in t.src if s is not None]
@@ -36,9 +38,13 @@ class Graph:
                 if i < len(srcs):
                     stack.append((t, i + 1))
                     s = srcs[i]
+                    if s.id in open_:
+                        raise PlanError(f"the graph has a cycle: {s.name!r} ({s.op}) depends on itself")
                     if s.id not in seen:
+                        open_.add(s.id)
                         stack.append((s, 0))
                     continue
+                open_.discard(t.id)
                 if t.id in seen:
                     continue
                 seen.add(t.id)

@@ -1,9 +1,11 @@
-"""Native backends: shared libraries speaking the C ABI of `csrc/include/ggml_py/backend_abi.h`, loaded with cffi.
+"""Native backends: plugins speaking the C ABI v2 of `ggml_py/include/ggml_py/backend_abi.h`, driven with cffi.
 
-A library exports `ggml_py_plugin_abi_version()` and `ggml_py_plugin_init()`; this module opens it in cffi's ABI
-mode (no compiler needed), checks the version before reading any struct, and wraps the plugin as an ordinary
-`Backend` / `BufferType` / `BackendRegistration`. Each split is lowered once into an array of node descriptors that
-stays alive with the plan; a compute patches only the fields that depend on symbolic dimensions and makes one C call.
+A plugin is a table of C functions (`ggml_py_plugin`). A shared library exports it through
+`ggml_py_plugin_abi_version()` and `ggml_py_plugin_init()`; an extension module already loaded in-process (the
+built-in SIMD backend) hands over its address (`load_table`). Either way this module checks the ABI version before
+reading anything else, and wraps the table as an ordinary `Backend` / `BufferType` / `BackendRegistration`. Each
+split is lowered once into a node array that stays at a fixed address with the plan; symbolic dimensions travel as
+affine expressions the plugin binds itself, so a compute is one C call with the symbol values and nothing else.
 
 Ways in (see docs/writing-a-backend.md):
 - `ggml_py.native.load(path)` -> BackendRegistration; `ggml_py.native.backend(path)` -> Backend;
@@ -11,15 +13,12 @@ Ways in (see docs/writing-a-backend.md):
 - an entry point of group `ggml_py.backends` whose object is a path (str / os.PathLike) or a callable returning one;
 - `GGML_PY_BACKEND_PATH`: os.pathsep-separated library paths (or directories of libraries); the backend's name is
   the one the library's init reports.
-
-`python -m ggml_py.native cdef HEADER` prints the cffi declarations of a header (to refresh `CDEF` below).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -28,183 +27,32 @@ from typing import Any
 
 import numpy as np
 
+from . import schema
 from .backend import Backend, BackendRegistration, Buffer, BufferType, Device, HostBuffer, Split
 from .errors import BackendError
 from .symbolic import Expr, upper
 from .tensor import INPUT, OUTPUT, PARAM, STATE, Tensor
 
-ABI_VERSION = 1
 SYMBOLS = ("ggml_py_plugin_abi_version", "ggml_py_plugin_init")
 PATH_ENV = "GGML_PY_BACKEND_PATH"
 LIBRARY_SUFFIXES = (".so", ".dylib", ".dll")
-
-# The declarations between GGML_PY_CDEF_BEGIN and GGML_PY_CDEF_END of backend_abi.h, comments removed.
-# tests/test_native_plugin.py checks that they agree with the header.
-CDEF = r"""
-#define GGML_PY_ABI_VERSION 1
-#define GGML_PY_MAX_DIMS 4
-#define GGML_PY_MAX_SRC 4
-#define GGML_PY_MAX_OP_PARAMS 16
-#define GGML_PY_ERROR_MAX 256
-enum ggml_py_status {
-    GGML_PY_OK = 0,
-    GGML_PY_ERR_FAILED = 1,
-    GGML_PY_ERR_UNSUPPORTED = 2,
-    GGML_PY_ERR_NO_MEMORY = 3
-};
-enum ggml_py_type {
-    GGML_PY_TYPE_F32 = 0,
-    GGML_PY_TYPE_F16 = 1,
-    GGML_PY_TYPE_Q4_0 = 2,
-    GGML_PY_TYPE_Q4_1 = 3,
-    GGML_PY_TYPE_Q5_0 = 6,
-    GGML_PY_TYPE_Q5_1 = 7,
-    GGML_PY_TYPE_Q8_0 = 8,
-    GGML_PY_TYPE_Q8_1 = 9,
-    GGML_PY_TYPE_Q2_K = 10,
-    GGML_PY_TYPE_Q3_K = 11,
-    GGML_PY_TYPE_Q4_K = 12,
-    GGML_PY_TYPE_Q5_K = 13,
-    GGML_PY_TYPE_Q6_K = 14,
-    GGML_PY_TYPE_Q8_K = 15,
-    GGML_PY_TYPE_IQ4_NL = 20,
-    GGML_PY_TYPE_IQ4_XS = 23,
-    GGML_PY_TYPE_I8 = 24,
-    GGML_PY_TYPE_I16 = 25,
-    GGML_PY_TYPE_I32 = 26,
-    GGML_PY_TYPE_I64 = 27,
-    GGML_PY_TYPE_BF16 = 30
-};
-enum ggml_py_op {
-    GGML_PY_OP_NONE = 0,
-    GGML_PY_OP_ADD = 1,
-    GGML_PY_OP_SUB = 2,
-    GGML_PY_OP_MUL = 3,
-    GGML_PY_OP_DIV = 4,
-    GGML_PY_OP_SCALE = 5,
-    GGML_PY_OP_SQR = 6,
-    GGML_PY_OP_SQRT = 7,
-    GGML_PY_OP_NEG = 8,
-    GGML_PY_OP_ABS = 9,
-    GGML_PY_OP_EXP = 10,
-    GGML_PY_OP_LOG = 11,
-    GGML_PY_OP_SILU = 12,
-    GGML_PY_OP_GELU = 13,
-    GGML_PY_OP_RELU = 14,
-    GGML_PY_OP_TANH = 15,
-    GGML_PY_OP_SIGMOID = 16,
-    GGML_PY_OP_CLAMP = 17,
-    GGML_PY_OP_SWIGLU = 18,
-    GGML_PY_OP_GEGLU = 19,
-    GGML_PY_OP_NORM = 20,
-    GGML_PY_OP_RMS_NORM = 21,
-    GGML_PY_OP_SUM_ROWS = 22,
-    GGML_PY_OP_MEAN = 23,
-    GGML_PY_OP_ARGMAX = 24,
-    GGML_PY_OP_MUL_MAT = 25,
-    GGML_PY_OP_SOFT_MAX = 26,
-    GGML_PY_OP_DIAG_MASK_INF = 27,
-    GGML_PY_OP_ROPE = 28,
-    GGML_PY_OP_FLASH_ATTN_EXT = 29,
-    GGML_PY_OP_GET_ROWS = 30,
-    GGML_PY_OP_SET_ROWS = 31,
-    GGML_PY_OP_CPY = 32,
-    GGML_PY_OP_CONT = 33,
-    GGML_PY_OP_CONCAT = 34,
-    GGML_PY_OP_REPEAT = 35,
-    GGML_PY_OP_PAD = 36,
-    GGML_PY_OP_COUNT = 37
-};
-#define GGML_PY_TENSOR_INPUT 1
-#define GGML_PY_TENSOR_OUTPUT 2
-#define GGML_PY_TENSOR_PARAM 4
-#define GGML_PY_TENSOR_STATE 8
-#define GGML_PY_TENSOR_SYMBOLIC 16
-typedef struct ggml_py_tensor {
-    int32_t type;
-    int32_t flags;
-    int64_t ne[GGML_PY_MAX_DIMS];
-    size_t nb[GGML_PY_MAX_DIMS];
-    void *data;
-    const char *name;
-} ggml_py_tensor;
-typedef union ggml_py_op_params {
-    int32_t i[GGML_PY_MAX_OP_PARAMS];
-    float f[GGML_PY_MAX_OP_PARAMS];
-} ggml_py_op_params;
-typedef struct ggml_py_node {
-    int32_t op;
-    int32_t n_src;
-    ggml_py_tensor *dst;
-    ggml_py_tensor *src[GGML_PY_MAX_SRC];
-    ggml_py_op_params params;
-} ggml_py_node;
-typedef struct ggml_py_error {
-    int32_t node;
-    char message[GGML_PY_ERROR_MAX];
-} ggml_py_error;
-typedef struct ggml_py_buffer {
-    void *base;
-    size_t size;
-    void *context;
-} ggml_py_buffer;
-typedef struct ggml_py_buffer_type_i {
-    const char *name;
-    size_t alignment;
-    size_t max_size;
-    int32_t is_host;
-    int32_t (*alloc_buffer)(size_t size, ggml_py_buffer *buf);
-    size_t (*get_alloc_size)(const ggml_py_tensor *tensor);
-} ggml_py_buffer_type_i;
-typedef struct ggml_py_buffer_i {
-    void (*free_buffer)(ggml_py_buffer *buf);
-    int32_t (*set_tensor)(ggml_py_buffer *buf, size_t offset, const void *src, size_t size);
-    int32_t (*get_tensor)(ggml_py_buffer *buf, size_t offset, void *dst, size_t size);
-    int32_t (*memset_tensor)(ggml_py_buffer *buf, size_t offset, uint8_t value, size_t size);
-} ggml_py_buffer_i;
-typedef struct ggml_py_backend_i {
-    void *(*init)(int32_t n_threads);
-    void (*free)(void *backend);
-    int32_t (*supports_op)(void *backend, const ggml_py_node *node);
-    int32_t (*graph_plan_create)(void *backend, const ggml_py_node *nodes, int32_t n_nodes, void **plan);
-    void (*graph_plan_free)(void *backend, void *plan);
-    int32_t (*graph_compute)(void *backend, void *plan, const ggml_py_node *nodes, int32_t n_nodes,
-                             ggml_py_error *err);
-    void (*set_n_threads)(void *backend, int32_t n_threads);
-    void (*synchronize)(void *backend);
-} ggml_py_backend_i;
-typedef struct ggml_py_plugin {
-    uint32_t abi_version;
-    uint32_t struct_size;
-    const char *name;
-    const char *version;
-    const char *description;
-    int32_t score;
-    int32_t n_threads;
-    uint64_t memory_total;
-    uint64_t memory_free;
-    ggml_py_buffer_type_i buffer_type;
-    ggml_py_buffer_i buffer;
-    ggml_py_backend_i backend;
-} ggml_py_plugin;
-uint32_t ggml_py_plugin_abi_version(void);
-const ggml_py_plugin *ggml_py_plugin_init(void);
-"""
-
-_CDEF_BEGIN = "/* GGML_PY_CDEF_BEGIN */"
-_CDEF_END = "/* GGML_PY_CDEF_END */"
 
 # Function pointers a plugin must provide, as "struct.field".
 REQUIRED_FUNCTIONS = ("buffer_type.alloc_buffer", "buffer.free_buffer", "backend.init", "backend.free",
                       "backend.supports_op", "backend.graph_compute")
 NON_HOST_FUNCTIONS = ("buffer.set_tensor", "buffer.get_tensor", "buffer.memset_tensor")
 
-GGML_PY_TENSOR_SYMBOLIC = 16
+_STATUS = {0: "OK", 1: "FAILED", 2: "UNSUPPORTED", 3: "NO_MEMORY", 4: "ABORTED"}
+_CDEF_BEGIN = "/* GGML_PY_CDEF_BEGIN */"
+_CDEF_END = "/* GGML_PY_CDEF_END */"
 
-_STATUS = {0: "OK", 1: "FAILED", 2: "UNSUPPORTED", 3: "NO_MEMORY"}
+
+def get_include() -> str:
+    """The folder to put on a native plugin's include path: it holds ggml_py/backend_abi.h."""
+    return str(schema.header_path().parents[1])
 
 
-# -- the cffi declarations ------------------------------------------------------------------------------------------
+# -- the cffi declarations: read from the header itself ---------------------------------------------------------------
 def strip_comments(text: str) -> str:
     """C text without comments and blank lines (line structure otherwise kept)."""
     text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
@@ -221,169 +69,126 @@ def cdef_from_header(header_text: str) -> str:
     return strip_comments(region)
 
 
-def normalize_cdef(text: str) -> str:
-    """Comments removed and whitespace collapsed: two cdefs that agree normalise to the same string."""
-    return " ".join(strip_comments(text).split())
-
-
 _ffi_lock = threading.Lock()
 _ffi_obj: Any = None
+_consts: dict[str, int] = {}
 
 
 def ffi() -> Any:
-    """The shared cffi.FFI holding the ABI declarations."""
+    """The shared cffi.FFI holding the ABI's declarations (parsed from the installed header)."""
     global _ffi_obj
     with _ffi_lock:
         if _ffi_obj is None:
-            try:
-                import cffi
-            except ImportError as e:  # pragma: no cover - cffi is a dependency
-                raise BackendError(f"native backends need cffi ({e})") from e
+            import cffi
+
+            cdef = cdef_from_header(schema.header_path().read_text())
             f = cffi.FFI()
-            f.cdef(CDEF)
+            f.cdef(cdef)
+            _consts.update((k, int(v)) for k, v in re.findall(r"^#define (GGML_PY_\w+) (\d+)", cdef, flags=re.M))
             _ffi_obj = f
         return _ffi_obj
 
 
-def _enum(name: str, prefix: str) -> dict[str, int]:
-    return {k[len(prefix):]: v for k, v in ffi().typeof(f"enum {name}").relements.items()}
+def const(name: str) -> int:
+    """An integer #define of the header (GGML_PY_...)."""
+    ffi()
+    return _consts[name]
 
 
-_op_codes: dict[str, int] | None = None
+def abi_version() -> tuple[int, int]:
+    """(major, minor) of the ABI this ggml_py speaks."""
+    return const("GGML_PY_ABI_MAJOR"), const("GGML_PY_ABI_MINOR")
 
 
-def op_codes() -> dict[str, int]:
-    """ggml_py op name -> ABI op code (from enum ggml_py_op)."""
-    global _op_codes
-    if _op_codes is None:
-        codes = _enum("ggml_py_op", "GGML_PY_OP_")
-        codes.pop("COUNT", None)
-        codes.pop("NONE", None)
-        _op_codes = codes
-    return _op_codes
+def _version_str(v: int) -> str:
+    return f"{v >> 16}.{v & 0xFFFF}" if v >= 1 << 16 else str(v)
 
 
-# -- op params ----------------------------------------------------------------------------------------------------
-def _float_params(*names: str) -> Callable[[Tensor], list[tuple[int, str, Any]]]:
-    return lambda n: [(i, "f", float(n.params[k])) for i, k in enumerate(names)]
-
-
-_PARAMS: dict[str, Callable[[Tensor], list[tuple[int, str, Any]]]] = {
-    "SCALE": _float_params("s", "b"),
-    "CLAMP": _float_params("min", "max"),
-    "NORM": _float_params("eps"),
-    "RMS_NORM": _float_params("eps"),
-    "SOFT_MAX": _float_params("scale", "max_bias"),
-    "FLASH_ATTN_EXT": _float_params("scale", "max_bias", "softcap"),
-    "DIAG_MASK_INF": lambda n: [(0, "i", n.params["n_past"])],
-    "ROPE": lambda n: [(1, "i", n.params["n_dims"]), (2, "i", n.params["mode"]), (5, "f", n.params["freq_base"]),
-                       (6, "f", n.params["freq_scale"])],
-    "CONCAT": lambda n: [(0, "i", n.ndim - 1 - n.params["axis"])],
-    "PAD": lambda n: [(2 * (n.ndim - 1 - k) + 1, "i", p) for k, p in enumerate(n.params["pads"])],
-}
-
-
-def _fill_params(node_c: Any, n: Tensor) -> None:
-    enc = _PARAMS.get(n.op or "")
-    if enc is None:
+def check_version(version: int, where: str) -> None:
+    """Refuse a plugin this ggml_py cannot run, saying what to rebuild or upgrade."""
+    major, minor = abi_version()
+    ours = f"{major}.{minor}"
+    if version >> 16 == major and version & 0xFFFF <= minor:
         return
-    for slot, kind, value in enc(n):
-        if isinstance(value, Expr):
-            raise BackendError(f"{n.op} ({n.name}): op param {value} is symbolic, which the C ABI cannot carry")
-        if kind == "f":
-            node_c.params.f[slot] = value
-        else:
-            node_c.params.i[slot] = int(value)
+    if version >> 16 == major:
+        raise BackendError(f"{where}: plugin built against ggml_py backend ABI {_version_str(version)}, newer than "
+                           f"this ggml_py's {ours}: upgrade ggml_py")
+    raise BackendError(f"{where}: plugin built for ggml_py backend ABI version {_version_str(version)}, but this "
+                       f"ggml_py speaks {ours} (any {major}.x up to {ours}); rebuild it against the header in "
+                       "ggml_py.get_include() (`ggml-py config --include`)")
 
 
-# -- descriptors ------------------------------------------------------------------------------------------------------
-def _flags(t: Tensor) -> int:
-    root = t.view_src if t.view_src is not None else t
-    return (t.flags | root.flags) & (INPUT | OUTPUT | PARAM | STATE)
-
-
-def _write_layout(tc: Any, shape: Sequence[int], strides: Sequence[int], itemsize: int) -> None:
-    """ne/nb in ggml order: numpy order reversed, unused outer dims 1 (their stride continues the last one)."""
-    nd = len(shape)
-    if nd == 0:
-        shape, strides = (1,), (itemsize,)
-        nd = 1
-    for k in range(4):
-        if k < nd:
-            tc.ne[k] = shape[nd - 1 - k]
-            tc.nb[k] = strides[nd - 1 - k]
-        else:
-            tc.ne[k] = 1
-            tc.nb[k] = tc.nb[k - 1] * tc.ne[k - 1]
-
-
-def _upper_layout(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    return tuple(upper(d) for d in t.shape), tuple(upper(s) for s in t.strides)
-
-
-def _buffer_address(buf: Buffer) -> int:
-    return int(buf.base)
-
-
+# -- the library ------------------------------------------------------------------------------------------------------
 class NativeLibrary:
-    """One opened plugin library, checked against this ggml_py's ABI."""
+    """One plugin table, checked against this ggml_py's ABI."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, plugin: Any, where: str, path: str, keepalive: Any = None) -> None:
         f = ffi()
-        self.path = str(path)
-        if not os.path.exists(self.path):
-            raise BackendError(f"native backend library {self.path} does not exist")
-        try:
-            self.lib = f.dlopen(os.path.abspath(self.path))
-        except OSError as e:
-            raise BackendError(f"cannot load native backend library {self.path}: {e}") from e
-        missing = []
-        for sym in SYMBOLS:
-            try:
-                getattr(self.lib, sym)
-            except AttributeError:
-                missing.append(sym)
-        if missing:
-            raise BackendError(f"{self.path} is not a ggml_py backend plugin: missing symbol(s) {', '.join(missing)} "
-                               "(see csrc/include/ggml_py/backend_abi.h)")
-        version = int(self.lib.ggml_py_plugin_abi_version())
-        if version != ABI_VERSION:
-            raise BackendError(f"{self.path}: plugin built for ggml_py backend ABI version {version}, but this ggml_py "
-                               f"speaks version {ABI_VERSION}; rebuild it against this ggml_py's backend_abi.h")
-        p = self.lib.ggml_py_plugin_init()
-        if p == f.NULL:
-            raise BackendError(f"{self.path}: ggml_py_plugin_init() returned NULL")
-        if int(p.abi_version) != ABI_VERSION:
-            raise BackendError(f"{self.path}: ggml_py_plugin_init() reports ABI version {int(p.abi_version)}, "
-                               f"expected {ABI_VERSION}")
-        if int(p.struct_size) != f.sizeof("ggml_py_plugin"):
-            raise BackendError(f"{self.path}: ggml_py_plugin is {int(p.struct_size)} bytes in the plugin but "
-                               f"{f.sizeof('ggml_py_plugin')} here; it was built against another backend_abi.h")
-        self.plugin = p
-        self.name = self._string(p.name, "name")
+        self.path = path
+        self._where = where
+        self._keepalive = keepalive  # the dlopen'd library or the extension module that owns the table
+        if plugin == f.NULL:
+            raise BackendError(f"{where}: ggml_py_plugin_init() returned NULL")
+        check_version(int(plugin.abi_version), where)
+        size = int(plugin.struct_size)
+        v2_0 = f.offsetof("ggml_py_plugin", "buffer_from_host_ptr")  # every 2.0 field precedes this one
+        if size < v2_0 or size > f.sizeof("ggml_py_plugin"):
+            raise BackendError(f"{where}: ggml_py_plugin is {size} bytes in the plugin, which ABI "
+                               f"{_version_str(int(plugin.abi_version))} does not allow (2.0: {v2_0}, this ggml_py: "
+                               f"{f.sizeof('ggml_py_plugin')}); it was built against another backend_abi.h")
+        self.struct_size = size
+        self.plugin = plugin
+        self.name = self._string(plugin.name, "name")
         if not re.fullmatch(r"[a-z0-9_]+", self.name):
-            raise BackendError(f"{self.path}: backend name {self.name!r} must match [a-z0-9_]+")
-        self.version = self._string(p.version, "version", "0")
-        self.description = self._string(p.description, "description", "")
-        self.score = int(p.score)
-        self.default_threads = max(1, int(p.n_threads))
-        self.is_host = bool(p.buffer_type.is_host)
+            raise BackendError(f"{where}: backend name {self.name!r} must match [a-z0-9_]+")
+        self.version = self._string(plugin.version, "version", "0")
+        self.description = self._string(plugin.description, "description", "")
+        self.abi_version = _version_str(int(plugin.abi_version))
+        self.score = int(plugin.score)
+        self.default_threads = max(1, int(plugin.n_threads))
+        self.is_host = bool(plugin.buffer_type.is_host)
         need = REQUIRED_FUNCTIONS + (() if self.is_host else NON_HOST_FUNCTIONS)
-        null = [fn for fn in need if self._fn(fn) == f.NULL]
+        null = [fn for fn in need if self.fn(fn) is None]
         if null:
-            raise BackendError(f"{self.path} (backend {self.name!r}): required plugin function(s) "
-                               f"{', '.join(null)} are NULL")
+            raise BackendError(f"{where} (backend {self.name!r}): required plugin function(s) {', '.join(null)} "
+                               "are NULL")
         self.buffer_type = NativeBufferType(self)
         self._registration: NativeRegistration | None = None
 
-    def _fn(self, dotted: str) -> Any:
-        struct, field = dotted.split(".")
-        return getattr(getattr(self.plugin, struct), field)
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> NativeLibrary:
+        """dlopen a plugin library and read its table."""
+        f = ffi()
+        spath = os.fspath(path)
+        if not os.path.exists(spath):
+            raise BackendError(f"native backend library {spath} does not exist")
+        try:
+            lib = f.dlopen(os.path.abspath(spath))
+        except OSError as e:
+            raise BackendError(f"cannot load native backend library {spath}: {e}") from e
+        missing = [s for s in SYMBOLS if not hasattr(lib, s)]
+        if missing:
+            raise BackendError(f"{spath} is not a ggml_py backend plugin: missing symbol(s) {', '.join(missing)} "
+                               "(see ggml_py/backend_abi.h in ggml_py.get_include())")
+        check_version(int(lib.ggml_py_plugin_abi_version()), spath)  # before reading any struct
+        return cls(lib.ggml_py_plugin_init(), spath, spath, keepalive=lib)
+
+    def fn(self, dotted: str) -> Any:
+        """A function pointer of the table, or None when NULL or past the plugin's struct_size."""
+        f = ffi()
+        parts = dotted.split(".")
+        field = dict(f.typeof("ggml_py_plugin").fields)[parts[0]]
+        if field.offset + f.sizeof(field.type) > self.struct_size:
+            return None
+        obj = self.plugin
+        for p in parts:
+            obj = getattr(obj, p)
+        return None if obj == f.NULL else obj
 
     def _string(self, ptr: Any, what: str, default: str | None = None) -> str:
         if ptr == ffi().NULL:
             if default is None:
-                raise BackendError(f"{self.path}: the plugin's {what} is NULL")
+                raise BackendError(f"{self._where}: the plugin's {what} is NULL")
             return default
         return ffi().string(ptr).decode("utf-8", "replace")
 
@@ -397,11 +202,12 @@ class NativeLibrary:
         return f"native backend {self.name!r} ({self.path})"
 
     def __repr__(self) -> str:
-        return f"<NativeLibrary {self.name} {self.version} {self.path}>"
+        return f"<NativeLibrary {self.name} {self.version} ABI {self.abi_version} {self.path}>"
 
 
+# -- buffers -----------------------------------------------------------------------------------------------------------
 class NativeHostBuffer(HostBuffer):
-    """Host memory allocated by a plugin; numpy reads it directly. Freed by the plugin when the last view dies."""
+    """Host memory of a plugin buffer; numpy reads it directly. Freed by the plugin when the last view dies."""
 
 
 class NativeDeviceBuffer(Buffer):
@@ -462,11 +268,11 @@ class NativeBufferType(BufferType):
         self.is_host = bool(bt.is_host)
 
     def alloc_size(self, tensor: Tensor) -> int:
-        fn = self.library.plugin.buffer_type.get_alloc_size
-        if fn == ffi().NULL:
+        fn = self.library.fn("buffer_type.get_alloc_size")
+        if fn is None:
             return tensor.nbytes
         tc = ffi().new("ggml_py_tensor *")
-        _describe(tc, tensor, *_upper_layout(tensor), data=0, flags=_flags(tensor))
+        _write_tensor(tc, tensor, *_upper_layout(tensor), data=0)
         return max(int(fn(tc)), tensor.nbytes)
 
     def alloc_buffer(self, size: int) -> Buffer:
@@ -494,99 +300,238 @@ class NativeBufferType(BufferType):
         array[:] = 0  # zeroed by contract; do not trust it for states
         return NativeHostBuffer(self, array, owner=owner)
 
+    def buffer_from_host(self, array: np.ndarray) -> Buffer | None:
+        """Existing host memory (a weight, maybe mapped from a file) as a buffer of this type, without copying (ABI
+        2.1 `buffer_from_host_ptr`); None, and the caller copies, when the plugin cannot."""
+        fn = self.library.fn("buffer_from_host_ptr")
+        if fn is None or not self.is_host or not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
+            return None
+        f = ffi()
+        raw = array.reshape(-1).view(np.uint8)
+        cbuf = f.new("ggml_py_buffer *")
+        if int(fn(f.cast("void *", int(raw.ctypes.data)), raw.nbytes, cbuf)) != 0:
+            return None
+        # the plugin's free_buffer (not of the memory itself) runs when the buffer's last user is gone
+        owner = (array, weakref.finalize(cbuf, _free_buffer, self.library, cbuf), cbuf)
+        return NativeHostBuffer(self, raw, owner=owner)
 
-def _describe(tc: Any, t: Tensor, shape: Sequence[int], strides: Sequence[int], data: int, flags: int,
-              name: Any = None) -> None:
+
+# -- lowering ----------------------------------------------------------------------------------------------------------
+def _flags(t: Tensor) -> int:
+    root = t.view_src if t.view_src is not None else t
+    return (t.flags | root.flags) & (INPUT | OUTPUT | PARAM | STATE)
+
+
+def _ggml_order(values: Sequence[Any], inner: Any) -> list[Any]:
+    """numpy-order per-dim values reversed into ggml order, padded to MAX_DIMS (`inner` for a 0-d tensor)."""
+    out = list(reversed(values)) or [inner]
+    return out + [None] * (schema.MAX_DIMS - len(out))
+
+
+def _write_layout(tc: Any, shape: Sequence[int], strides: Sequence[int], itemsize: int) -> None:
+    """ne/nb in ggml order: unused outer dims 1, their stride continuing the last one."""
+    ne, nb = _ggml_order(shape, 1), _ggml_order(strides, itemsize)
+    for k in range(schema.MAX_DIMS):
+        if ne[k] is None:
+            ne[k], nb[k] = 1, nb[k - 1] * ne[k - 1]
+        tc.ne[k] = ne[k]
+        tc.nb[k] = nb[k]
+
+
+def _upper_layout(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return tuple(upper(d) for d in t.shape), tuple(upper(s) for s in t.strides)
+
+
+def _write_tensor(tc: Any, t: Tensor, shape: Sequence[int], strides: Sequence[int], data: int) -> None:
+    root = t.view_src if t.view_src is not None else t
     tc.type = t.dtype.ggml_id
-    tc.flags = flags
+    tc.flags = _flags(t)
+    tc.id = root.id + 1
     _write_layout(tc, shape, strides, t.dtype.type_size)
     tc.data = ffi().cast("void *", data)
-    if name is not None:
-        tc.name = name
+
+
+def _write_affine(ac: Any, value: Any, index: Mapping[str, int], what: str) -> None:
+    e = Expr.of(value)
+    if len(e.terms) > const("GGML_PY_MAX_TERMS"):
+        raise BackendError(f"{what}: {e} has more symbolic terms than the C ABI carries")
+    ac.c = e.const
+    ac.n_terms = len(e.terms)
+    for k, (s, c) in enumerate(e.terms):
+        ac.sym[k] = index[s.name]
+        ac.coef[k] = c
+
+
+def _write_params(nc: Any, n: Tensor) -> None:
+    for slot, is_float, value in schema.get(n.op).encode(n.params, n.ndim):
+        if isinstance(value, Expr):
+            raise BackendError(f"{n.op} ({n.name}): op param {value} is symbolic, which the C ABI cannot carry")
+        if is_float:
+            nc.params.f[slot] = value
+        else:
+            nc.params.i[slot] = int(value)
+
+
+def _write_node(nc: Any, n: Tensor, tensor_of: Callable[[Tensor], Any]) -> None:
+    nc.op = schema.ABI_IDS[n.op or ""]
+    nc.dst = tensor_of(n)
+    last = 0
+    for j, s in enumerate(n.src):
+        if s is not None:
+            nc.src[j] = tensor_of(s)
+            last = j + 1
+    nc.n_src = last
+    _write_params(nc, n)
+
+
+class _ComputeState:
+    """What the abort callback of one compute consults: a cancel request, or the exception a signal handler raised
+    inside the callback (Ctrl-C), to re-raise once the plugin has returned."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self.exc: BaseException | None = None
+
+
+_current = threading.local()
+
+
+def _abort_error(exc_type: type, exc: BaseException, tb: Any) -> int:
+    state = getattr(_current, "state", None)
+    if state is not None:
+        state.exc = exc
+    return 1
+
+
+def _make_abort_callback() -> Any:
+    @ffi().callback("int32_t(void *)", onerror=_abort_error)
+    def poll(data: Any) -> int:
+        # Python runs pending signal handlers here (on the main thread): a KeyboardInterrupt lands in _abort_error
+        return 1 if ffi().from_handle(data).cancelled else 0
+
+    return poll
+
+
+_abort_cb: Any = None
 
 
 class _NativePlan:
-    """A split lowered to a descriptor array, kept alive (at a fixed address) until freed."""
+    """A split lowered once: tensors, nodes, the graph and the compute arguments, at fixed addresses until freed."""
 
     def __init__(self, backend: NativeBackend, split: Split) -> None:
+        global _abort_cb
         f = ffi()
-        self.split = split
         self.backend = backend
         self.nodes_py = list(split.nodes)
-        tensors: dict[int, Tensor] = {}
-        for n in self.nodes_py:
-            for t in (n, *n.src):
-                if t is not None:
-                    tensors.setdefault(t.id, t)
-        order = list(tensors.values())
-        index = {t.id: i for i, t in enumerate(order)}
-        self.tensors = f.new("ggml_py_tensor[]", len(order))
-        self.n = len(self.nodes_py)
-        self.nodes = f.new("ggml_py_node[]", self.n)
-        self.err = f.new("ggml_py_error *")
-        self._keep: list[Any] = []
-        # symbolic tensors: (descriptor, tensor, buffer base); their ne/nb/data are written per compute
-        self.patches: list[tuple[Any, Tensor, int]] = []
-        for i, t in enumerate(order):
-            tc = self.tensors[i]
+        symbols = list(split.symbols)
+        index = {s.name: i for i, s in enumerate(symbols)}
+        keep: list[Any] = []  # every cffi object the C side points into
+        tensors: dict[int, Any] = {}
+        ranges: dict[int, tuple[int, int]] = {}
+
+        def tensor_of(t: Tensor) -> Any:
+            tc = tensors.get(t.id)
+            if tc is not None:
+                return tc
             buf, off = split.address(t)
-            base = _buffer_address(buf)
-            name = f.new("char[]", t.name.encode("utf-8", "replace"))
-            self._keep.append(name)
+            base = int(buf.base)
+            ranges[id(buf)] = (base, int(buf.size))
+            tc = f.new("ggml_py_tensor *")
             symbolic = t.is_symbolic or isinstance(off, Expr)
-            flags = _flags(t) | (GGML_PY_TENSOR_SYMBOLIC if symbolic else 0)
+            _write_tensor(tc, t, *_upper_layout(t), data=base + upper(off))
+            name = f.new("char[]", t.name.encode("utf-8", "replace"))
+            tc.name = name
+            keep.extend((tc, name))
             if symbolic:
-                shape, strides = _upper_layout(t)
-                _describe(tc, t, shape, strides, base + upper(off), flags, name)
-                self.patches.append((tc, t, base))
-            else:
-                _describe(tc, t, t.shape, t.strides, base + int(off), flags, name)  # type: ignore[arg-type]
+                lay = f.new("ggml_py_symbolic_layout *")
+                shape, strides = _ggml_order(t.shape, 1), _ggml_order(t.strides, t.dtype.type_size)
+                for k in range(schema.MAX_DIMS):
+                    if shape[k] is None:  # an unused outer dim: 1, its stride continuing the last one
+                        shape[k], strides[k] = 1, strides[k - 1] * shape[k - 1]
+                    _write_affine(lay.ne[k], shape[k], index, t.name)
+                    _write_affine(lay.nb[k], strides[k], index, t.name)
+                _write_affine(lay.offset, off, index, t.name)
+                lay.base = f.cast("void *", base)
+                tc.sym = lay
+                tc.flags |= const("GGML_PY_TENSOR_SYMBOLIC")
+                keep.append(lay)
+            tensors[t.id] = tc
+            return tc
+
+        self.n = len(self.nodes_py)
+        nodes = f.new("ggml_py_node[]", max(self.n, 1))
+        node_ptrs = f.new("ggml_py_node *[]", max(self.n, 1))
         for i, n in enumerate(self.nodes_py):
-            nc = self.nodes[i]
-            nc.op = backend.op_code(n)
-            nc.dst = self.tensors + index[n.id]
-            last = 0
-            for j, s in enumerate(n.src):
-                if s is not None:
-                    nc.src[j] = self.tensors + index[s.id]
-                    last = j + 1
-            nc.n_src = last
-            _fill_params(nc, n)
-        self._bound: tuple[tuple[str, int], ...] | None = None
+            _write_node(nodes[i], n, tensor_of)
+            node_ptrs[i] = nodes + i
+        g = f.new("ggml_py_graph *")
+        g.n_nodes = self.n
+        g.nodes = node_ptrs
+        g.n_syms = len(symbols)
+        sym_max = f.new("int64_t[]", [int(s.max) for s in symbols] or [0])
+        names = [f.new("char[]", s.name.encode()) for s in symbols]
+        sym_names = f.new("char *[]", names or [f.NULL])
+        g.sym_max = sym_max
+        g.sym_names = sym_names
+        rs = f.new("ggml_py_range[]", max(len(ranges), 1))
+        for k, (base, size) in enumerate(ranges.values()):
+            rs[k].base = f.cast("void *", base)
+            rs[k].size = size
+        g.n_ranges = len(ranges)
+        g.ranges = rs
+        keep.extend((nodes, node_ptrs, sym_max, names, sym_names, rs))
+        self.graph = g
+        self.symbol_names = [s.name for s in symbols]
+        self.syms = f.new("int64_t[]", max(len(symbols), 1))
+        self.err = f.new("ggml_py_error *")
+        self.state = _ComputeState()
+        self._handle = f.new_handle(self.state)
+        if _abort_cb is None:
+            _abort_cb = _make_abort_callback()
+        args = f.new("ggml_py_compute_args *")
+        args.syms = self.syms
+        args.abort_callback = _abort_cb
+        args.abort_data = self._handle
+        args.err = self.err
+        self.args = args
+        self.node_seconds: Any = None
+        self._keep = keep
         self.handle = f.NULL
-        iface = backend.library.plugin.backend
-        if iface.graph_plan_create != f.NULL:
+        self._compute = backend.library.plugin.backend.graph_compute
+        create = backend.library.fn("backend.graph_plan_create")
+        if create is not None:
             out = f.new("void **")
+            self.err.node = -1
+            self.err.message[0] = b"\0"
             with backend.lock:
-                rc = int(iface.graph_plan_create(backend._ctx, self.nodes, self.n, out))
+                rc = int(create(backend._ctx, g, out, self.err))
             if rc != 0:
-                raise BackendError(f"{backend.library.where()}: graph_plan_create failed for a split of {self.n} "
-                                   f"nodes ({', '.join(sorted({n.op or '' for n in self.nodes_py}))}): status {rc} "
-                                   f"{_STATUS.get(rc, '?')}")
+                raise BackendError(f"{backend.library.where()} cannot prepare a split of {self.n} nodes "
+                                   f"({', '.join(sorted({n.op or '' for n in self.nodes_py}))}): "
+                                   f"{self._message()} (status {rc} {_STATUS.get(rc, '?')})")
             self.handle = out[0]
         self._finalizer = weakref.finalize(self, _free_plan, backend.library, backend._ctx_holder, self.handle,
                                            backend.lock)
 
-    def patch(self, bindings: Mapping[str, int]) -> None:
-        if not self.patches:
-            return
-        key = tuple(sorted(bindings.items()))
-        if key == self._bound:
-            return
-        f = ffi()
-        for tc, t, base in self.patches:
-            shape, strides, off = self.split.layout(t, bindings)
-            _write_layout(tc, shape, strides, t.dtype.type_size)
-            tc.data = f.cast("void *", base + off)
-        self._bound = key
+    def _message(self) -> str:
+        msg = ffi().string(self.err.message).decode("utf-8", "replace").strip() or "no message"
+        i = int(self.err.node)
+        if 0 <= i < self.n:
+            n = self.nodes_py[i]
+            return f"{n.op} (node {n.name!r}, {i + 1} of {self.n}): {msg}"
+        return msg
+
+    def set_profiling(self, on: bool) -> None:
+        self.node_seconds = ffi().new("double[]", max(self.n, 1)) if on else None
+        self.args.node_seconds = self.node_seconds if on else ffi().NULL
 
     def free(self) -> None:
         self._finalizer()
 
 
 def _free_plan(lib: NativeLibrary, ctx_holder: list[Any], handle: Any, lock: Any) -> None:
-    fn = lib.plugin.backend.graph_plan_free
-    if handle != ffi().NULL and fn != ffi().NULL:
+    fn = lib.fn("backend.graph_plan_free")
+    if handle != ffi().NULL and fn is not None:
         with lock:
             if ctx_holder[0] is not None:
                 fn(ctx_holder[0], handle)
@@ -599,10 +544,14 @@ def _free_backend(lib: NativeLibrary, ctx_holder: list[Any], lock: Any) -> None:
             lib.plugin.backend.free(ctx)
 
 
-class NativeBackend(Backend):
-    """A ggml_py Backend whose kernels are a plugin library's."""
+class ComputeCancelled(BackendError):
+    """A compute stopped by `NativeBackend.cancel` (or a plan's cancel) before it finished."""
 
-    def __init__(self, library: NativeLibrary, device: Device) -> None:
+
+class NativeBackend(Backend):
+    """A ggml_py Backend whose kernels are a plugin's."""
+
+    def __init__(self, library: NativeLibrary, device: Device, options: Mapping[str, Any] | None = None) -> None:
         f = ffi()
         if library.score <= 0:
             raise BackendError(f"{library.where()} reports score {library.score}: it cannot run on this machine")
@@ -610,9 +559,11 @@ class NativeBackend(Backend):
         self.name = library.name
         self.device = device
         self.default_buffer_type = library.buffer_type
-        ctx = library.plugin.backend.init(int(device.n_threads))
+        opts = ";".join(f"{k}={v}" for k, v in (options or {}).items() if v is not None)
+        ctx = library.plugin.backend.init(int(device.n_threads), opts.encode())
         if ctx == f.NULL:
-            raise BackendError(f"{library.where()}: backend init({device.n_threads}) returned NULL")
+            raise BackendError(f"{library.where()}: backend init(n_threads={device.n_threads}, options={opts!r}) "
+                               "returned NULL (an option it does not accept?)")
         self._ctx = ctx
         # plans hold the holder, so a plan freed after its backend never calls into a freed context
         self._ctx_holder: list[Any] = [ctx]
@@ -620,31 +571,25 @@ class NativeBackend(Backend):
         self.lock = threading.RLock()  # re-entrant: a GC-run plan finalizer may free while this thread holds it
         self._finalizer = weakref.finalize(self, _free_backend, library, self._ctx_holder, self.lock)
 
-    def op_code(self, node: Tensor) -> int:
-        code = op_codes().get(node.op or "")
-        if code is None:
-            raise BackendError(f"{self.library.where()}: op {node.op} ({node.name}) has no code in the C ABI")
-        return code
-
     def supports_op(self, node: Tensor) -> bool:
-        code = op_codes().get(node.op or "")
-        if code is None or len(node.src) > 4:
+        if node.op not in schema.ABI_IDS or len(node.src) > 4:
             return False
         f = ffi()
-        tensors = f.new("ggml_py_tensor[]", 1 + len(node.src))
+        keep: list[Any] = []
+
+        def tensor_of(t: Tensor) -> Any:
+            tc = f.new("ggml_py_tensor *")
+            _write_tensor(tc, t, *_upper_layout(t), data=0)
+            if t.is_symbolic:
+                tc.flags |= const("GGML_PY_TENSOR_SYMBOLIC")
+            keep.append(tc)
+            return tc
+
         nc = f.new("ggml_py_node *")
-        nc.op = code
-        for k, t in enumerate((node, *node.src)):
-            if t is None:
-                continue
-            flags = _flags(t) | (GGML_PY_TENSOR_SYMBOLIC if t.is_symbolic else 0)
-            _describe(tensors[k], t, *_upper_layout(t), data=0, flags=flags)
-            if k == 0:
-                nc.dst = tensors + 0
-            else:
-                nc.src[k - 1] = tensors + k
-                nc.n_src = k
-        _fill_params(nc, node)
+        try:
+            _write_node(nc, node, tensor_of)
+        except BackendError:
+            return False
         with self.lock:
             return bool(self.library.plugin.backend.supports_op(self._ctx, nc))
 
@@ -652,38 +597,62 @@ class NativeBackend(Backend):
         return _NativePlan(self, split)
 
     def graph_plan_compute(self, plan: _NativePlan, bindings: Mapping[str, int]) -> None:
+        syms = plan.syms
+        for k, name in enumerate(plan.symbol_names):
+            syms[k] = bindings[name]
+        err = plan.err
+        err.node = -1
+        err.message[0] = b"\0"
+        state = plan.state
+        state.cancelled = False
+        state.exc = None
         with self.lock:
             if self._ctx_holder[0] is None:
                 raise BackendError(f"{self.library.where()}: this backend was closed; prepare the graph again")
-            plan.patch(bindings)
-            err = plan.err
-            err.node = -1
-            err.message[0] = b"\0"
-            rc = int(self.library.plugin.backend.graph_compute(self._ctx, plan.handle, plan.nodes, plan.n, err))
-        if rc != 0:
-            msg = ffi().string(err.message).decode("utf-8", "replace").strip() or "no message"
-            i = int(err.node)
-            if 0 <= i < plan.n:
-                n = plan.nodes_py[i]
-                what = f"{n.op} (node {n.name!r}, {i + 1} of {plan.n})"
-            else:
-                what = f"a split of {plan.n} nodes ({', '.join(sorted({n.op or '' for n in plan.nodes_py}))})"
-            raise BackendError(f"{self.library.where()} failed in {what}: {msg} "
-                               f"(status {rc} {_STATUS.get(rc, '?')})")
+            outer = getattr(_current, "state", None)  # a signal handler may compute while this thread computes
+            _current.state = state
+            try:
+                rc = int(plan._compute(self._ctx, plan.handle, plan.graph, plan.args))
+            finally:
+                _current.state = outer
+        if rc == 0:
+            return
+        if state.exc is not None:  # Ctrl-C (or another signal handler's exception) during the compute
+            raise state.exc
+        if rc == 4 and state.cancelled:
+            raise ComputeCancelled(f"{self.library.where()}: compute cancelled")
+        what = plan._message() if int(err.node) >= 0 else (
+            f"a split of {plan.n} nodes ({', '.join(sorted({n.op or '' for n in plan.nodes_py}))}): "
+            f"{plan._message()}")
+        raise BackendError(f"{self.library.where()} failed in {what} (status {rc} {_STATUS.get(rc, '?')})")
 
     def graph_plan_free(self, plan: _NativePlan) -> None:
         plan.free()
 
+    def graph_plan_profile(self, plan: _NativePlan, on: bool) -> None:
+        """Start (zeroing) or stop accumulating per-node wall time in the plugin."""
+        plan.set_profiling(on)
+
+    def graph_plan_node_seconds(self, plan: _NativePlan) -> list[float] | None:
+        """Per-node seconds accumulated since profiling started, or None when it is off."""
+        if plan.node_seconds is None:
+            return None
+        return [float(plan.node_seconds[i]) for i in range(plan.n)]
+
+    def graph_plan_cancel(self, plan: _NativePlan) -> None:
+        """Ask a compute of `plan` running in another thread to stop at the plugin's next poll."""
+        plan.state.cancelled = True
+
     def synchronize(self) -> None:
-        fn = self.library.plugin.backend.synchronize
-        if fn != ffi().NULL:
+        fn = self.library.fn("backend.synchronize")
+        if fn is not None:
             with self.lock:
                 fn(self._ctx)
 
     def set_n_threads(self, n: int) -> None:
         super().set_n_threads(n)
-        fn = self.library.plugin.backend.set_n_threads
-        if fn != ffi().NULL:
+        fn = self.library.fn("backend.set_n_threads")
+        if fn is not None:
             with self.lock:
                 fn(self._ctx, int(n))
 
@@ -693,26 +662,34 @@ class NativeBackend(Backend):
 
 
 class NativeRegistration(BackendRegistration):
-    """The registration of a plugin library: one device, backends created through the plugin's init."""
+    """The registration of a plugin: one device, backends created through the plugin's init."""
+
+    backend_class: type[NativeBackend] = NativeBackend
 
     def __init__(self, library: NativeLibrary) -> None:
         self.library = library
         self.name = library.name
         self.version = library.version
 
+    def device_caps(self) -> dict[str, Any]:
+        lib = self.library
+        return {"native": True, "library": lib.path, "abi_version": lib.abi_version,
+                "buffer_type": lib.buffer_type.name, "host_buffer": lib.is_host}
+
     def devices(self) -> list[Device]:
         lib = self.library
         p = lib.plugin
         return [Device("native", lib.description or f"native plugin {lib.name}", memory_total=int(p.memory_total),
                        memory_free=int(p.memory_free), n_threads=lib.default_threads, score=lib.score,
-                       caps={"native": True, "library": lib.path, "abi_version": ABI_VERSION,
-                             "buffer_type": lib.buffer_type.name, "host_buffer": lib.is_host})]
+                       caps=self.device_caps())]
 
     def create(self, device: Device | None = None, **options: Any) -> Backend:
+        """A backend; n_threads sets its thread count, every other option goes to the plugin's init as key=value."""
         dev = device or self.devices()[0]
-        n = options.get("n_threads") or dev.n_threads
-        return NativeBackend(self.library, Device(dev.name, dev.description, dev.memory_total, dev.memory_free,
-                                                  n_threads=int(n), score=dev.score, caps=dict(dev.caps)))
+        n = options.pop("n_threads", None) or dev.n_threads
+        return self.backend_class(self.library, Device(dev.name, dev.description, dev.memory_total, dev.memory_free,
+                                                       n_threads=int(n), score=dev.score, caps=dict(dev.caps)),
+                                  options)
 
 
 # -- loading and discovery ---------------------------------------------------------------------------------------------
@@ -726,7 +703,19 @@ def load_library(path: str | os.PathLike[str]) -> NativeLibrary:
     with _libraries_lock:
         lib = _libraries.get(key)
         if lib is None:
-            lib = NativeLibrary(os.fspath(path))
+            lib = NativeLibrary.open(path)
+            _libraries[key] = lib
+        return lib
+
+
+def load_table(address: int, owner: Any, where: str) -> NativeLibrary:
+    """The plugin table at `address` inside an already loaded extension module `owner` (kept alive with it)."""
+    f = ffi()
+    key = f"table:{where}:{address}"
+    with _libraries_lock:
+        lib = _libraries.get(key)
+        if lib is None:
+            lib = NativeLibrary(f.cast("const ggml_py_plugin *", address), where, where, keepalive=owner)
             _libraries[key] = lib
         return lib
 
@@ -802,18 +791,6 @@ def resolve_entry_point_object(obj: Any) -> Any:
     return obj
 
 
-def _main(argv: Sequence[str]) -> int:
-    if len(argv) == 2 and argv[0] == "cdef":
-        sys.stdout.write(cdef_from_header(Path(argv[1]).read_text()))
-        return 0
-    print("usage: python -m ggml_py.native cdef path/to/backend_abi.h", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main(sys.argv[1:]))
-
-
-__all__ = ["ABI_VERSION", "CDEF", "NativeBackend", "NativeBufferType", "NativeLibrary", "NativeRegistration",
-           "backend", "cdef_from_header", "discover_path_backends", "library_paths", "load", "load_library",
-           "normalize_cdef", "op_codes", "register", "resolve_entry_point_object"]
+__all__ = ["ComputeCancelled", "NativeBackend", "NativeBufferType", "NativeLibrary", "NativeRegistration",
+           "abi_version", "backend", "cdef_from_header", "check_version", "discover_path_backends", "get_include",
+           "library_paths", "load", "load_library", "load_table", "register", "resolve_entry_point_object"]

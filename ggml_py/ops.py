@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from . import dtypes
+from . import dtypes, schema
 from .dtypes import F16, F32, I32, I64, DType
 from .errors import ShapeError
 from .symbolic import Dim, dim, upper
 from .tensor import Tensor, contiguous_strides, nbytes_upper
 
-ELEMENTWISE_UNARY = ("SQR", "SQRT", "NEG", "ABS", "EXP", "LOG", "SILU", "GELU", "RELU", "TANH", "SIGMOID")
-ELEMENTWISE_BINARY = ("ADD", "SUB", "MUL", "DIV")
+ELEMENTWISE_UNARY = schema.UNARY_OPS
+ELEMENTWISE_BINARY = schema.BINARY_OPS
 
 ROPE_NORMAL = 0
 ROPE_NEOX = 2
@@ -35,6 +35,8 @@ def _need_type(op: str, t: Tensor, allowed: Sequence[DType], role: str = "operan
 
 
 def _node(op: str, shape: Sequence[Dim], dtype: DType, src: Sequence[Tensor | None], **params: object) -> Tensor:
+    # the schema says which parameters a node of this op carries; a builder that disagrees is a bug here
+    assert tuple(params) == schema.OPS[op].param_names, (op, tuple(params))
     return Tensor(shape, dtype, op=op, src=src, params=params)
 
 

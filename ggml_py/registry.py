@@ -176,6 +176,21 @@ def get_backend(name: str, **options: Any) -> Backend:
     return registry.backend(name, **options)
 
 
+MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS
+
+
+def _check_threads(n: Any) -> None:
+    """n_threads as a caller gives it: a positive int, at most MAX_THREADS. More threads than CPUs only slow a
+    compute down (they wait on each other), so that is allowed but logged."""
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_THREADS:
+        raise BackendError(f"n_threads must be an integer in 1..{MAX_THREADS}, got {n!r}")
+    cpus = os.cpu_count()
+    if cpus and n > cpus:
+        log.warning("n_threads %d is more than the %d CPUs: threads will wait on each other", n, cpus)
+
+
 def resolve_backends(backends: Any = None, **options: Any) -> list[Backend]:
     """Backends from names, instances, a comma-separated string, or the default order."""
     if backends is None:
@@ -188,5 +203,7 @@ def resolve_backends(backends: Any = None, **options: Any) -> list[Backend]:
         names = list(backends)
     if not names:
         raise BackendError(f"no backends selected; available: {', '.join(registry.names()) or 'none'}")
+    if "n_threads" in options:
+        _check_threads(options["n_threads"])
     out = [b if isinstance(b, Backend) else registry.backend(b, **options) for b in names]
     return out

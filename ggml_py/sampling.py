@@ -45,8 +45,8 @@ class Sampler:
     - ``top_k``: keep the k most likely tokens; 0 disables.
     - ``top_p``: keep the smallest most-likely set whose probability reaches p, in (0, 1]; 1 disables.
     - ``min_p``: drop tokens less likely than ``min_p`` times the most likely one, in [0, 1]; 0 disables.
-    - ``repeat_penalty``: > 0; tokens among the last ``repeat_last_n`` of ``history`` get their logit divided by it
-      (multiplied when negative); 1 disables. ``repeat_last_n``: 0 disables, -1 means the whole history.
+    - ``repeat_penalty``: in [1e-6, 1e6]; tokens among the last ``repeat_last_n`` of ``history`` get their logit
+      divided by it (multiplied when negative); 1 disables. ``repeat_last_n``: 0 disables, -1 means the whole history.
     - ``frequency_penalty``/``presence_penalty``: subtracted per occurrence / once, over the same window.
     - ``seed``: int >= 0 for reproducible draws, None for fresh entropy.
     """
@@ -76,8 +76,10 @@ class Sampler:
         if not 0.0 <= self.min_p <= 1.0:
             raise SamplingError(f"min_p must be in [0, 1], got {min_p}")
         self.repeat_penalty = _finite("repeat_penalty", repeat_penalty)
-        if self.repeat_penalty <= 0:
-            raise SamplingError(f"repeat_penalty must be > 0, got {repeat_penalty}")
+        # beyond these the effect has long saturated (a penalised logit is 1e6x larger or smaller than the rest),
+        # and near the ends of the float range dividing by it overflows to inf (NaN probabilities)
+        if not 1e-6 <= self.repeat_penalty <= 1e6:
+            raise SamplingError(f"repeat_penalty must be in [1e-6, 1e6] (1 disables it), got {repeat_penalty}")
         self.repeat_last_n = _int("repeat_last_n", repeat_last_n)
         if self.repeat_last_n < -1:
             raise SamplingError(f"repeat_last_n must be >= -1 (-1 = whole history), got {repeat_last_n}")

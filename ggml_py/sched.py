@@ -6,6 +6,7 @@ buffer types, and calls each backend's lowered plan.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -20,8 +21,17 @@ from .backend import Backend, Buffer, BufferType, Split
 from .errors import PlanError
 from .graph import Graph
 from .registry import resolve_backends
+from .schema import VIEW_OPS
 from .symbolic import Expr, Sym, evaluate
-from .tensor import INPUT, OUTPUT, PARAM, STATE, VIEW_OPS, Tensor, nbytes_upper
+from .sysmem import available_memory, mib
+from .tensor import INPUT, OUTPUT, PARAM, STATE, Tensor, nbytes_upper
+
+log = logging.getLogger("ggml_py")
+
+# A plan cut into more splits than this, averaging fewer nodes than TINY_SPLIT_NODES each, gets a warning: every
+# split boundary costs a backend call and maybe copies (a plugin claiming scattered elementwise ops, say).
+MANY_SPLITS = 16
+TINY_SPLIT_NODES = 4
 
 
 def _root(t: Tensor) -> Tensor:
@@ -56,6 +66,14 @@ def _symbols_of(tensors: Sequence[Tensor]) -> tuple[Sym, ...]:
     return tuple(found[n] for n in sorted(found))
 
 
+def _check_host_alloc(bt: BufferType, size: int, what: str) -> None:
+    """Refuse a host allocation larger than the memory the kernel says is available (a clear PlanError rather
+    than a backend's bad_alloc or the OOM killer)."""
+    avail = available_memory() if bt.is_host else None
+    if avail is not None and size > avail:
+        raise PlanError(f"{what} needs {mib(size)} in {bt.name}, more than the {mib(avail)} of available memory")
+
+
 def _place_static(t: Tensor, bt: BufferType) -> tuple[Buffer, int]:
     """Persistent memory of a weight or state in buffer type `bt`, made once and shared by every plan."""
     placed = t._static.get(bt.name)
@@ -70,6 +88,7 @@ def _place_static(t: Tensor, bt: BufferType) -> tuple[Buffer, int]:
             counters.bump("buffers_allocated")
             buf.set_tensor(0, np.ascontiguousarray(t.data).reshape(-1).view(np.uint8))
     else:
+        _check_host_alloc(bt, t.nbytes, f"state {t.name!r}")
         buf = bt.alloc_buffer(max(t.nbytes, 1))  # zeroed by contract
         counters.bump("buffers_allocated")
     buf.init_tensor(t, 0)
@@ -86,11 +105,20 @@ class Plan:
         self.backends = list(backends)
         self._lock = threading.Lock()
         self._computing: int | None = None  # the thread inside compute(), to refuse re-entry instead of deadlocking
+        self._closed = False
         self._pending: dict[str, int] = {}
         self.symbols = _symbols_of((*graph.leafs, *graph.nodes))
         self._n_computes = 0
         self._assign()
         self._build_splits()
+        self.warnings: list[str] = []
+        n_compute = sum(len(r.split.nodes) for r in self.runs)
+        if len(self.runs) > MANY_SPLITS and n_compute < TINY_SPLIT_NODES * len(self.runs):
+            self.warnings.append(f"the plan is cut into {len(self.runs)} splits of {n_compute / len(self.runs):.1f} "
+                                 f"nodes on average ({', '.join(b.name for b in self.backends)}): every split costs "
+                                 "a backend call and maybe copies; see plan.profile() and plan.assignment()")
+        for w in self.warnings:
+            log.warning("ggml_py: %s", w)
         self.prepare_seconds = time.perf_counter() - t0
         counters.bump("plans_prepared")
 
@@ -178,6 +206,7 @@ class Plan:
             bt = bts[name]
             if size > bt.max_size:
                 raise PlanError(f"compute buffer of {size} bytes exceeds the maximum of {bt.name} ({bt.max_size})")
+            _check_host_alloc(bt, size, "the compute buffer")
             self.buffers[name] = bt.alloc_buffer(max(size, 1))
             counters.bump("buffers_allocated")
         self.alloc = alloc
@@ -244,8 +273,26 @@ class Plan:
             self._id_set: set[int] = {t.id for t in (*self.graph.leafs, *self.graph.nodes)}
         return self._id_set
 
+    def _enter(self, what: str) -> None:
+        """Checks before taking the lock: a closed plan refuses every call; a call from a signal handler that
+        interrupted this plan's compute on the same thread would wait for the lock forever."""
+        if self._closed:
+            raise PlanError(f"{what}() on a closed plan")
+        if self._computing == threading.get_ident():
+            raise PlanError(f"{what}() re-entered on the thread that is computing this plan (from a signal handler?)")
+
     def set_input(self, key: str | Tensor, value: Any) -> None:
-        """Write an input's values. A symbolic dimension is bound from the array's shape."""
+        """Write an input's values. A symbolic dimension is bound from the array's shape.
+
+        Values are converted to the input's type; integers that do not fit it, and complex, object or string
+        arrays, raise PlanError rather than wrap or lose their imaginary part."""
+        self._enter("set_input")
+        with self._lock:
+            self._set_input_locked(key, value)
+
+    def _set_input_locked(self, key: str | Tensor, value: Any) -> None:
+        if self._closed:
+            raise PlanError("set_input() on a closed plan")
         t = self._tensor(key, INPUT)
         if not t.flags & (INPUT | STATE):
             raise PlanError(f"{t.name!r} is not an input of this plan")
@@ -256,10 +303,19 @@ class Plan:
                 raise PlanError(f"input {t.name!r} ({t.dtype}) expects {expect_bytes} raw bytes, "
                                 f"got {arr.dtype} with {arr.nbytes}")
         else:
+            if arr.dtype.kind not in "biuf":
+                raise PlanError(f"input {t.name!r} is {t.dtype}: expected real numbers, got {arr.dtype}")
             self._bind_shape(t, arr.shape)
-            if np.issubdtype(t.dtype.np_dtype, np.integer) and not np.issubdtype(arr.dtype, np.integer):
-                raise PlanError(f"input {t.name!r} is {t.dtype}: expected integer values, got {arr.dtype}")
-            arr = np.ascontiguousarray(arr, dtype=t.dtype.np_dtype)
+            npd = t.dtype.np_dtype
+            if np.issubdtype(npd, np.integer):
+                if not np.issubdtype(arr.dtype, np.integer):
+                    raise PlanError(f"input {t.name!r} is {t.dtype}: expected integer values, got {arr.dtype}")
+                info = np.iinfo(npd)
+                if arr.size and not np.can_cast(arr.dtype, npd) and (arr.min() < info.min or arr.max() > info.max):
+                    bad = arr[(arr < info.min) | (arr > info.max)].flat[0]
+                    raise PlanError(f"input {t.name!r} is {t.dtype}: value {bad} is outside "
+                                    f"[{info.min}, {info.max}]")
+            arr = np.ascontiguousarray(arr, dtype=npd)
         buf, off = self._location(t)
         buf.set_tensor(off + evaluate(t.view_offs, self._pending), arr.reshape(-1).view(np.uint8))
 
@@ -291,16 +347,20 @@ class Plan:
 
     def compute(self, **bindings: int) -> None:
         """Run every split. Symbols are bound by keyword (e.g. n_kv=17) or from inputs set since the last call."""
-        if self._computing == threading.get_ident():  # e.g. from a signal handler run between two nodes
-            raise PlanError("compute() re-entered on the thread that is computing this plan (from a signal handler?)")
+        self._enter("compute")
+        for k, v in bindings.items():
+            if isinstance(v, bool) or not isinstance(v, int | np.integer):
+                raise PlanError(f"symbol {k} must be bound to an integer, got {v!r}")
         with self._lock:
+            if self._closed:
+                raise PlanError("compute() on a closed plan")
             self._computing = threading.get_ident()
             try:
                 self._compute_locked(bindings)
             finally:
                 self._computing = None
 
-    def _compute_locked(self, bindings: Mapping[str, int]) -> None:
+    def _compute_locked(self, bindings: Mapping[str, int], split_seconds: list[float] | None = None) -> None:
         b = dict(self._pending)
         for k, v in bindings.items():
             if k in b and b[k] != v:
@@ -317,18 +377,31 @@ class Plan:
         # once running, the inputs' bindings are used up even if a split fails or Ctrl-C stops it: the next
         # set_input may bind other sizes (outputs are then undefined until a compute completes)
         self._pending = {}
-        for run in self.runs:
+        for k, run in enumerate(self.runs):
+            t0 = time.perf_counter() if split_seconds is not None else 0.0
             for c in run.copies:
                 (sb, so), (db, do) = c.src, c.dst
                 if not db.copy_tensor(sb, so, do, c.size):
                     db.set_tensor(do, sb.get_tensor(so, c.size))
             run.split.backend.graph_plan_compute(run.plan, b)
+            if split_seconds is not None:
+                split_seconds[k] += time.perf_counter() - t0
         self.bindings = b
         self._n_computes += 1
         counters.bump("plan_computes")
 
     def get_output(self, key: str | Tensor) -> np.ndarray:
-        """A copy of a tensor's values after the last compute (outputs, inputs and states)."""
+        """A copy of a tensor's values after the last compute (outputs, inputs and states).
+
+        Taken under the plan's lock, so it never mixes two computes; with several threads computing one plan, the
+        copy is of whichever compute finished last."""
+        self._enter("get_output")
+        with self._lock:
+            if self._closed:
+                raise PlanError("get_output() on a closed plan")
+            return self._get_output_locked(key)
+
+    def _get_output_locked(self, key: str | Tensor) -> np.ndarray:
         t = self._tensor(key, OUTPUT)
         if not (t.flags & (OUTPUT | INPUT | STATE | PARAM) or _root(t).flags & (STATE | PARAM)):
             raise PlanError(f"{t.name!r} is an intermediate whose memory may be reused; mark it as an output")
@@ -346,6 +419,50 @@ class Plan:
         npd = t.dtype.np_dtype
         return np.array(np.lib.stride_tricks.as_strided(raw.view(npd) if span % npd.itemsize == 0 and
                                                         raw.nbytes else raw, shape, strides))
+
+    def profile(self, computes: int = 1, **bindings: int) -> dict[str, Any]:
+        """Compute `computes` times and say where the time went: per split (with its copies), per backend, per op
+        type (from backends that time their nodes: every native plugin), and the host's share (time outside the
+        splits: input bindings, checks, Python). Inputs must be set as for compute()."""
+        self._enter("profile")
+        profilers = [(run, run.split.backend) for run in self.runs
+                     if hasattr(run.split.backend, "graph_plan_profile")]
+        for run, be in profilers:
+            be.graph_plan_profile(run.plan, True)  # type: ignore[attr-defined]
+        split_s = [0.0] * len(self.runs)
+        total = 0.0
+        by_op: dict[str, float] = {}
+        try:
+            for _ in range(max(1, int(computes))):
+                pending = dict(self._pending)  # every compute uses the inputs' bindings
+                t0 = time.perf_counter()
+                with self._lock:
+                    self._pending = pending
+                    self._computing = threading.get_ident()
+                    try:
+                        self._compute_locked(bindings, split_s)
+                    finally:
+                        self._computing = None
+                total += time.perf_counter() - t0
+            for run, be in profilers:
+                secs = be.graph_plan_node_seconds(run.plan) or []  # type: ignore[attr-defined]
+                for n, sec in zip(run.split.nodes, secs):
+                    by_op[n.op or ""] = by_op.get(n.op or "", 0.0) + sec
+        finally:
+            for run, be in profilers:
+                be.graph_plan_profile(run.plan, False)  # type: ignore[attr-defined]
+        by_backend: dict[str, float] = {}
+        splits = []
+        for run, sec in zip(self.runs, split_s):
+            name = run.split.backend.name
+            by_backend[name] = by_backend.get(name, 0.0) + sec
+            splits.append({"backend": name, "nodes": len(run.split.nodes), "copies": len(run.copies), "seconds": sec})
+        n = max(1, int(computes))
+        return {"computes": n, "seconds_per_compute": total / n,
+                "host_seconds_per_compute": (total - sum(split_s)) / n,
+                "by_backend": {k: v / n for k, v in by_backend.items()},
+                "by_op": {k: v / n for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])},
+                "splits": [{**s, "seconds": s["seconds"] / n} for s in splits], "warnings": list(self.warnings)}
 
     # -- reports ------------------------------------------------------------------------------------------------
     def assignment(self) -> list[dict[str, str]]:
@@ -368,9 +485,18 @@ class Plan:
         }
 
     def close(self) -> None:
-        for run in self.runs:
-            run.split.backend.graph_plan_free(run.plan)
-        self.runs = []
+        """Free the backends' plans; every later call on this plan raises PlanError. Waits for a running compute."""
+        if self._computing == threading.get_ident():
+            raise PlanError("close() on the thread that is computing this plan (from a signal handler?)")
+        with self._lock:
+            self._closed = True
+            for run in self.runs:
+                run.split.backend.graph_plan_free(run.plan)
+            self.runs = []
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
 
 class _SplitLocations(Mapping[int, tuple[Buffer, int]]):

@@ -14,6 +14,7 @@ from .errors import ShapeError
 from .symbolic import Dim, Sym, dim, upper
 
 MAX_DIMS = 4
+_MAX_BYTES = 2**48  # 256 TiB: beyond any machine's memory, and far from int64 overflow in byte offsets
 
 # flags
 INPUT = 1  # written by the user before compute (set_input)
@@ -23,8 +24,6 @@ STATE = 8  # persistent tensor without initial data (e.g. a KV cache); zeroed on
 
 _ids = itertools.count()
 
-# Ops that only reinterpret memory of their first source; they run no kernel.
-VIEW_OPS = frozenset({"VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE"})
 
 
 def contiguous_strides(shape: Sequence[Dim], dtype: DType) -> tuple[Dim, ...]:
@@ -93,6 +92,13 @@ class Tensor:
                 f"{op or 'tensor'}: innermost dimension {shp[-1]} of a {self.dtype} tensor is not a multiple of "
                 f"its block size {self.dtype.block_size}"
             )
+        n = 1
+        for d in shp:
+            n *= upper(d)
+        n = n * self.dtype.type_size // self.dtype.block_size
+        if n >= _MAX_BYTES:  # no allocator can satisfy it; refused here rather than by a backend's bad_alloc
+            raise ShapeError(f"{op or 'tensor'}: shape {list(shp)} of {self.dtype} would take {n} bytes, more than "
+                             f"2^{_MAX_BYTES.bit_length() - 1}")
         self.shape: tuple[Dim, ...] = shp
         self.strides: tuple[Dim, ...] = tuple(strides) if strides is not None else contiguous_strides(shp, self.dtype)
         self.op = op

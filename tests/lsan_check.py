@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 # The frame format `make test-asan` asks for, so that every frame names its module (symbolized or not).
 STACK_TRACE_FORMAT = "    #%n %p in %f %S [%m]"
 # Our native code: the simd extension and the C ABI example (by module), or our sources (by file).
-OURS = re.compile(r"ggml_py_simd/_simd[^/\]]*\.so|libggml_py_|/csrc/simd/|/csrc/include/ggml_py/|/examples/c-backend/|"
-                  r"/tests/plugins/")
+OURS = re.compile(r"ggml_py_simd/_simd[^/\]]*\.so|libggml_py_|/csrc/simd/|/ggml_py/include/ggml_py/|"
+                  r"/examples/c-backend/|/tests/plugins/")
 # Frames that only pass an allocation on: the sanitizer's interceptors and the C++ runtime.
 ALLOCATOR = re.compile(r"lib(asan|lsan|ubsan|stdc\+\+)[.-][^/\]]*\]$|\bin (__interceptor_\w+|operator new)")
 RECORD = re.compile(r"^(Direct|Indirect) leak of (\d+) byte\(s\) in (\d+) object\(s\) allocated from:")

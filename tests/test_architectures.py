@@ -108,6 +108,9 @@ def test_decode_steps_match_the_prompt_pass_on_one_plan(arch, backend, tmp_path)
         # one plan per prompt batch size, one decode plan for all 19 positions (a 1-token batch is the same plan)
         assert m.plans_prepared == len(set(batch_sizes(len(ids))) | {1})
         assert m.plans_reused >= n_gen - 2
+        m.graph_reuse = False  # every step built with a concrete n_kv (and masks of that width): the same tokens
+        assert [t.id for t in m.generate(ids, n_gen, temperature=0, stop_at_eos=False)] == [t.id for t in gen]
+        m.graph_reuse = True
         m.reset()
         full = m.eval(ids)
         m.reset()

@@ -29,6 +29,17 @@ def _write(tmp_path: Path, data: bytes, name: str = "m.gguf") -> Path:
     return p
 
 
+def _plain(v: object) -> object:
+    """A metadata value with numeric arrays as lists, checking that every numeric array is a read-only ndarray."""
+    if isinstance(v, np.ndarray):
+        assert not v.flags.writeable
+        return v.tolist()
+    if isinstance(v, list):
+        assert not v or not all(isinstance(x, (int, float, bool)) for x in v), "numeric array kept as a list"
+        return [_plain(x) for x in v]
+    return v
+
+
 def _base_mmap(a: np.ndarray) -> object:
     """The object at the bottom of an array's base chain."""
     b: object = a
@@ -56,7 +67,7 @@ def test_tiny_round_trip(tmp_path: Path, alignment: int | None) -> None:
         expected_keys = ["general.architecture"] + (["general.alignment"] if alignment else []) + [k for k, *_ in kvs]
         assert list(g.metadata) == expected_keys
         for key, vtype, value, _sub in kvs:
-            got = g.metadata[key]
+            got = _plain(g.metadata[key])
             if vtype == C.T_FLOAT32:
                 assert got == pytest.approx(value)
             elif key == "test.f32s":
@@ -145,9 +156,9 @@ def test_nested_and_empty_arrays(tmp_path: Path) -> None:
         for _ in range(MAX_ARRAY_DEPTH - 1):
             assert isinstance(v, list) and len(v) == 1
             v = v[0]
-        assert v == [7]
-        assert g.metadata["test.empty"] == [] and g.metadata["test.empty_nested"] == [[], []]
-        assert g.metadata["test.mixed_nested"] == [["x"], [2.5]]
+        assert isinstance(v, np.ndarray) and v.tolist() == [7]
+        assert g.metadata["test.empty"] == [] and _plain(g.metadata["test.empty_nested"]) == [[], []]
+        assert _plain(g.metadata["test.mixed_nested"]) == [["x"], [2.5]]
 
 
 def test_long_string_arrays_fast_and_slow_paths(tmp_path: Path) -> None:

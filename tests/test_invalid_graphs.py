@@ -83,7 +83,9 @@ def test_random_graphs(g, seed):
         got = run(b)
         assert np.array_equal(np.isnan(got), np.isnan(ref)), b
         fin = np.isfinite(ref)
-        err = float(np.sum((got[fin] - ref[fin]) ** 2)) / max(float(np.sum(ref[fin] ** 2)), 1e-30)
+        # NMSE, with a floor under the reference's energy: a result that cancels to ~0 (norm then sum_rows) is
+        # judged by its absolute error (1e-6 per element), not relative to float rounding noise
+        err = float(np.sum((got[fin] - ref[fin]) ** 2)) / max(float(np.sum(ref[fin] ** 2)), 1e-6 * ref.size)
         assert err < 1e-6, (b, err, steps)
 
 

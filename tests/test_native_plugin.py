@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +25,11 @@ import ggml_py as gp
 from ggml_py import dtypes, native, ops
 from ggml_py.errors import BackendError, PlanError
 from ggml_py.registry import Registry, registry
-from ggml_py.tensor import INPUT, OUTPUT, PARAM, STATE, VIEW_OPS
+from ggml_py.schema import VIEW_OPS
+from ggml_py.tensor import INPUT, OUTPUT, PARAM, STATE
 
 ROOT = Path(__file__).resolve().parents[1]
-HEADER = ROOT / "csrc" / "include" / "ggml_py" / "backend_abi.h"
+HEADER = Path(gp.get_include()) / "ggml_py" / "backend_abi.h"
 EXAMPLE = ROOT / "examples" / "c-backend" / "cexample.c"
 TESTPLUG = Path(__file__).resolve().parent / "plugins" / "testplug.c"
 CC = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -35,7 +39,7 @@ needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler")
 
 def build(src: Path | str, out: Path, *defines: str) -> Path:
     """cc -shared -fPIC, warnings as errors: what a plugin author runs."""
-    cmd = [CC, "-O2", "-std=c99", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", f"-I{HEADER.parents[1]}",
+    cmd = [CC, "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", f"-I{HEADER.parents[1]}",
            *defines, "-o", str(out), str(src)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
@@ -81,14 +85,16 @@ def run(plan: gp.Plan, inputs: dict[str, np.ndarray], out: gp.Tensor, **bind: in
 
 
 # -- the header ------------------------------------------------------------------------------------------------------
-def test_cdef_copy_agrees_with_header() -> None:
-    from_header = native.cdef_from_header(HEADER.read_text())
-    assert native.normalize_cdef(native.CDEF) == native.normalize_cdef(from_header), (
-        "ggml_py/native.py CDEF is stale: regenerate with `python -m ggml_py.native cdef " + str(HEADER) + "`")
-    # and the generator prints exactly that region
-    r = subprocess.run([sys.executable, "-m", "ggml_py.native", "cdef", str(HEADER)], capture_output=True, text=True,
+def test_header_generated_regions_are_up_to_date() -> None:
+    """The op and type enums and the parameter slots are generated from the schema; the loader parses the header."""
+    from ggml_py import schema
+
+    text = HEADER.read_text()
+    assert schema.render_header(text) == text, "run `python -m ggml_py.schema header`"
+    assert native.cdef_from_header(text).count("enum ggml_py_op") == 1
+    r = subprocess.run([sys.executable, "-m", "ggml_py.schema", "header", "--check"], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert r.returncode == 0 and native.normalize_cdef(r.stdout) == native.normalize_cdef(native.CDEF)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 @needs_cc
@@ -109,16 +115,17 @@ def test_abi_enums_match_ggml_py() -> None:
     f = native.ffi()
     types = {k.removeprefix("GGML_PY_TYPE_"): v for k, v in f.typeof("enum ggml_py_type").relements.items()}
     assert types == {t.name: t.ggml_id for t in dtypes.ALL}  # ggml's ids, every type
-    codes = native.op_codes()
+    codes = {k.removeprefix("GGML_PY_OP_"): v for k, v in f.typeof("enum ggml_py_op").relements.items()}
+    codes.pop("NONE"), codes.pop("COUNT")
     from ggml_py_numpy.kernels import KERNELS
 
     assert set(codes) == set(KERNELS) - VIEW_OPS  # every op a backend can be given has a code, and no more
     assert len(set(codes.values())) == len(codes)
     flags = {"INPUT": INPUT, "OUTPUT": OUTPUT, "PARAM": PARAM, "STATE": STATE}
-    text = native.CDEF
     for name, value in flags.items():
-        assert f"#define GGML_PY_TENSOR_{name} {value}\n" in text
-    assert f"#define GGML_PY_ABI_VERSION {native.ABI_VERSION}\n" in text
+        assert native.const(f"GGML_PY_TENSOR_{name}") == value
+    major, minor = native.abi_version()
+    assert native.const("GGML_PY_ABI_VERSION") == (major << 16) | minor
 
 
 # -- loading the example directly -------------------------------------------------------------------------------------
@@ -127,7 +134,8 @@ def test_load_example_directly(cexample: Path) -> None:
     assert reg is native.load(str(cexample))  # opened once
     assert reg.name == "cexample" and reg.version == "0.1.0"
     (dev,) = reg.devices()
-    assert dev.score == 10 and dev.caps["library"] == str(cexample) and dev.caps["abi_version"] == native.ABI_VERSION
+    assert dev.score == 10 and dev.caps["library"] == str(cexample)
+    assert dev.caps["abi_version"] == "{}.{}".format(*native.abi_version())
     be = reg.create(n_threads=2)
     assert be.name == "cexample" and be.n_threads == 2
     bt = be.default_buffer_type
@@ -188,7 +196,7 @@ def test_example_strided_and_broadcast_operands(cexample: Path, rng: np.random.G
     np.testing.assert_allclose(plan.get_output(mm), ref.get_output(mm), rtol=1e-5, atol=1e-5)
 
 
-def test_example_symbolic_dims_patched_per_compute(cexample: Path, rng: np.random.Generator) -> None:
+def test_example_symbolic_dims_bound_by_the_plugin(cexample: Path, rng: np.random.Generator) -> None:
     be = native.backend(cexample)
     n = gp.sym("n_tok", 12)
     w = gp.weight(rng.standard_normal((5, 8)).astype(np.float32), name="w")
@@ -196,7 +204,11 @@ def test_example_symbolic_dims_patched_per_compute(cexample: Path, rng: np.rando
     y = ops.add(ops.mul_mat(w, x), gp.input((n, 5), name="r"))
     plan = gp.prepare(y, backends=[be, "numpy"])
     (run0,) = plan.runs
-    assert len(run0.plan.patches) == 4  # x, the product, r and y depend on n_tok; the weight does not
+    f = native.ffi()
+    node_mm, node_add = (run0.plan.graph.nodes[i] for i in range(2))
+    symbolic = [t.sym != f.NULL for t in (node_mm.src[0], node_mm.src[1], node_mm.dst, node_add.src[1], node_add.dst)]
+    assert symbolic == [False, True, True, True, True]  # x, the product, r and y depend on n_tok; the weight does not
+    assert node_mm.src[1].sym.ne[1].n_terms == 1 and node_mm.src[1].sym.ne[1].c == 0  # ne[1] = n_tok
     for k in (1, 7, 12, 3):
         xv = rng.standard_normal((k, 8)).astype(np.float32)
         rv = rng.standard_normal((k, 5)).astype(np.float32)
@@ -282,14 +294,110 @@ def test_missing_symbols(libdir: Path, tmp_path: Path) -> None:
 
 
 def test_abi_version_mismatch(libdir: Path) -> None:
+    major, minor = native.abi_version()
     lib = plug(libdir, "oldabi", "-DPLUG_ABI=999")
-    with pytest.raises(BackendError, match=r"liboldabi\.so: plugin built for ggml_py backend ABI version 999, but "
-                                           r"this ggml_py speaks version 1"):
+    with pytest.raises(BackendError, match=rf"liboldabi\.so: plugin built for ggml_py backend ABI version 999, but "
+                                           rf"this ggml_py speaks {major}\.{minor} .*rebuild it against the header in "
+                                           r"ggml_py\.get_include\(\)"):
         native.load(lib)
+    with pytest.raises(BackendError, match=r"ABI version 1, but .*rebuild"):  # version 1 plugins are refused
+        native.load(plug(libdir, "abiv1", "-DPLUG_ABI=1"))
+    newer = f"-DPLUG_ABI={(major << 16) | (minor + 1)}"
+    with pytest.raises(BackendError, match=rf"ABI {major}\.{minor + 1}, newer than this ggml_py's {major}\.{minor}: "
+                                           "upgrade ggml_py"):
+        native.load(plug(libdir, "newerabi", newer))
+
+
+def test_plugin_built_against_an_older_minor_loads(libdir: Path, rng: np.random.Generator) -> None:
+    """A 2.0 plugin: a shorter ggml_py_plugin (its struct_size) whose bytes beyond hold garbage, never read."""
+    lib = plug(libdir, "abi20", "-DPLUG_ABI_2_0")
+    reg = native.load(lib)
+    assert reg.library.abi_version == f"{native.abi_version()[0]}.0"
+    assert reg.library.fn("buffer_from_host_ptr") is None  # a 2.1 field, absent
+    be = reg.create()
+    w = gp.weight(rng.standard_normal((3, 4)).astype(np.float32), name="w")
+    a = gp.input((3, 4), name="a")
+    y = ops.add(a, w)
+    plan = gp.prepare(y, backends=[be])
+    av = rng.standard_normal((3, 4)).astype(np.float32)
+    np.testing.assert_allclose(run(plan, {"a": av}, y), av + w.data, rtol=1e-6)
+    assert stat(lib, 5) == 0  # the weight was copied into the plugin's memory, not wrapped
+
+
+def test_weights_wrapped_without_a_copy(libdir: Path, rng: np.random.Generator, tmp_path: Path) -> None:
+    """ABI 2.1 buffer_from_host_ptr: a weight mapped from a file is computed on where it is."""
+    lib = plug(libdir, "wraps")
+    be = native.backend(lib)
+    data = rng.standard_normal((3, 4)).astype(np.float32)
+    path = tmp_path / "w.bin"
+    data.tofile(path)
+    mm = np.memmap(path, dtype=np.float32, mode="r", shape=(3, 4))
+    buf = be.default_buffer_type.buffer_from_host(mm)
+    assert buf is not None and buf.base == mm.ctypes.data and stat(lib, 5) >= 1
+    before = stat(lib, 3)
+    w = gp.weight(mm, name="w")
+    a = gp.input((3, 4), name="a")
+    y = ops.add(a, w)
+    plan = gp.prepare(y, backends=[be])
+    assert stat(lib, 3) == before + 1  # one compute buffer allocated; the weight took none
+    av = rng.standard_normal((3, 4)).astype(np.float32)
+    np.testing.assert_allclose(run(plan, {"a": av}, y), av + data, rtol=1e-6)
+
+
+def test_cancel_from_another_thread(libdir: Path) -> None:
+    lib = plug(libdir, "slowpoll", "-DPLUG_SLOW=3000")
+    be = native.backend(lib)
+    a = gp.input((4,), name="a")
+    y = ops.add(ops.add(a, a), a)
+    plan = gp.prepare(y, backends=[be])
+    plan.set_input("a", np.ones(4, np.float32))
+    run0 = plan.runs[0]
+    threading.Timer(0.2, be.graph_plan_cancel, (run0.plan,)).start()
+    t0 = time.perf_counter()
+    with pytest.raises(native.ComputeCancelled):
+        plan.compute()
+    assert time.perf_counter() - t0 < 1.0 and stat(lib, 6) >= 1
+
+
+@pytest.mark.parametrize("how", ["python", "cli"])
+def test_ctrl_c_stops_a_long_native_compute_at_once(libdir: Path, how: str) -> None:
+    """SIGINT during a C call that runs for minutes: the plugin's next abort poll stops it (exit 130 from the CLI)."""
+    lib = plug(libdir, "slowplug", "-DPLUG_SLOW=120000")
+    env = {**os.environ, "GGML_PY_BACKEND_PATH": str(lib)}
+    if how == "cli":
+        cmd = [sys.executable, "-u", "-m", "ggml_py.cli", "test-backend", "slowplug", "--op", "ADD"]
+    else:
+        cmd = [sys.executable, "-u", "-c", textwrap.dedent("""
+            import numpy as np, ggml_py as gp
+            a = gp.input((4,), name="a")
+            plan = gp.prepare(gp.ops.add(a, a), backends=["slowplug"])
+            plan.set_input("a", np.ones(4, np.float32))
+            print("computing", flush=True)
+            try:
+                plan.compute()
+            except KeyboardInterrupt:
+                raise SystemExit(130)
+            """)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        if how == "python":
+            assert p.stdout.readline().strip() == "computing"
+        time.sleep(2.0)  # well inside the plugin's 120 s node
+        t0 = time.perf_counter()
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=30)
+        elapsed = time.perf_counter() - t0
+    finally:
+        p.kill()
+    assert p.returncode == 130, err[-2000:]
+    assert elapsed < 0.5, f"{elapsed:.2f} s from Ctrl-C to exit"
+    if how == "cli":
+        assert err.rstrip().endswith("error: interrupted") and "Traceback" not in err
 
 
 def test_struct_size_mismatch(libdir: Path) -> None:
-    with pytest.raises(BackendError, match=r"libbadsize\.so: ggml_py_plugin is \d+ bytes in the plugin but \d+ here"):
+    with pytest.raises(BackendError, match=r"libbadsize\.so: ggml_py_plugin is \d+ bytes in the plugin, which ABI "
+                                           r"\d+\.\d+ does not allow"):
         native.load(plug(libdir, "badsize", "-DPLUG_BAD_SIZE"))
 
 
@@ -450,3 +558,37 @@ def test_kit_catches_wrong_and_failing_plugins(libdir: Path) -> None:
     assert failing.failed > 0 and failing.passed == 0
     msg = failing.failures[0].message
     assert "native backend 'failadd'" in msg and "failed in ADD" in msg and "injected failure" in msg
+
+
+def test_cli_errors_from_plugins_are_one_line(libdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A plugin that fails to load is findable by the name it would have had; one that raises anything (not only
+    ggml_py's errors) gives `error: <one line>` and exit 1, the traceback only under --debug."""
+    lib = plug(libdir, "brokenabi", "-DPLUG_ABI=999")
+    env = {**os.environ, "GGML_PY_BACKEND_PATH": str(lib)}
+    r = subprocess.run([sys.executable, "-m", "ggml_py.cli", "test-backend", "brokenabi"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "ABI version 999" in r.stderr
+
+    from ggml_py import cli
+    from ggml_py.backend import BackendRegistration
+
+    class Boom(BackendRegistration):
+        name = "boom"
+
+        def devices(self):  # type: ignore[no-untyped-def]
+            return []
+
+        def create(self, device=None, **options):  # type: ignore[no-untyped-def]
+            raise ZeroDivisionError("the plugin divided by zero")
+
+    registry.register("boom", Boom(), source="test")
+    try:
+        assert cli.main(["test-backend", "boom"]) == 1
+        err = capsys.readouterr().err
+        assert err.strip() == ("error: ZeroDivisionError: the plugin divided by zero (run with --debug for the "
+                               "traceback)")
+        with pytest.raises(ZeroDivisionError):
+            cli.main(["test-backend", "boom", "--debug"])
+    finally:
+        registry.unregister("boom")

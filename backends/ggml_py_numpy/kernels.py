@@ -186,12 +186,22 @@ def flash_attn_ext(n: Tensor, s: list, o: tuple[int, ...]) -> Arr:
     if p["softcap"]:
         sc = p["softcap"] * np.tanh(sc / p["softcap"])
     sc = _masked_scores(sc, mask, 1.0, p["max_bias"])
-    out = np.matmul(softmax64(sc), v)  # (..., H, Nq, Dv)
+    # ggml divides by the row's sum only when it is not 0: a query whose keys are all masked gets zeros, not NaN
+    mx = np.max(sc, axis=-1, keepdims=True)
+    e = np.exp(sc - np.where(np.isfinite(mx), mx, 0.0))
+    den = e.sum(axis=-1, keepdims=True)
+    out = np.matmul(e / np.where(den == 0, 1.0, den), v)  # (..., H, Nq, Dv)
     return f32(np.swapaxes(out, -2, -3))
 
 
 def get_rows(n: Tensor, s: list, o: tuple[int, ...]) -> Arr:
     a, idx = s  # a float32 (dequantized) or int32
+    rows = a.shape[-2]
+    if idx.size and (idx.min() < 0 or idx.max() >= rows):  # numpy would wrap -1 to the last row
+        from ggml_py.errors import BackendError
+
+        bad = int(idx[(idx < 0) | (idx >= rows)].flat[0])
+        raise BackendError(f"GET_ROWS: row index {bad} out of range 0..{rows - 1}")
     if a.ndim == 2:
         return a[idx]
     return np.take_along_axis(a, idx[..., None].astype(np.intp), axis=-2)
@@ -223,7 +233,7 @@ KERNELS: dict[str, Kernel] = {
     "LOG": _unary(np.log),
     "SILU": _unary(silu),
     "GELU": _unary(gelu),
-    "RELU": _unary(lambda x: np.maximum(x, 0)),
+    "RELU": _unary(lambda x: np.where(x > 0, x, np.float32(0))),  # ggml: x > 0 ? x : 0, so relu(NaN) = 0
     "TANH": _unary(np.tanh),
     "SIGMOID": _unary(lambda x: 1.0 / (1.0 + np.exp(-x.astype(np.float64)))),
     "CLAMP": lambda n, s, o: np.clip(s[0], n.params["min"], n.params["max"]),

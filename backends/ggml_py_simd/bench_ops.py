@@ -33,10 +33,10 @@ def _best(fn, reps: int, min_time: float = 0.0) -> float:
     return best
 
 
-def _backend(threads: int):
+def _backend(threads: int, **options: Any):
     import ggml_py_simd
 
-    return ggml_py_simd.register().create(n_threads=threads)
+    return ggml_py_simd.register().create(n_threads=threads, **options)
 
 
 def bench_mul_mat_f32(threads: int, m: int = 4096, k: int = 4096, n: int = 512, reps: int = 3) -> dict[str, Any]:
@@ -106,10 +106,8 @@ def bench_gemv(tname: str, threads: int, m: int = 4096, k: int = 4096, llc_bytes
 
     t_all = _best(run_all, max(3, reps // n_mats), 0.3) / n_mats
     t_one = _best(plans[0].compute, reps, 0.2)
-    big = _simd.Buffer(nbytes * n_mats)
-    np.asarray(big)[::4096] = 1  # fault the pages in
-    one = _simd.Buffer(nbytes)
-    np.asarray(one)[::4096] = 1
+    big = np.ones(nbytes * n_mats, np.uint8)  # pages faulted in
+    one = np.ones(nbytes, np.uint8)
     bw = _simd.stream_read_bandwidth(big, threads, 7)
     bw_one = _simd.stream_read_bandwidth(one, threads, 20)
     eff = nbytes / t_all / 1e9
@@ -134,13 +132,13 @@ def bench_dispatch(threads: int, n_nodes: int = 600, reps: int = 50) -> dict[str
     nodes = sum(len(r.split.nodes) for r in plan.runs)
     plan.compute()
     t_plan = _best(plan.compute, reps, 0.2)
-    native = plan.runs[0].plan.native
-    t_native = _best(lambda: native.compute([]), reps, 0.2)
-    # the same plan with every node spread over all threads: a barrier after each node
-    native.force_parallel = True
-    native.compute([])
-    t_par = _best(lambda: native.compute([]), reps, 0.2)
-    native.force_parallel = False
+    run = plan.runs[0]
+    t_native = _best(lambda: run.split.backend.graph_plan_compute(run.plan, {}), reps, 0.2)
+    # the same graph with every node spread over all threads: a barrier after each node
+    par = gp.prepare(y, backends=[_backend(threads, force_parallel=1)])
+    par.set_input("x", np.ones((4, 16), np.float32))
+    par.compute()
+    t_par = _best(par.compute, reps, 0.2)
     return {"nodes": nodes, "splits": len(plan.runs), "us_per_node": t_plan / nodes * 1e6,
             "us_per_node_native": t_native / nodes * 1e6, "us_per_node_all_threads": t_par / nodes * 1e6,
             "compute_us": t_plan * 1e6, "target": TARGETS["dispatch_us_per_node"]}

@@ -9,6 +9,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "ggml_py/backend_abi.h"
+
 namespace gp {
 
 // ggml type ids
@@ -74,26 +76,11 @@ static inline int type_size(int t) {
 static inline bool type_is_quant(int t) { return type_block(t) > 1; }
 static inline int64_t row_bytes(int t, int64_t n) { return n / type_block(t) * type_size(t); }
 
-enum Op : int32_t {
-    OP_NONE = 0,
-    OP_GET_ROWS, OP_SET_ROWS,
-    OP_ADD, OP_SUB, OP_MUL, OP_DIV,
-    OP_SCALE, OP_SQR, OP_SQRT, OP_NEG, OP_ABS, OP_EXP, OP_LOG, OP_SILU, OP_GELU, OP_RELU, OP_TANH, OP_SIGMOID,
-    OP_SWIGLU, OP_GEGLU,
-    OP_NORM, OP_RMS_NORM,
-    OP_MUL_MAT,
-    OP_SOFT_MAX, OP_ROPE, OP_DIAG_MASK_INF, OP_FLASH_ATTN_EXT,
-    OP_CPY, OP_DUP, OP_CONT,
-    OP_CONCAT, OP_SUM_ROWS, OP_MEAN, OP_ARGMAX, OP_REPEAT, OP_CLAMP, OP_PAD,
-    OP_COUNT
-};
-
-static const char* const OP_NAMES[OP_COUNT] = {
-    "NONE", "GET_ROWS", "SET_ROWS", "ADD", "SUB", "MUL", "DIV",
-    "SCALE", "SQR", "SQRT", "NEG", "ABS", "EXP", "LOG", "SILU", "GELU", "RELU", "TANH", "SIGMOID",
-    "SWIGLU", "GEGLU", "NORM", "RMS_NORM", "MUL_MAT", "SOFT_MAX", "ROPE", "DIAG_MASK_INF", "FLASH_ATTN_EXT",
-    "CPY", "DUP", "CONT", "CONCAT", "SUM_ROWS", "MEAN", "ARGMAX", "REPEAT", "CLAMP", "PAD",
-};
+// Op ids, names and parameter slots are the ABI's (generated from ggml_py's op schema).
+static inline const char* op_name(int op) {
+    static const char* const names[] = GGML_PY_OP_NAMES_INIT;
+    return op > 0 && op < GGML_PY_OP_COUNT ? names[op] : "?";
+}
 
 // One operand as a kernel sees it: ggml order (ne[0] innermost), strides in bytes.
 struct Tensor {
@@ -117,17 +104,16 @@ static inline bool is_contiguous(const Tensor& t) {
 }
 static inline bool rows_contiguous(const Tensor& t) { return t.nb[0] == type_size(t.type); }
 
-enum { MAX_SRC = 4, N_IPARAMS = 8, N_FPARAMS = 8 };
+enum { MAX_SRC = GGML_PY_MAX_SRC };
 
 struct ExecCtx;
 
 struct Node {
-    int32_t op = OP_NONE;
+    int32_t op = GGML_PY_OP_NONE;
     Tensor dst;
     Tensor src[MAX_SRC];
     bool has[MAX_SRC] = {false, false, false, false};
-    int32_t ip[N_IPARAMS] = {0};
-    float fp[N_FPARAMS] = {0};
+    ggml_py_op_params params = {};  // read through the GGML_PY_P_<OP>_<PARAM> slots
     // set by the plan
     int32_t index = 0;                      // position in the plan
     int32_t n_phases = 1;
@@ -154,7 +140,7 @@ typedef void (*KernelFn)(Node& node, int phase, int ith, int nth, const ExecCtx&
 // What one ISA level provides.
 struct KernelTable {
     const char* name;
-    KernelFn ops[OP_COUNT];
+    KernelFn ops[GGML_PY_OP_COUNT];
     // utilities for tests and benchmarks
     double (*stream_read)(const uint8_t* p, size_t n);                         // sums bytes as a read of n bytes
     void (*dequantize_row)(int type, const void* src, float* dst, int64_t n);  // n elements

@@ -126,8 +126,9 @@ static void fa_group(const Node& n, int64_t iq, int64_t hk, int64_t b, float* sc
     const Tensor& mk = n.src[3];
     const int64_t D = q.ne[0], H = q.ne[2], Nkv = k.ne[1], Hk = k.ne[2], Dv = v.ne[0];
     const int64_t G = H / Hk;
-    float scale = n.fp[0];
-    const float max_bias = n.fp[1], softcap = n.fp[2];
+    float scale = n.params.f[GGML_PY_P_FLASH_ATTN_EXT_SCALE];
+    const float max_bias = n.params.f[GGML_PY_P_FLASH_ATTN_EXT_MAX_BIAS];
+    const float softcap = n.params.f[GGML_PY_P_FLASH_ATTN_EXT_SOFTCAP];
     if (softcap != 0.0f) scale /= softcap;
     float* kt = scratch;              // 8 x D
     float* vt = kt + 8 * D;           // 8 x Dv
@@ -250,8 +251,9 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
     const int64_t D = q.ne[0], Nq = q.ne[1], H = q.ne[2], B = q.ne[3];
     const int64_t Nkv = k.ne[1], Hk = k.ne[2], Dv = v.ne[0];
     const int64_t rep = H / Hk;
-    float scale = n.fp[0];
-    const float max_bias = n.fp[1], softcap = n.fp[2];
+    float scale = n.params.f[GGML_PY_P_FLASH_ATTN_EXT_SCALE];
+    const float max_bias = n.params.f[GGML_PY_P_FLASH_ATTN_EXT_MAX_BIAS];
+    const float softcap = n.params.f[GGML_PY_P_FLASH_ATTN_EXT_SOFTCAP];
     if (softcap != 0.0f) scale /= softcap;
 
 #if GP_AVX2

@@ -230,7 +230,7 @@ void k_concat(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     const Tensor& d = n.dst;
     const Tensor& a = n.src[0];
     const Tensor& b = n.src[1];
-    const int dim = n.ip[0];
+    const int dim = n.params.i[GGML_PY_P_CONCAT_AXIS];
     const int64_t nr = nrows(d), ne0 = d.ne[0];
     int64_t r0, r1;
     if (!my_rows(nr, ne0, ith, nth, &r0, &r1, 8192)) return;

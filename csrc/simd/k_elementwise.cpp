@@ -14,17 +14,17 @@ GP_INLINE uint8_t* row_ptr(const Tensor& t, int64_t i1, int64_t i2, int64_t i3) 
 
 template <int OP>
 GP_INLINE float bin_f(float a, float b) {
-    if (OP == OP_ADD) return a + b;
-    if (OP == OP_SUB) return a - b;
-    if (OP == OP_MUL) return a * b;
+    if (OP == GGML_PY_OP_ADD) return a + b;
+    if (OP == GGML_PY_OP_SUB) return a - b;
+    if (OP == GGML_PY_OP_MUL) return a * b;
     return a / b;
 }
 #if GP_AVX2
 template <int OP>
 GP_INLINE __m256 bin_v(__m256 a, __m256 b) {
-    if (OP == OP_ADD) return _mm256_add_ps(a, b);
-    if (OP == OP_SUB) return _mm256_sub_ps(a, b);
-    if (OP == OP_MUL) return _mm256_mul_ps(a, b);
+    if (OP == GGML_PY_OP_ADD) return _mm256_add_ps(a, b);
+    if (OP == GGML_PY_OP_SUB) return _mm256_sub_ps(a, b);
+    if (OP == GGML_PY_OP_MUL) return _mm256_mul_ps(a, b);
     return _mm256_div_ps(a, b);
 }
 #endif
@@ -84,10 +84,10 @@ void k_binary(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     (void)phase;
     (void)ctx;
     switch (n.op) {
-        case OP_ADD: binary_impl<OP_ADD>(n, ith, nth); break;
-        case OP_SUB: binary_impl<OP_SUB>(n, ith, nth); break;
-        case OP_MUL: binary_impl<OP_MUL>(n, ith, nth); break;
-        case OP_DIV: binary_impl<OP_DIV>(n, ith, nth); break;
+        case GGML_PY_OP_ADD: binary_impl<GGML_PY_OP_ADD>(n, ith, nth); break;
+        case GGML_PY_OP_SUB: binary_impl<GGML_PY_OP_SUB>(n, ith, nth); break;
+        case GGML_PY_OP_MUL: binary_impl<GGML_PY_OP_MUL>(n, ith, nth); break;
+        case GGML_PY_OP_DIV: binary_impl<GGML_PY_OP_DIV>(n, ith, nth); break;
         default: break;
     }
 }
@@ -98,19 +98,19 @@ void k_binary(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
 template <int OP>
 GP_INLINE float un_f(float x, const float* p) {
     switch (OP) {
-        case OP_SCALE: return x * p[0] + p[1];
-        case OP_SQR: return x * x;
-        case OP_SQRT: return sqrtf(x);
-        case OP_NEG: return -x;
-        case OP_ABS: return fabsf(x);
-        case OP_EXP: return expf(x);
-        case OP_LOG: return logf(x);
-        case OP_SILU: return silu_f(x);
-        case OP_GELU: return gelu_f(x);
-        case OP_RELU: return x > 0.0f ? x : 0.0f;
-        case OP_TANH: return tanhf(x);
-        case OP_SIGMOID: return sigmoid_f(x);
-        case OP_CLAMP: return x < p[0] ? p[0] : (x > p[1] ? p[1] : x);
+        case GGML_PY_OP_SCALE: return x * p[0] + p[1];
+        case GGML_PY_OP_SQR: return x * x;
+        case GGML_PY_OP_SQRT: return sqrtf(x);
+        case GGML_PY_OP_NEG: return -x;
+        case GGML_PY_OP_ABS: return fabsf(x);
+        case GGML_PY_OP_EXP: return expf(x);
+        case GGML_PY_OP_LOG: return logf(x);
+        case GGML_PY_OP_SILU: return silu_f(x);
+        case GGML_PY_OP_GELU: return gelu_f(x);
+        case GGML_PY_OP_RELU: return x > 0.0f ? x : 0.0f;
+        case GGML_PY_OP_TANH: return tanhf(x);
+        case GGML_PY_OP_SIGMOID: return sigmoid_f(x);
+        case GGML_PY_OP_CLAMP: return x < p[0] ? p[0] : (x > p[1] ? p[1] : x);
         default: return x;
     }
 }
@@ -119,18 +119,18 @@ GP_INLINE float un_f(float x, const float* p) {
 template <int OP>
 GP_INLINE __m256 un_v(__m256 x, const float* p) {
     switch (OP) {
-        case OP_SCALE: return _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(p[0])), _mm256_set1_ps(p[1]));
-        case OP_SQR: return _mm256_mul_ps(x, x);
-        case OP_SQRT: return _mm256_sqrt_ps(x);
-        case OP_NEG: return _mm256_xor_ps(x, _mm256_set1_ps(-0.0f));
-        case OP_ABS: return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
-        case OP_EXP: return exp_ps(x);
-        case OP_SILU: return silu_ps(x);
-        case OP_GELU: return gelu_ps(x);
-        case OP_RELU: return _mm256_and_ps(x, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
-        case OP_TANH: return tanh_ps(x);
-        case OP_SIGMOID: return sigmoid_ps(x);
-        case OP_CLAMP: return _mm256_min_ps(_mm256_set1_ps(p[1]), _mm256_max_ps(_mm256_set1_ps(p[0]), x));
+        case GGML_PY_OP_SCALE: return _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(p[0])), _mm256_set1_ps(p[1]));
+        case GGML_PY_OP_SQR: return _mm256_mul_ps(x, x);
+        case GGML_PY_OP_SQRT: return _mm256_sqrt_ps(x);
+        case GGML_PY_OP_NEG: return _mm256_xor_ps(x, _mm256_set1_ps(-0.0f));
+        case GGML_PY_OP_ABS: return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+        case GGML_PY_OP_EXP: return exp_ps(x);
+        case GGML_PY_OP_SILU: return silu_ps(x);
+        case GGML_PY_OP_GELU: return gelu_ps(x);
+        case GGML_PY_OP_RELU: return _mm256_and_ps(x, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
+        case GGML_PY_OP_TANH: return tanh_ps(x);
+        case GGML_PY_OP_SIGMOID: return sigmoid_ps(x);
+        case GGML_PY_OP_CLAMP: return _mm256_min_ps(_mm256_set1_ps(p[1]), _mm256_max_ps(_mm256_set1_ps(p[0]), x));
         default: return x;
     }
 }
@@ -140,7 +140,7 @@ template <int OP>
 static void un_row(float* d, const float* s, int64_t n, const float* p) {
     int64_t i = 0;
 #if GP_AVX2
-    if (OP != OP_LOG) {
+    if (OP != GGML_PY_OP_LOG) {
         for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, un_v<OP>(_mm256_loadu_ps(s + i), p));
     }
 #endif
@@ -153,8 +153,11 @@ static void unary_impl(Node& n, int ith, int nth) {
     const Tensor& a = n.src[0];
     const int64_t nr = nrows(d), ne0 = d.ne[0];
     int64_t r0, r1;
-    if (!my_rows(nr, ne0, ith, nth, &r0, &r1, OP == OP_EXP || OP == OP_SILU || OP == OP_GELU ? 1024 : 4096)) return;
-    const float* p = n.fp;
+    if (!my_rows(nr, ne0, ith, nth, &r0, &r1, OP == GGML_PY_OP_EXP || OP == GGML_PY_OP_SILU || OP == GGML_PY_OP_GELU ? 1024 : 4096)) return;
+    // SCALE (s, b) and CLAMP (min, max) read their two float params as p[0], p[1]
+    static_assert(GGML_PY_P_SCALE_S == 0 && GGML_PY_P_SCALE_B == 1 && GGML_PY_P_CLAMP_MIN == 0 &&
+                  GGML_PY_P_CLAMP_MAX == 1, "SCALE/CLAMP param slots");
+    const float* p = n.params.f;
     const bool contig = d.nb[0] == 4 && a.nb[0] == 4;
     for (int64_t r = r0; r < r1; ++r) {
         const int64_t i1 = r % d.ne[1], i2 = (r / d.ne[1]) % d.ne[2], i3 = r / (d.ne[1] * d.ne[2]);
@@ -175,25 +178,25 @@ void k_unary(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     (void)phase;
     (void)ctx;
     switch (n.op) {
-        case OP_SCALE: unary_impl<OP_SCALE>(n, ith, nth); break;
-        case OP_SQR: unary_impl<OP_SQR>(n, ith, nth); break;
-        case OP_SQRT: unary_impl<OP_SQRT>(n, ith, nth); break;
-        case OP_NEG: unary_impl<OP_NEG>(n, ith, nth); break;
-        case OP_ABS: unary_impl<OP_ABS>(n, ith, nth); break;
-        case OP_EXP: unary_impl<OP_EXP>(n, ith, nth); break;
-        case OP_LOG: unary_impl<OP_LOG>(n, ith, nth); break;
-        case OP_SILU: unary_impl<OP_SILU>(n, ith, nth); break;
-        case OP_GELU: unary_impl<OP_GELU>(n, ith, nth); break;
-        case OP_RELU: unary_impl<OP_RELU>(n, ith, nth); break;
-        case OP_TANH: unary_impl<OP_TANH>(n, ith, nth); break;
-        case OP_SIGMOID: unary_impl<OP_SIGMOID>(n, ith, nth); break;
-        case OP_CLAMP: unary_impl<OP_CLAMP>(n, ith, nth); break;
+        case GGML_PY_OP_SCALE: unary_impl<GGML_PY_OP_SCALE>(n, ith, nth); break;
+        case GGML_PY_OP_SQR: unary_impl<GGML_PY_OP_SQR>(n, ith, nth); break;
+        case GGML_PY_OP_SQRT: unary_impl<GGML_PY_OP_SQRT>(n, ith, nth); break;
+        case GGML_PY_OP_NEG: unary_impl<GGML_PY_OP_NEG>(n, ith, nth); break;
+        case GGML_PY_OP_ABS: unary_impl<GGML_PY_OP_ABS>(n, ith, nth); break;
+        case GGML_PY_OP_EXP: unary_impl<GGML_PY_OP_EXP>(n, ith, nth); break;
+        case GGML_PY_OP_LOG: unary_impl<GGML_PY_OP_LOG>(n, ith, nth); break;
+        case GGML_PY_OP_SILU: unary_impl<GGML_PY_OP_SILU>(n, ith, nth); break;
+        case GGML_PY_OP_GELU: unary_impl<GGML_PY_OP_GELU>(n, ith, nth); break;
+        case GGML_PY_OP_RELU: unary_impl<GGML_PY_OP_RELU>(n, ith, nth); break;
+        case GGML_PY_OP_TANH: unary_impl<GGML_PY_OP_TANH>(n, ith, nth); break;
+        case GGML_PY_OP_SIGMOID: unary_impl<GGML_PY_OP_SIGMOID>(n, ith, nth); break;
+        case GGML_PY_OP_CLAMP: unary_impl<GGML_PY_OP_CLAMP>(n, ith, nth); break;
         default: break;
     }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// GLU: dst = act(gate) * value; gate/value from src0 halves or src0/src1. ip[0] = swapped.
+// GLU: dst = act(gate) * value; gate/value from src0 halves (first half gates) or src0/src1.
 
 template <int OP>
 static void glu_row(float* d, const float* g, const float* v, int64_t n) {
@@ -201,11 +204,11 @@ static void glu_row(float* d, const float* g, const float* v, int64_t n) {
 #if GP_AVX2
     for (; i + 8 <= n; i += 8) {
         __m256 x = _mm256_loadu_ps(g + i);
-        __m256 a = OP == OP_SWIGLU ? silu_ps(x) : gelu_ps(x);
+        __m256 a = OP == GGML_PY_OP_SWIGLU ? silu_ps(x) : gelu_ps(x);
         _mm256_storeu_ps(d + i, _mm256_mul_ps(a, _mm256_loadu_ps(v + i)));
     }
 #endif
-    for (; i < n; ++i) d[i] = (OP == OP_SWIGLU ? silu_f(g[i]) : gelu_f(g[i])) * v[i];
+    for (; i < n; ++i) d[i] = (OP == GGML_PY_OP_SWIGLU ? silu_f(g[i]) : gelu_f(g[i])) * v[i];
 }
 
 template <int OP>
@@ -217,31 +220,20 @@ static void glu_impl(Node& n, int ith, int nth) {
     const int64_t nr = nrows(d), nc = d.ne[0];
     int64_t r0, r1;
     if (!my_rows(nr, nc, ith, nth, &r0, &r1, 1024)) return;
-    const bool swapped = n.ip[0] != 0;
     const bool contig = d.nb[0] == 4 && a.nb[0] == 4 && b.nb[0] == 4;
     for (int64_t r = r0; r < r1; ++r) {
         const int64_t i1 = r % d.ne[1], i2 = (r / d.ne[1]) % d.ne[2], i3 = r / (d.ne[1] * d.ne[2]);
         float* dp = (float*)row_ptr(d, i1, i2, i3);
-        const uint8_t* ap = row_ptr(a, i1, i2, i3);
-        const uint8_t* bp = row_ptr(b, i1, i2, i3);
-        const uint8_t* gp = ap;
-        const uint8_t* vp = bp;
-        if (!two) {
-            gp = ap + (swapped ? nc * a.nb[0] : 0);
-            vp = ap + (swapped ? 0 : nc * a.nb[0]);
-        } else if (swapped) {
-            gp = bp;
-            vp = ap;
-        }
+        const uint8_t* gp = row_ptr(a, i1, i2, i3);
+        const uint8_t* vp = two ? row_ptr(b, i1, i2, i3) : gp + nc * a.nb[0];
         if (contig) {
             glu_row<OP>(dp, (const float*)gp, (const float*)vp, nc);
         } else {
-            const int64_t gs = two && swapped ? b.nb[0] : a.nb[0];
-            const int64_t vs = two && !swapped ? b.nb[0] : a.nb[0];
+            const int64_t gs = a.nb[0], vs = b.nb[0];
             for (int64_t i = 0; i < nc; ++i) {
                 const float g = *(const float*)(gp + i * gs);
                 const float v = *(const float*)(vp + i * vs);
-                *(float*)((uint8_t*)dp + i * d.nb[0]) = (OP == OP_SWIGLU ? silu_f(g) : gelu_f(g)) * v;
+                *(float*)((uint8_t*)dp + i * d.nb[0]) = (OP == GGML_PY_OP_SWIGLU ? silu_f(g) : gelu_f(g)) * v;
             }
         }
     }
@@ -250,8 +242,8 @@ static void glu_impl(Node& n, int ith, int nth) {
 void k_glu(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     (void)phase;
     (void)ctx;
-    if (n.op == OP_SWIGLU) glu_impl<OP_SWIGLU>(n, ith, nth);
-    else glu_impl<OP_GEGLU>(n, ith, nth);
+    if (n.op == GGML_PY_OP_SWIGLU) glu_impl<GGML_PY_OP_SWIGLU>(n, ith, nth);
+    else glu_impl<GGML_PY_OP_GEGLU>(n, ith, nth);
 }
 
 }  // namespace GP_NS

@@ -83,7 +83,8 @@ static void norm_impl(Node& n, int ith, int nth, const ExecCtx& ctx, bool rms) {
     const int64_t nr = nrows(d), ne0 = d.ne[0];
     int64_t r0, r1;
     if (!my_rows(nr, ne0, ith, nth, &r0, &r1)) return;
-    const double eps = n.fp[0];
+    static_assert(GGML_PY_P_NORM_EPS == GGML_PY_P_RMS_NORM_EPS, "one eps slot for both norms");
+    const double eps = n.params.f[GGML_PY_P_NORM_EPS];
     float* tmp = (float*)ctx.thread_scratch(ith);
     for (int64_t r = r0; r < r1; ++r) {
         const float* x = row_in(rowp(a, r), a.nb[0], ne0, tmp);
@@ -120,7 +121,7 @@ void k_sum_rows(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     for (int64_t r = r0; r < r1; ++r) {
         const float* x = row_in(rowp(a, r), a.nb[0], ne0, tmp);
         double s = sum_f(x, ne0);
-        if (n.op == OP_MEAN) s /= (double)ne0;
+        if (n.op == GGML_PY_OP_MEAN) s /= (double)ne0;
         *(float*)rowp(d, r) = (float)s;
     }
 }
@@ -182,7 +183,7 @@ void k_argmax(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// SOFT_MAX: softmax(x*scale + slope*mask) per row. fp[0] = scale, fp[1] = max_bias.
+// SOFT_MAX: softmax(x*scale + slope*mask) per row. params scale, max_bias.
 
 static float max_row(const float* x, int64_t n) {
     int64_t i = 0;
@@ -248,7 +249,8 @@ void k_soft_max(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     const int64_t nr = nrows(a), ne0 = a.ne[0];
     int64_t r0, r1;
     if (!my_rows(nr, ne0, ith, nth, &r0, &r1, 2048)) return;
-    const float scale = n.fp[0], max_bias = n.fp[1];
+    const float scale = n.params.f[GGML_PY_P_SOFT_MAX_SCALE];
+    const float max_bias = n.params.f[GGML_PY_P_SOFT_MAX_MAX_BIAS];
     float* tmp = (float*)ctx.thread_scratch(ith);
     for (int64_t r = r0; r < r1; ++r) {
         const int64_t i1 = r % a.ne[1], i2 = (r / a.ne[1]) % a.ne[2], i3 = r / (a.ne[1] * a.ne[2]);
@@ -312,7 +314,7 @@ void k_diag_mask_inf(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     const int64_t nr = nrows(a), ne0 = a.ne[0];
     int64_t r0, r1;
     if (!my_rows(nr, ne0, ith, nth, &r0, &r1)) return;
-    const int64_t n_past = n.ip[0];
+    const int64_t n_past = n.params.i[GGML_PY_P_DIAG_MASK_INF_N_PAST];
     for (int64_t r = r0; r < r1; ++r) {
         const int64_t i1 = r % a.ne[1];
         const uint8_t* sp = rowp(a, r);

@@ -15,10 +15,11 @@ void k_rope(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     const int64_t nr = nrows(a);
     int64_t r0, r1;
     if (!my_rows(nr, ne0, ith, nth, &r0, &r1, 2048)) return;
-    const int n_dims = n.ip[0];
-    const bool neox = (n.ip[1] & 2) != 0;
+    const int n_dims = n.params.i[GGML_PY_P_ROPE_N_DIMS];
+    const bool neox = (n.params.i[GGML_PY_P_ROPE_MODE] & 2) != 0;
     const int half = n_dims / 2;
-    const double base = n.fp[0], fscale = n.fp[1];
+    const double base = n.params.f[GGML_PY_P_ROPE_FREQ_BASE];
+    const double fscale = n.params.f[GGML_PY_P_ROPE_FREQ_SCALE];
     const double theta_scale = pow(base, -2.0 / (double)n_dims);
     // cache: normal mode: cos and signed sin duplicated per pair (n_dims each); neox: cos, sin (half each)
     float* cc = (float*)ctx.thread_scratch(ith);

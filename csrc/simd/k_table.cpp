@@ -14,26 +14,26 @@ static KernelTable make_table() {
 #else
     t.name = "scalar";
 #endif
-    t.ops[OP_GET_ROWS] = k_get_rows;
-    t.ops[OP_SET_ROWS] = k_set_rows;
-    t.ops[OP_ADD] = t.ops[OP_SUB] = t.ops[OP_MUL] = t.ops[OP_DIV] = k_binary;
-    const int unary[] = {OP_SCALE, OP_SQR, OP_SQRT, OP_NEG, OP_ABS, OP_EXP, OP_LOG,
-                         OP_SILU, OP_GELU, OP_RELU, OP_TANH, OP_SIGMOID, OP_CLAMP};
+    t.ops[GGML_PY_OP_GET_ROWS] = k_get_rows;
+    t.ops[GGML_PY_OP_SET_ROWS] = k_set_rows;
+    t.ops[GGML_PY_OP_ADD] = t.ops[GGML_PY_OP_SUB] = t.ops[GGML_PY_OP_MUL] = t.ops[GGML_PY_OP_DIV] = k_binary;
+    const int unary[] = {GGML_PY_OP_SCALE, GGML_PY_OP_SQR, GGML_PY_OP_SQRT, GGML_PY_OP_NEG, GGML_PY_OP_ABS, GGML_PY_OP_EXP, GGML_PY_OP_LOG,
+                         GGML_PY_OP_SILU, GGML_PY_OP_GELU, GGML_PY_OP_RELU, GGML_PY_OP_TANH, GGML_PY_OP_SIGMOID, GGML_PY_OP_CLAMP};
     for (int op : unary) t.ops[op] = k_unary;
-    t.ops[OP_SWIGLU] = t.ops[OP_GEGLU] = k_glu;
-    t.ops[OP_NORM] = k_norm;
-    t.ops[OP_RMS_NORM] = k_rms_norm;
-    t.ops[OP_MUL_MAT] = k_mul_mat;
-    t.ops[OP_SOFT_MAX] = k_soft_max;
-    t.ops[OP_ROPE] = k_rope;
-    t.ops[OP_DIAG_MASK_INF] = k_diag_mask_inf;
-    t.ops[OP_FLASH_ATTN_EXT] = k_flash_attn_ext;
-    t.ops[OP_CPY] = t.ops[OP_DUP] = t.ops[OP_CONT] = k_cpy;
-    t.ops[OP_CONCAT] = k_concat;
-    t.ops[OP_SUM_ROWS] = t.ops[OP_MEAN] = k_sum_rows;
-    t.ops[OP_ARGMAX] = k_argmax;
-    t.ops[OP_REPEAT] = k_repeat;
-    t.ops[OP_PAD] = k_pad;
+    t.ops[GGML_PY_OP_SWIGLU] = t.ops[GGML_PY_OP_GEGLU] = k_glu;
+    t.ops[GGML_PY_OP_NORM] = k_norm;
+    t.ops[GGML_PY_OP_RMS_NORM] = k_rms_norm;
+    t.ops[GGML_PY_OP_MUL_MAT] = k_mul_mat;
+    t.ops[GGML_PY_OP_SOFT_MAX] = k_soft_max;
+    t.ops[GGML_PY_OP_ROPE] = k_rope;
+    t.ops[GGML_PY_OP_DIAG_MASK_INF] = k_diag_mask_inf;
+    t.ops[GGML_PY_OP_FLASH_ATTN_EXT] = k_flash_attn_ext;
+    t.ops[GGML_PY_OP_CPY] = t.ops[GGML_PY_OP_CONT] = k_cpy;
+    t.ops[GGML_PY_OP_CONCAT] = k_concat;
+    t.ops[GGML_PY_OP_SUM_ROWS] = t.ops[GGML_PY_OP_MEAN] = k_sum_rows;
+    t.ops[GGML_PY_OP_ARGMAX] = k_argmax;
+    t.ops[GGML_PY_OP_REPEAT] = k_repeat;
+    t.ops[GGML_PY_OP_PAD] = k_pad;
     t.stream_read = stream_read;
     t.dequantize_row = dequantize_row;
     t.quantize_row = quantize_row_ref;

@@ -243,9 +243,9 @@ static bool is_cpy_dst(int t) {
 }
 
 std::string validate_node(const Node& n) {
-    const char* op = (n.op > 0 && n.op < OP_COUNT) ? OP_NAMES[n.op] : "?";
+    const char* op = (n.op > 0 && n.op < GGML_PY_OP_COUNT) ? op_name(n.op) : "?";
     auto fail = [&](const std::string& m) { return std::string(op) + ": " + m; };
-    if (n.op <= 0 || n.op >= OP_COUNT) return "unknown op code " + std::to_string(n.op);
+    if (n.op <= 0 || n.op >= GGML_PY_OP_COUNT) return "unknown op code " + std::to_string(n.op);
     // generic tensor checks
     auto check_t = [&](const Tensor& t, const char* role) -> std::string {
         if (type_size(t.type) == 0) return fail(std::string(role) + " has unsupported type id " + std::to_string(t.type));
@@ -278,7 +278,7 @@ std::string validate_node(const Node& n) {
     };
     auto f32 = [](const Tensor& t) { return t.type == T_F32; };
     switch (n.op) {
-        case OP_GET_ROWS:
+        case GGML_PY_OP_GET_ROWS:
             if (!need(2)) return fail("needs 2 sources");
             if (!(is_weight_type(a.type) || a.type == T_I32)) return fail("unsupported source type");
             if (b.type != T_I32 && b.type != T_I64) return fail("indices must be I32/I64");
@@ -287,7 +287,7 @@ std::string validate_node(const Node& n) {
                 a.ne[2] != b.ne[1] || a.ne[3] != b.ne[2])
                 return fail("shapes " + shape_str(a) + " " + shape_str(b) + " -> " + shape_str(d) + " do not fit");
             return "";
-        case OP_SET_ROWS:
+        case GGML_PY_OP_SET_ROWS:
             if (!need(2)) return fail("needs 2 sources (rows, indices)");
             if (!is_cpy_dst(d.type)) return fail("unsupported destination type");
             if (!f32(a)) return fail("rows must be F32");
@@ -297,20 +297,20 @@ std::string validate_node(const Node& n) {
             if ((b.ne[1] == 0 || a.ne[2] % b.ne[1]) && a.ne[2]) return fail("index broadcast does not fit");
             if ((b.ne[2] == 0 || a.ne[3] % b.ne[2]) && a.ne[3]) return fail("index broadcast does not fit");
             return "";
-        case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV:
+        case GGML_PY_OP_ADD: case GGML_PY_OP_SUB: case GGML_PY_OP_MUL: case GGML_PY_OP_DIV:
             if (!need(2)) return fail("needs 2 sources");
             if (!f32(a) || !f32(b) || !f32(d)) return fail("only F32");
             if (!same_shape(a, d)) return fail("dst shape differs from src0");
             if (!tiles(b, a)) return fail("src1 " + shape_str(b) + " does not tile src0 " + shape_str(a));
             return "";
-        case OP_SCALE: case OP_SQR: case OP_SQRT: case OP_NEG: case OP_ABS: case OP_EXP: case OP_LOG: case OP_SILU:
-        case OP_GELU: case OP_RELU: case OP_TANH: case OP_SIGMOID: case OP_CLAMP: case OP_NORM: case OP_RMS_NORM:
-        case OP_DIAG_MASK_INF:
+        case GGML_PY_OP_SCALE: case GGML_PY_OP_SQR: case GGML_PY_OP_SQRT: case GGML_PY_OP_NEG: case GGML_PY_OP_ABS: case GGML_PY_OP_EXP: case GGML_PY_OP_LOG: case GGML_PY_OP_SILU:
+        case GGML_PY_OP_GELU: case GGML_PY_OP_RELU: case GGML_PY_OP_TANH: case GGML_PY_OP_SIGMOID: case GGML_PY_OP_CLAMP: case GGML_PY_OP_NORM: case GGML_PY_OP_RMS_NORM:
+        case GGML_PY_OP_DIAG_MASK_INF:
             if (!need(1)) return fail("needs a source");
             if (!f32(a) || !f32(d)) return fail("only F32");
             if (!same_shape(a, d)) return fail("dst shape differs from src0");
             return "";
-        case OP_SWIGLU: case OP_GEGLU:
+        case GGML_PY_OP_SWIGLU: case GGML_PY_OP_GEGLU:
             if (!need(1)) return fail("needs a source");
             if (!f32(a) || !f32(d) || (n.has[1] && !f32(b))) return fail("only F32");
             if (n.has[1]) {
@@ -320,7 +320,7 @@ std::string validate_node(const Node& n) {
                     return fail("src0 must be twice as wide as dst");
             }
             return "";
-        case OP_MUL_MAT:
+        case GGML_PY_OP_MUL_MAT:
             if (!need(2)) return fail("needs 2 sources");
             if (!is_weight_type(a.type)) return fail("unsupported weight type");
             if (!f32(b) || !f32(d)) return fail("activations and dst must be F32");
@@ -332,7 +332,7 @@ std::string validate_node(const Node& n) {
             if (a.ne[2] == 0 || a.ne[3] == 0 || b.ne[2] % a.ne[2] || b.ne[3] % a.ne[3])
                 return fail("weight batch dims must divide the activation batch dims");
             return "";
-        case OP_SOFT_MAX:
+        case GGML_PY_OP_SOFT_MAX:
             if (!need(1)) return fail("needs a source");
             if (!f32(a) || !f32(d)) return fail("only F32");
             if (!same_shape(a, d)) return fail("dst shape differs from src0");
@@ -342,16 +342,19 @@ std::string validate_node(const Node& n) {
                 if (b.ne[2] == 0 || b.ne[3] == 0 || a.ne[2] % b.ne[2] || a.ne[3] % b.ne[3]) return fail("mask broadcast does not fit");
             }
             return "";
-        case OP_ROPE:
+        case GGML_PY_OP_ROPE:
             if (!need(2)) return fail("needs 2 sources");
             if (!f32(a) || !f32(d)) return fail("only F32");
             if (!same_shape(a, d)) return fail("dst shape differs from src0");
             if (b.type != T_I32 || b.ne[0] != a.ne[2] || b.ne[1] != 1 || b.ne[2] != 1 || b.ne[3] != 1)
                 return fail("positions must be I32 [n_tokens]");
-            if (n.ip[0] <= 0 || n.ip[0] % 2 || n.ip[0] > a.ne[0]) return fail("bad n_dims");
-            if (n.ip[1] != 0 && n.ip[1] != 2) return fail("only modes 0 (normal) and 2 (neox)");
+        {
+            const int32_t n_dims = n.params.i[GGML_PY_P_ROPE_N_DIMS], mode = n.params.i[GGML_PY_P_ROPE_MODE];
+            if (n_dims <= 0 || n_dims % 2 || n_dims > a.ne[0]) return fail("bad n_dims");
+            if (mode != 0 && mode != 2) return fail("only modes 0 (normal) and 2 (neox)");
+        }
             return "";
-        case OP_FLASH_ATTN_EXT: {
+        case GGML_PY_OP_FLASH_ATTN_EXT: {
             if (!need(3)) return fail("needs q, k, v");
             const Tensor& k = n.src[1];
             const Tensor& v = n.src[2];
@@ -370,7 +373,7 @@ std::string validate_node(const Node& n) {
             }
             return "";
         }
-        case OP_CPY: case OP_DUP: case OP_CONT:
+        case GGML_PY_OP_CPY: case GGML_PY_OP_CONT:
             if (!need(1)) return fail("needs a source");
             if (!(is_float_storage(a.type) || a.type == T_I32)) return fail("unsupported source type");
             if (!is_cpy_dst(d.type) && d.type != T_I32) return fail("unsupported destination type");
@@ -378,10 +381,10 @@ std::string validate_node(const Node& n) {
             if (type_is_quant(d.type) && a.type != T_F32 && a.type != T_F16) return fail("only F32/F16 can be quantized");
             if (nelements(a) != nelements(d)) return fail("element counts differ");
             return "";
-        case OP_CONCAT: {
+        case GGML_PY_OP_CONCAT: {
             if (!need(2)) return fail("needs 2 sources");
             if (a.type != d.type || b.type != d.type || type_is_quant(d.type)) return fail("types differ");
-            const int dim = n.ip[0];
+            const int dim = n.params.i[GGML_PY_P_CONCAT_AXIS];
             if (dim < 0 || dim > 3) return fail("bad dim");
             for (int i = 0; i < 4; ++i) {
                 if (i == dim) {
@@ -392,24 +395,24 @@ std::string validate_node(const Node& n) {
             }
             return "";
         }
-        case OP_SUM_ROWS: case OP_MEAN:
+        case GGML_PY_OP_SUM_ROWS: case GGML_PY_OP_MEAN:
             if (!need(1)) return fail("needs a source");
             if (!f32(a) || !f32(d)) return fail("only F32");
             if (d.ne[0] != 1 || d.ne[1] != a.ne[1] || d.ne[2] != a.ne[2] || d.ne[3] != a.ne[3]) return fail("dst shape must be [1, ...]");
             return "";
-        case OP_ARGMAX:
+        case GGML_PY_OP_ARGMAX:
             if (!need(1)) return fail("needs a source");
             if (!f32(a) || d.type != T_I32) return fail("F32 -> I32");
             if (!is_contiguous(d)) return fail("dst must be contiguous");
             if (nelements(d) != nrows(a)) return fail("dst must have one element per row");
             if (a.ne[0] == 0 && nrows(a) > 0) return fail("empty rows");
             return "";
-        case OP_REPEAT:
+        case GGML_PY_OP_REPEAT:
             if (!need(1)) return fail("needs a source");
             if (a.type != d.type || type_is_quant(d.type)) return fail("types differ");
             if (!tiles(a, d)) return fail("src does not tile dst");
             return "";
-        case OP_PAD:
+        case GGML_PY_OP_PAD:
             if (!need(1)) return fail("needs a source");
             if (a.type != d.type || type_is_quant(d.type)) return fail("types differ");
             for (int i = 0; i < 4; ++i)
@@ -426,7 +429,7 @@ Scratch node_scratch(const Node& n) {
     Scratch s;
     const Tensor& a = n.src[0];
     switch (n.op) {
-        case OP_MUL_MAT: {
+        case GGML_PY_OP_MUL_MAT: {
             const Tensor& w = n.src[0];
             const Tensor& x = n.src[1];
             const int64_t K = w.ne[0];
@@ -437,19 +440,19 @@ Scratch node_scratch(const Node& n) {
             if (x.ne[1] >= GEMM_MIN_ROWS) s.per_thread = pad64(s.per_thread > gemm_thread_scratch() ? s.per_thread : gemm_thread_scratch());
             break;
         }
-        case OP_FLASH_ATTN_EXT: {
+        case GGML_PY_OP_FLASH_ATTN_EXT: {
             const int64_t D = a.ne[0], Dv = n.src[2].ne[0], H = a.ne[2];
             const size_t single = (size_t)(((Dv + 15) & ~15) + ((D + 15) & ~15) + Dv + 64) * 4;
             const size_t group = (size_t)(8 * D + 8 * Dv + H * (D + Dv) + 3 * H + 64) * 4;  // GQA tiles
             s.per_thread = pad64(single > group ? single : group);
             break;
         }
-        case OP_ROPE: s.per_thread = pad64((size_t)(2 * n.ip[0] + 16) * 4); break;
-        case OP_NORM: case OP_RMS_NORM: case OP_SUM_ROWS: case OP_MEAN: case OP_ARGMAX: case OP_SOFT_MAX:
+        case GGML_PY_OP_ROPE: s.per_thread = pad64((size_t)(2 * n.params.i[GGML_PY_P_ROPE_N_DIMS] + 16) * 4); break;
+        case GGML_PY_OP_NORM: case GGML_PY_OP_RMS_NORM: case GGML_PY_OP_SUM_ROWS: case GGML_PY_OP_MEAN: case GGML_PY_OP_ARGMAX: case GGML_PY_OP_SOFT_MAX:
             s.per_thread = pad64((size_t)(a.ne[0] + 16) * 4);
             break;
-        case OP_CPY: case OP_DUP: case OP_CONT: case OP_GET_ROWS: case OP_SET_ROWS: {
-            const int64_t ne0 = n.op == OP_SET_ROWS ? a.ne[0] : n.dst.ne[0];
+        case GGML_PY_OP_CPY: case GGML_PY_OP_CONT: case GGML_PY_OP_GET_ROWS: case GGML_PY_OP_SET_ROWS: {
+            const int64_t ne0 = n.op == GGML_PY_OP_SET_ROWS ? a.ne[0] : n.dst.ne[0];
             s.per_thread = pad64((size_t)((ne0 + 15) & ~15) * 4 + (size_t)ne0 * 8 + 64);
             break;
         }
@@ -467,24 +470,24 @@ bool node_is_small(const Node& n) {
     const Tensor& a = n.src[0];
     int64_t work, threshold;
     switch (n.op) {
-        case OP_MUL_MAT:
+        case GGML_PY_OP_MUL_MAT:
             work = a.ne[0] * a.ne[1] * n.src[1].ne[1] * n.src[1].ne[2] * n.src[1].ne[3];
             threshold = 96 * 1024;
             break;
-        case OP_FLASH_ATTN_EXT:
+        case GGML_PY_OP_FLASH_ATTN_EXT:
             work = a.ne[1] * a.ne[2] * a.ne[3] * n.src[1].ne[1] * (a.ne[0] + n.src[2].ne[0]);
             threshold = 64 * 1024;
             break;
-        case OP_EXP: case OP_SILU: case OP_GELU: case OP_TANH: case OP_SIGMOID: case OP_SWIGLU: case OP_GEGLU:
-        case OP_SOFT_MAX: case OP_ROPE: case OP_LOG:
+        case GGML_PY_OP_EXP: case GGML_PY_OP_SILU: case GGML_PY_OP_GELU: case GGML_PY_OP_TANH: case GGML_PY_OP_SIGMOID: case GGML_PY_OP_SWIGLU: case GGML_PY_OP_GEGLU:
+        case GGML_PY_OP_SOFT_MAX: case GGML_PY_OP_ROPE: case GGML_PY_OP_LOG:
             work = nelements(d) * 4;
             threshold = 64 * 1024;
             break;
-        case OP_SET_ROWS:
+        case GGML_PY_OP_SET_ROWS:
             work = nelements(a) * (type_is_quant(d.type) ? 8 : 1);
             threshold = 64 * 1024;
             break;
-        case OP_CPY: case OP_DUP: case OP_CONT: case OP_GET_ROWS:
+        case GGML_PY_OP_CPY: case GGML_PY_OP_CONT: case GGML_PY_OP_GET_ROWS:
             work = nelements(d) * (type_is_quant(d.type) || type_is_quant(a.type) ? 8 : 1);
             threshold = 64 * 1024;
             break;
@@ -497,7 +500,7 @@ bool node_is_small(const Node& n) {
 }
 
 int node_phases(const Node& n, bool n_rows_symbolic) {
-    if (n.op == OP_MUL_MAT && type_is_quant(n.src[0].type)) {
+    if (n.op == GGML_PY_OP_MUL_MAT && type_is_quant(n.src[0].type)) {
         if (n_rows_symbolic || n.src[1].ne[1] < GEMM_MIN_ROWS) return 2;
     }
     return 1;
@@ -531,10 +534,8 @@ Plan::Plan(const std::vector<NodeDesc>& descs, const std::vector<Range>& ranges,
         n.op = nd.op;
         n.index = (int)i;
         n.counter = &counters_[i];
-        if (nd.op <= 0 || nd.op >= OP_COUNT) throw PlanError("node " + std::to_string(i) + ": unknown op code " + std::to_string(nd.op));
-        if (nd.ip.size() > N_IPARAMS || nd.fp.size() > N_FPARAMS) throw PlanError("node " + std::to_string(i) + ": too many op params");
-        for (size_t k = 0; k < nd.ip.size(); ++k) n.ip[k] = nd.ip[k];
-        for (size_t k = 0; k < nd.fp.size(); ++k) n.fp[k] = nd.fp[k];
+        if (nd.op <= 0 || nd.op >= GGML_PY_OP_COUNT) throw PlanError("node " + std::to_string(i) + ": unknown op code " + std::to_string(nd.op));
+        n.params = nd.params;
         if (!nd.dst.present) throw PlanError("node " + std::to_string(i) + ": missing dst");
         for (int s = -1; s < MAX_SRC; ++s) {
             const TensorDesc& td = s < 0 ? nd.dst : nd.src[s];
@@ -611,11 +612,11 @@ Plan::Plan(const std::vector<NodeDesc>& descs, const std::vector<Range>& ranges,
     for (size_t i = 0; i < nodes_.size(); ++i) {
         Node& n = nodes_[i];
         bool rows_sym = false;
-        if (n.op == OP_MUL_MAT)
+        if (n.op == GGML_PY_OP_MUL_MAT)
             for (const Patch& p : patches_)
                 if (p.target == &n.src[1].ne[1]) rows_sym = true;
         // constant Q4_1/Q8_0 weights of matrix-vector products: interleave 8 rows once (shared by all plans)
-        if (n.op == OP_MUL_MAT && kt_->uses_repack && descs[i].src[0].const_id != 0 && !node_symbolic_src0(descs[i]) &&
+        if (n.op == GGML_PY_OP_MUL_MAT && kt_->uses_repack && descs[i].src[0].const_id != 0 && !node_symbolic_src0(descs[i]) &&
             (rows_sym || n.src[1].ne[1] < GEMM_MIN_ROWS) && repack_supported(n.src[0].type)) {
             auto rp = get_repacked(descs[i].src[0].const_id, n.src[0]);
             if (rp) {
@@ -625,7 +626,7 @@ Plan::Plan(const std::vector<NodeDesc>& descs, const std::vector<Range>& ranges,
         }
         n.n_phases = node_phases(n, rows_sym);
         KernelFn fn = kt_->ops[n.op];
-        if (!fn) throw PlanError(std::string(OP_NAMES[n.op]) + ": no kernel at level " + level_name(level_));
+        if (!fn) throw PlanError(std::string(op_name(n.op)) + ": no kernel at level " + level_name(level_));
         for (int p = 0; p < n.n_phases; ++p) tasks_.push_back({fn, &n, p});
     }
     tstate_.reset(new TaskState[tasks_.size() > 0 ? tasks_.size() : 1]);
@@ -644,12 +645,12 @@ void Plan::schedule_tasks() {
         const Task& t = tasks_[i];
         const Node& n = *t.node;
         // the activation quantization of a matrix-vector product is tiny: no need to spread it
-        const bool small_quantize = n.op == OP_MUL_MAT && n.n_phases == 2 && t.phase == 0 &&
+        const bool small_quantize = n.op == GGML_PY_OP_MUL_MAT && n.n_phases == 2 && t.phase == 0 &&
                                     n.src[1].ne[0] * n.src[1].ne[1] * n.src[1].ne[2] * n.src[1].ne[3] < 32768;
         const bool single = n_threads_ <= 1 || (!force_parallel_ && (node_is_small(n) || small_quantize));
         uint32_t units = 1;
         if (!single) {
-            const bool counter_based = t.node->op == OP_MUL_MAT && t.phase == t.node->n_phases - 1;
+            const bool counter_based = t.node->op == GGML_PY_OP_MUL_MAT && t.phase == t.node->n_phases - 1;
             units = (uint32_t)(counter_based ? n_threads_ : 4 * n_threads_);
             all_single_ = false;
         }
@@ -710,7 +711,7 @@ std::string Plan::check_node(const Node& n, size_t index, bool check_scratch) co
         }
         if (!inside) {
             std::ostringstream o;
-            o << OP_NAMES[n.op] << ": " << (s < 0 ? std::string("dst") : "src" + std::to_string(s)) << " "
+            o << op_name(n.op) << ": " << (s < 0 ? std::string("dst") : "src" + std::to_string(s)) << " "
               << shape_str(t) << " at 0x" << std::hex << p << std::dec << " spanning " << ext
               << " bytes is outside every registered buffer";
             return where(o.str());
@@ -719,12 +720,12 @@ std::string Plan::check_node(const Node& n, size_t index, bool check_scratch) co
     if (check_scratch) {
         Scratch sc = node_scratch(n);
         if (sc.shared > wsize_ || sc.per_thread > tsize_)
-            return where(std::string(OP_NAMES[n.op]) + ": needs more scratch than planned for the symbol bounds");
+            return where(std::string(op_name(n.op)) + ": needs more scratch than planned for the symbol bounds");
     }
     return "";
 }
 
-void Plan::compute(const std::vector<int64_t>& syms, InterruptPoll poll) {
+void Plan::compute(const int64_t* syms, size_t n_syms, AbortPoll poll, double* node_seconds) {
     // A signal handler run by the poll between two nodes may start another compute on this thread: the pool's
     // driver lock (or this plan's) is held, so that would deadlock. Refuse it instead.
     static thread_local bool computing = false;
@@ -734,14 +735,14 @@ void Plan::compute(const std::vector<int64_t>& syms, InterruptPoll poll) {
         ~Done() { computing = false; }
     } done;
     std::lock_guard<std::mutex> lk(mutex_);
-    if (syms.size() != sym_max_.size())
-        throw PlanError("expected " + std::to_string(sym_max_.size()) + " symbol values, got " + std::to_string(syms.size()));
-    for (size_t k = 0; k < syms.size(); ++k)
+    if (n_syms != sym_max_.size())
+        throw PlanError("expected " + std::to_string(sym_max_.size()) + " symbol values, got " + std::to_string(n_syms));
+    for (size_t k = 0; k < n_syms; ++k)
         if (syms[k] < 0 || syms[k] > sym_max_[k])
             throw PlanError("symbol " + std::to_string(k) + " = " + std::to_string(syms[k]) + " is outside 0.." +
                             std::to_string(sym_max_[k]));
     if (!symbolic_nodes_.empty()) {
-        bind(syms.data());
+        bind(syms);
         for (size_t i : symbolic_nodes_) {
             std::string e = check_node(nodes_[i], i, true);
             if (!e.empty()) throw PlanError(e);
@@ -751,8 +752,9 @@ void Plan::compute(const std::vector<int64_t>& syms, InterruptPoll poll) {
     for (size_t i = 0; i < nodes_.size(); ++i) counters_[i].store(0, std::memory_order_relaxed);
     error_.store(0, std::memory_order_relaxed);
     poll_ = poll;
+    node_seconds_ = node_seconds;
     interrupted_ = false;
-    if (poll_) last_poll_ = std::chrono::steady_clock::now();
+    if (poll_.fn) last_poll_ = std::chrono::steady_clock::now();
     const int nth = all_single_ ? 1 : n_threads_;
     ThreadPool& pool = ThreadPool::instance();
     if (nth <= 1) {
@@ -765,11 +767,11 @@ void Plan::compute(const std::vector<int64_t>& syms, InterruptPoll poll) {
             const Task& tk = tasks_[t];
             const uint32_t units = tstate_[t].units.load(std::memory_order_relaxed);
             std::chrono::steady_clock::time_point t0;
-            if (profiling_) t0 = std::chrono::steady_clock::now();
+            if (node_seconds_) t0 = std::chrono::steady_clock::now();
             if (!error_.load(std::memory_order_relaxed))
                 for (uint32_t u = 0; u < units; ++u) tk.fn(*tk.node, tk.phase, (int)u, (int)units, tctx_[0]);
-            if (profiling_)
-                node_seconds_[(size_t)tk.node->index] +=
+            if (node_seconds_)
+                node_seconds_[tk.node->index] +=
                     std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
             maybe_poll(t, units);
         }
@@ -793,11 +795,11 @@ void Plan::compute(const std::vector<int64_t>& syms, InterruptPoll poll) {
 // read after every task split into several units, but only after every 8th one-unit task (those are small by the
 // work threshold), which keeps it off the per-node dispatch cost. A stop is an error every later unit sees.
 void Plan::maybe_poll(size_t task, uint32_t units) {
-    if (!poll_ || interrupted_ || (units <= 1 && (task & 7) != 7)) return;
+    if (!poll_.fn || interrupted_ || (units <= 1 && (task & 7) != 7)) return;
     const auto now = std::chrono::steady_clock::now();
     if (now - last_poll_ < std::chrono::milliseconds(INTERRUPT_POLL_MS)) return;
     last_poll_ = now;
-    if (poll_()) {
+    if (poll_.fn(poll_.data) != 0) {
         interrupted_ = true;
         int expected = 0;
         error_.compare_exchange_strong(expected, 1);
@@ -829,15 +831,15 @@ void Plan::drive(uint64_t gen, int nth) {
     const size_t nt = tasks_.size();
     for (size_t t = 0; t < nt; ++t) {
         std::chrono::steady_clock::time_point t0;
-        if (profiling_) t0 = std::chrono::steady_clock::now();
+        if (node_seconds_) t0 = std::chrono::steady_clock::now();
         cur_.store((gen << 32) | t, std::memory_order_release);
         while (run_unit(t, gen, tctx_[0])) {
         }
         Backoff bo;
         const uint32_t units = tstate_[t].units.load(std::memory_order_relaxed);
         while (tstate_[t].done.load(std::memory_order_acquire) < units) bo.pause();
-        if (profiling_)
-            node_seconds_[(size_t)tasks_[t].node->index] +=
+        if (node_seconds_)
+            node_seconds_[tasks_[t].node->index] +=
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         maybe_poll(t, units);
     }
@@ -870,28 +872,5 @@ void Plan::run(int ith, int nth) {
 }
 
 Plan::~Plan() { ThreadPool::instance().quiesce(this); }
-
-void Plan::set_profiling(bool on) {
-    std::lock_guard<std::mutex> lk(mutex_);
-    profiling_ = on;
-    node_seconds_.assign(nodes_.size(), 0.0);
-}
-
-std::vector<int> Plan::node_ops() const {
-    std::vector<int> v;
-    for (const Node& n : nodes_) v.push_back(n.op);
-    return v;
-}
-
-std::vector<std::string> Plan::node_shapes() const {
-    std::vector<std::string> v;
-    for (const Node& n : nodes_) {
-        std::string s = shape_str(n.dst);
-        for (int i = 0; i < MAX_SRC; ++i)
-            if (n.has[i]) s += (i ? " " : " <- ") + std::to_string(n.src[i].type) + ":" + shape_str(n.src[i]);
-        v.push_back(s);
-    }
-    return v;
-}
 
 }  // namespace gp

@@ -121,8 +121,7 @@ struct NodeDesc {
     int32_t op = 0;
     TensorDesc dst;
     TensorDesc src[MAX_SRC];
-    std::vector<int32_t> ip;
-    std::vector<float> fp;
+    ggml_py_op_params params = {};
 };
 
 struct Range {
@@ -140,29 +139,28 @@ class Interrupted : public std::exception {
     const char* what() const noexcept override { return "compute interrupted"; }
 };
 
-// Called by the computing thread between nodes, at most every INTERRUPT_POLL_MS; true stops the compute.
-using InterruptPoll = bool (*)();
-enum { INTERRUPT_POLL_MS = 100 };
+// The abort callback of a compute (ggml_py_compute_args): called by the computing thread between nodes, at most
+// every INTERRUPT_POLL_MS; nonzero stops the compute.
+struct AbortPoll {
+    ggml_py_abort_callback fn = nullptr;
+    void* data = nullptr;
+};
+enum { INTERRUPT_POLL_MS = 50 };
 
 class Plan : public Job {
    public:
     Plan(const std::vector<NodeDesc>& nodes, const std::vector<Range>& ranges, const std::vector<int64_t>& sym_max,
          int n_threads, int level, bool validate_only = false);
     // Binds the symbols, validates what depends on them, runs every node; throws PlanError, or Interrupted when
-    // `poll` (may be null) returned true.
-    void compute(const std::vector<int64_t>& syms, InterruptPoll poll = nullptr);
+    // the abort poll asked to stop. node_seconds: null, or n_nodes() accumulators of per-node wall time (thread 0,
+    // including the wait for the node's other units).
+    void compute(const int64_t* syms, size_t n_syms, AbortPoll poll = {}, double* node_seconds = nullptr);
     void run(int ith, int nth) override;  // a worker helping with the current compute
     ~Plan() override;
 
     int n_threads() const { return n_threads_; }
     void set_n_threads(int n);
     bool force_parallel() const { return force_parallel_; }
-    // per-node time accumulated by thread 0 while profiling is on (seconds), and compute counts
-    void set_profiling(bool on);
-    bool profiling() const { return profiling_; }
-    std::vector<double> node_seconds() const { return node_seconds_; }
-    std::vector<int> node_ops() const;
-    std::vector<std::string> node_shapes() const;
     void set_force_parallel(bool v);
     size_t n_nodes() const { return nodes_.size(); }
     size_t n_tasks() const { return tasks_.size(); }
@@ -212,8 +210,7 @@ class Plan : public Job {
     std::vector<std::shared_ptr<RepackBuf>> repacks_;
     bool all_single_ = false;
     bool force_parallel_ = false;
-    bool profiling_ = false;
-    std::vector<double> node_seconds_;
+    double* node_seconds_ = nullptr;  // of the compute under way (null: not profiling)
     const KernelTable* kt_;
     int level_;
     int n_threads_;
@@ -226,7 +223,7 @@ class Plan : public Job {
     ExecCtx ctx_;
     std::atomic<int> error_{0};
     char errmsg_[ERRMSG_LEN];
-    InterruptPoll poll_ = nullptr;
+    AbortPoll poll_;
     std::chrono::steady_clock::time_point last_poll_;
     bool interrupted_ = false;
     void maybe_poll(size_t task, uint32_t units);

@@ -1,11 +1,13 @@
 /*
- * cexample: a minimal ggml_py native backend in plain C99.
+ * cexample: a minimal ggml_py native backend in plain C11 (ABI 2.1).
  *
  * It computes ADD, MUL and MUL_MAT on F32 tensors of any layout (strides are honoured, ggml broadcasting included)
  * and declines everything else, which the scheduler then gives to another backend (numpy). Its memory is ordinary
- * host memory, so numpy reads its buffers directly.
+ * host memory, so numpy reads its buffers directly, and weights are used where they are (mapped from a GGUF file)
+ * without a copy. Symbolic dimensions (a KV length that changes every step) are bound per compute.
  *
- * Build:  cc -O2 -std=c99 -shared -fPIC -I../../csrc/include -o libggml_py_cexample.so cexample.c
+ * Build:  cc -O2 -std=c11 -shared -fPIC -I"$(python -c 'import ggml_py; print(ggml_py.get_include())')" \
+ *             -o libggml_py_cexample.so cexample.c
  * Use:    GGML_PY_BACKEND_PATH=$PWD/libggml_py_cexample.so ggml-py backends
  */
 #include <stdio.h>
@@ -18,16 +20,24 @@
 
 /* ---------------------------------------------------------------------------------------------------- buffers */
 
-/* Plain C99 has no aligned allocator: over-allocate and keep the malloc'd pointer in the context. */
+/* C11's aligned_alloc wants a size that is a multiple of the alignment. context != NULL marks memory we own. */
 static int32_t buffer_alloc(size_t size, ggml_py_buffer *buf) {
-    char *raw = malloc(size + ALIGNMENT);
-    if (raw == NULL) {
+    void *p = aligned_alloc(ALIGNMENT, (size + ALIGNMENT - 1) / ALIGNMENT * ALIGNMENT);
+    if (p == NULL) {
         return GGML_PY_ERR_NO_MEMORY;
     }
-    memset(raw, 0, size + ALIGNMENT);
-    buf->context = raw;
-    buf->base = raw + (ALIGNMENT - (size_t)((uintptr_t)raw % ALIGNMENT)) % ALIGNMENT;
+    memset(p, 0, size);
+    buf->base = p;
     buf->size = size;
+    buf->context = p;
+    return GGML_PY_OK;
+}
+
+/* Existing host memory (a weight) used where it is: nothing to allocate, nothing to free later. */
+static int32_t buffer_from_host_ptr(void *ptr, size_t size, ggml_py_buffer *buf) {
+    buf->base = ptr;
+    buf->size = size;
+    buf->context = NULL;
     return GGML_PY_OK;
 }
 
@@ -43,7 +53,10 @@ typedef struct {
     int32_t n_threads; /* kept for the interface; these kernels are single-threaded */
 } cexample_backend;
 
-static void *backend_init(int32_t n_threads) {
+static void *backend_init(int32_t n_threads, const char *options) {
+    if (options != NULL && options[0] != '\0') {
+        return NULL; /* this backend takes no options */
+    }
     cexample_backend *b = calloc(1, sizeof(*b));
     if (b) {
         b->n_threads = n_threads > 0 ? n_threads : 1;
@@ -115,24 +128,33 @@ static void mul_mat_f32(const ggml_py_node *node) {
     }
 }
 
-static int32_t backend_graph_compute(void *backend, void *plan, const ggml_py_node *nodes, int32_t n_nodes,
-                                     ggml_py_error *err) {
+/* Every node in order. Operands with symbolic dims are bound to this compute's symbol values first. */
+static int32_t backend_graph_compute(void *backend, void *plan, const ggml_py_graph *graph,
+                                     const ggml_py_compute_args *args) {
     (void)plan;
-    if (!backend) {
-        snprintf(err->message, sizeof(err->message), "no backend context");
-        return GGML_PY_ERR_FAILED;
-    }
-    for (int32_t i = 0; i < n_nodes; i++) {
-        const ggml_py_node *node = &nodes[i];
-        if (!backend_supports_op(backend, node)) {
-            err->node = i;
-            snprintf(err->message, sizeof(err->message), "cexample cannot compute op %d on these types", node->op);
+    for (int32_t i = 0; i < graph->n_nodes; i++) {
+        const ggml_py_node *in = graph->nodes[i];
+        if (!backend_supports_op(backend, in)) {
+            args->err->node = i;
+            snprintf(args->err->message, sizeof(args->err->message), "cexample cannot compute op %d on these types",
+                     in->op);
             return GGML_PY_ERR_UNSUPPORTED;
         }
-        if (node->op == GGML_PY_OP_MUL_MAT) {
-            mul_mat_f32(node);
+        if (args->abort_callback != NULL && args->abort_callback(args->abort_data)) {
+            return GGML_PY_ERR_ABORTED; /* e.g. Ctrl-C: stop between nodes */
+        }
+        ggml_py_tensor dst, a, b;
+        ggml_py_tensor_bind(in->dst, args->syms, &dst);
+        ggml_py_tensor_bind(in->src[0], args->syms, &a);
+        ggml_py_tensor_bind(in->src[1], args->syms, &b);
+        ggml_py_node node = *in;
+        node.dst = &dst;
+        node.src[0] = &a;
+        node.src[1] = &b;
+        if (node.op == GGML_PY_OP_MUL_MAT) {
+            mul_mat_f32(&node);
         } else {
-            binary_f32(node);
+            binary_f32(&node);
         }
     }
     return GGML_PY_OK;
@@ -152,6 +174,7 @@ static const ggml_py_plugin plugin = {
     {"cexample", ALIGNMENT, 0, 1, buffer_alloc, NULL},
     {buffer_free, NULL, NULL, NULL},
     {backend_init, backend_free, backend_supports_op, NULL, NULL, backend_graph_compute, backend_set_n_threads, NULL},
+    buffer_from_host_ptr,                /* 2.1: weights without a copy */
 };
 
 GGML_PY_PLUGIN_EXPORT uint32_t ggml_py_plugin_abi_version(void) { return GGML_PY_ABI_VERSION; }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -23,8 +24,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arguments(p)
 
 
+def out_path(out: str) -> str:
+    """The file the logits go to: np.save appends .npy to a name without it, so say so up front, and refuse a
+    directory (np.save would write DIR.npy beside it) before any work is done."""
+    if out.endswith(os.sep) or os.path.isdir(out):
+        raise ModelError(f"--out {out} is a directory; give a file name, e.g. {os.path.join(out, 'logits.npy')}")
+    return out if out.endswith(".npy") else out + ".npy"
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     text = read_prompt(args)
+    args.out = out_path(args.out)
     model = load_from_args(args)
     try:
         ids = model.tokenize(text, add_special=not args.no_special)

@@ -96,6 +96,7 @@ def load_model(path: str | os.PathLike[str] | None = None, backends: str | Seque
             from ..tokenizer import Tokenizer
 
             tok = Tokenizer.from_metadata(gf.metadata)
+            tok.source = p
             if tok.chat_template is None:
                 tok.chat_template = arch.chat_template
             if tok.n_vocab != hp.n_vocab:

@@ -53,7 +53,7 @@ def hparams(meta: dict[str, Any], path: str, n_vocab: int) -> HParams:
         hp = replace(hp, attn_scale=1.0 / math.sqrt(hp.n_embd // hp.n_head))
     if m.get("attention.sliding_window"):  # absent or 0: every layer is global
         hp = replace(hp, n_swa=m.int_key("attention.sliding_window"), swa_layers=swa_pattern(m, hp.n_layer, SWA_PERIOD),
-                     rope_freq_base_swa=m.float_key("rope.freq_base_swa", 10000.0), rope_freq_scale_swa=1.0)
+                     rope_freq_base_swa=m.float_key("rope.freq_base_swa", 10000.0, hi=1e30), rope_freq_scale_swa=1.0)
     return hp
 
 

@@ -10,12 +10,16 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..errors import ModelError
 
 
 def _per_layer(v: Any, key: str, path: str) -> int:
     """Keys such as head_count_kv may be arrays (one value per layer); ggml_py needs them uniform."""
-    if isinstance(v, list):
+    if isinstance(v, list | np.ndarray):  # GGUF numeric arrays load as numpy arrays
+        if isinstance(v, np.ndarray):
+            v = v.tolist() if v.ndim == 1 and v.dtype.kind in "iu" else [v]
         if not v or any(x != v[0] for x in v):
             raise ModelError(f"{path}: {key} varies per layer ({v[:8]}...), which ggml_py does not support")
         v = v[0]
@@ -24,9 +28,10 @@ def _per_layer(v: Any, key: str, path: str) -> int:
     return int(v)
 
 
-def _positive(v: Any, key: str, path: str) -> float:
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or not math.isfinite(v):
-        raise ModelError(f"{path}: {key} must be a positive number, got {v!r}")
+def _positive(v: Any, key: str, path: str, hi: float = math.inf) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= hi or not math.isfinite(v):
+        what = "a positive number" if hi == math.inf else f"a number in (0, {hi:g}]"
+        raise ModelError(f"{path}: {key} must be {what}, got {v!r}")
     return float(v)
 
 
@@ -48,11 +53,12 @@ class Meta:
             raise ModelError(f"{self.path}: missing metadata key {self.arch + '.' + key!r}")
         return _per_layer(v, key, self.path)
 
-    def float_key(self, key: str, default: float | None = None) -> float:
+    def float_key(self, key: str, default: float | None = None, hi: float = math.inf) -> float:
+        """A positive finite number, at most `hi`."""
         v = self.get(key, default)
         if v is None:
             raise ModelError(f"{self.path}: missing metadata key {self.arch + '.' + key!r}")
-        return _positive(v, key, self.path)
+        return _positive(v, key, self.path, hi)
 
 
 @dataclass(frozen=True)
@@ -125,16 +131,20 @@ def read_hparams(meta: dict[str, Any], arch: str, path: str, n_vocab: int, *, ro
     scale = 1.0
     stype = m.get("rope.scaling.type")
     factor = m.get("rope.scaling.factor", m.get("rope.scale_linear"))
-    if stype not in (None, "none", "linear"):
+    if not isinstance(stype, str | None) or stype not in (None, "none", "linear"):
         raise ModelError(f"{path}: rope scaling type {stype!r} is not supported (supported: none, linear)")
-    if factor and stype in (None, "linear") and float(factor) not in (0.0, 1.0):
+    if factor is not None and (not isinstance(factor, int | float) or isinstance(factor, bool)
+                               or not math.isfinite(factor) or factor < 0):
+        raise ModelError(f"{path}: rope scaling factor must be a finite number >= 0 (0: none), got {factor!r}")
+    if factor and stype in (None, "linear") and float(factor) != 1.0:
         scale = 1.0 / float(factor)
     values: dict[str, Any] = dict(
         arch=arch, n_vocab=n_vocab, n_ctx_train=m.int_key("context_length"), n_embd=n_embd,
         n_layer=m.int_key("block_count"), n_ff=m.int_key("feed_forward_length"), n_head=n_head, n_head_kv=n_head_kv,
         head_dim=head_dim, head_dim_v=head_dim_v, n_rot=n_rot,
-        rms_eps=m.float_key("attention.layer_norm_rms_epsilon", 1e-5), rope_mode=rope_mode,
-        rope_freq_base=m.float_key("rope.freq_base", 10000.0), rope_freq_scale=scale,
+        # an eps of 1 already swamps a unit-variance activation; 1e300 would make every norm output 0 in float32
+        rms_eps=m.float_key("attention.layer_norm_rms_epsilon", 1e-5, hi=1.0), rope_mode=rope_mode,
+        rope_freq_base=m.float_key("rope.freq_base", 10000.0, hi=1e30), rope_freq_scale=scale,
         attn_scale=1.0 / math.sqrt(head_dim),
     )
     values.update(arch_specific)

@@ -5,22 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..errors import ModelError
+from ..sysmem import available_memory, mib
 
-
-def available_memory() -> int | None:
-    """Bytes the kernel says can be allocated without swapping (MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+__all__ = ["available_memory", "mib", "require_memory"]
 
 
 def require_memory(parts: Sequence[tuple[str, int]], hint: str) -> None:

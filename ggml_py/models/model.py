@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -112,7 +113,12 @@ class Model:
         self.prepare_s = 0.0
         self._zeros = np.zeros((1, n_ctx), np.float32)
         self._closed = False
+        # One lock serialises every call that touches the cache or the plans (eval, each generate step, reset,
+        # close); `_owner` is the generate iterator the cache belongs to, so an overtaken iterator raises.
+        self._lock = threading.RLock()
+        self._owner: object | None = None
         self.weights_copied = copy_weights
+        self._check_file()
         if copy_weights:
             self._copy_weights(progress)
         self.reset_timings()
@@ -150,8 +156,19 @@ class Model:
             if bar:
                 bar.add(t.nbytes)
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ModelError(f"{self.path}: the model is closed")
+
+    def _check_file(self) -> None:
+        """A weights file that shrank on disk would kill the process with SIGBUS at the first read of a page past
+        its new end: refuse to run instead (one fstat; weights copied into a backend no longer read the file)."""
+        if not self.weights_copied:
+            self.gguf.check_size()
+
     @property
     def tokenizer(self) -> Any:
+        self._check_open()
         if self._tokenizer is None:
             raise ModelError(f"{self.path}: no usable tokenizer: {self._tokenizer_error}")
         return self._tokenizer
@@ -167,32 +184,38 @@ class Model:
         return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, ids: Sequence[int], special: bool = True) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], special=special)
+        return self.tokenizer.decode(self._check_ids(ids, check_ctx=False).tolist(), special=special)
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
     # -- evaluation ------------------------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Forget the cached tokens: the next eval starts at position 0 (cache rows are overwritten, not cleared)."""
-        self.n_past = 0
+        """Forget the cached tokens: the next eval starts at position 0 (cache rows are overwritten, not cleared).
+        A generate iterator running on this model is overtaken (its next step raises ModelError)."""
+        with self._lock:
+            self._check_open()
+            self._owner = None
+            self.n_past = 0
 
     def reset_timings(self) -> None:
         self._t = {"prefill_tokens": 0, "prefill_s": 0.0, "prefill_compute_s": 0.0,
                    "decode_tokens": 0, "decode_s": 0.0, "decode_compute_s": 0.0,
                    "sample_s": 0.0, "generate_s": 0.0, "generated_tokens": 0}
 
-    def _check_ids(self, ids: Any) -> np.ndarray:
-        if self._closed:
-            raise ModelError("the model is closed")
+    def _check_ids(self, ids: Any, n_past: int | None = None, check_ctx: bool = True) -> np.ndarray:
+        self._check_open()
+        if isinstance(ids, str | bytes):
+            raise ModelError("token ids must be a sequence of integers, got a string (use tokenize)")
         arr = np.asarray(ids)
         if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
             raise ModelError(f"token ids must be a 1-D sequence of integers, got {arr.dtype} of shape {arr.shape}")
         if arr.size and (arr.min() < 0 or arr.max() >= self.n_vocab):
             bad = int(arr[(arr < 0) | (arr >= self.n_vocab)][0])
             raise ModelError(f"token id {bad} is out of range [0, {self.n_vocab})")
-        if self.n_past + arr.size > self.n_ctx:
-            raise ModelError(f"{arr.size} tokens after {self.n_past} cached ones exceed the context of "
+        n_past = self.n_past if n_past is None else n_past
+        if check_ctx and n_past + arr.size > self.n_ctx:
+            raise ModelError(f"{arr.size} tokens after {n_past} cached ones exceed the context of "
                              f"{self.n_ctx} tokens (n_ctx)")
         return arr.astype(np.int32)
 
@@ -202,10 +225,13 @@ class Model:
         With `last_only`, only the last token's logits are computed and returned, (1, n_vocab): the output head
         then runs on one row (what a prompt needs before generation).
         """
-        arr = self._check_ids(ids)
-        if arr.size == 0:
-            return np.zeros((0, self.n_vocab), np.float32)
-        return self._forward(arr, last_only=last_only, kind="prefill" if arr.size > 1 else "decode")
+        with self._lock:
+            arr = self._check_ids(ids)
+            if arr.size == 0:
+                return np.zeros((0, self.n_vocab), np.float32)
+            self._check_file()
+            self._owner = None  # the cache moves on: a running generate iterator is overtaken
+            return self._forward(arr, last_only=last_only, kind="prefill" if arr.size > 1 else "decode")
 
     def _forward(self, ids: np.ndarray, last_only: bool, kind: str) -> np.ndarray:
         t0 = time.perf_counter()
@@ -286,22 +312,34 @@ class Model:
 
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise ModelError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
-        ids = self.tokenize(prompt, add_special=add_special) if isinstance(prompt, str) else [int(i) for i in prompt]
-        if not ids:
+        ids = self.tokenize(prompt, add_special=add_special) if isinstance(prompt, str) else prompt
+        arr = self._check_ids(ids, check_ctx=False)
+        if not arr.size:
             raise ModelError("the prompt is empty (no tokens)")
-        if len(ids) > self.n_ctx:
-            raise ModelError(f"the prompt has {len(ids)} tokens, more than the context of {self.n_ctx} (n_ctx)")
-        self.reset()
-        arr = self._check_ids(ids)
+        if arr.size > self.n_ctx:
+            raise ModelError(f"the prompt has {arr.size} tokens, more than the context of {self.n_ctx} (n_ctx)")
         sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                           repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
-        self.prompt_tokens = list(ids)
+        self.prompt_tokens = arr.tolist()
         return self._generate(arr, max_tokens, sampler, stop_at_eos)
+
+    def _step_as(self, owner: object) -> None:
+        """Checks before each step of a generate iterator (called under the lock)."""
+        self._check_open()
+        if self._owner is not owner:
+            raise ModelError("this generate() iterator was overtaken by another call on the model (generate, eval "
+                             "or reset) and cannot continue on a cache that is no longer its own; start a new one")
+        self._check_file()
 
     def _generate(self, ids: np.ndarray, max_tokens: int, sampler: Any, stop_at_eos: bool) -> Iterator[Token]:
         from ..tokenizer import StreamDecoder
 
-        self.reset_timings()
+        owner = object()
+        with self._lock:  # the cache is reset, and the iterator takes it over, when iteration starts
+            self._check_open()
+            self._owner = owner
+            self.n_past = 0
+            self.reset_timings()
         t_start = time.perf_counter()
         tok = self._tokenizer
         decoder = StreamDecoder(tok, special=False) if tok is not None else None
@@ -310,7 +348,9 @@ class Model:
         try:
             if max_tokens == 0:
                 return
-            logits = self._forward(ids, last_only=True, kind="prefill")[-1]
+            with self._lock:
+                self._step_as(owner)
+                logits = self._forward(ids, last_only=True, kind="prefill")[-1]
             for i in range(max_tokens):
                 t0 = time.perf_counter()
                 t = int(sampler.sample(logits, history))
@@ -327,7 +367,9 @@ class Model:
                     yield Token(t, text)
                     break
                 yield Token(t, text)
-                logits = self._forward(np.array([t], np.int32), last_only=True, kind="decode")[-1]
+                with self._lock:
+                    self._step_as(owner)
+                    logits = self._forward(np.array([t], np.int32), last_only=True, kind="decode")[-1]
         finally:
             self._t["generate_s"] += time.perf_counter() - t_start
 
@@ -357,12 +399,15 @@ class Model:
                 "tied_output": self.weights.tied, "weights_copied": self.weights_copied}
 
     def close(self) -> None:
-        """Free the plans; the model cannot be used afterwards."""
-        for p in self._plans.values():
-            p.plan.close()
-        self._plans.clear()
-        self._closed = True
-        self.gguf.close()
+        """Free the plans; every later call raises ModelError (a generate running in another thread stops at its
+        next step). Waits for a step in progress."""
+        with self._lock:
+            self._closed = True
+            self._owner = None
+            for p in self._plans.values():
+                p.plan.close()
+            self._plans.clear()
+            self.gguf.close()
 
     def __enter__(self) -> Model:
         return self

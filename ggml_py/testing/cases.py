@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import ops
+from .. import ops, schema
 from ..dtypes import (
     BF16,
     F16,
@@ -49,17 +49,13 @@ from ..tensor import weight as _weight
 
 __all__ = ["ALL_OPS", "CONVERT_MAX_NMSE", "Built", "Case", "Ctx", "all_cases", "cases", "encode"]
 
-# Every op the kit covers (view ops are exercised as inputs of these).
-ALL_OPS: tuple[str, ...] = (
-    "GET_ROWS", "SET_ROWS", "ADD", "SUB", "MUL", "DIV", "SCALE", "SQR", "SQRT", "NEG", "ABS", "EXP", "LOG", "SILU",
-    "GELU", "RELU", "TANH", "SIGMOID", "SWIGLU", "GEGLU", "NORM", "RMS_NORM", "MUL_MAT", "SOFT_MAX", "ROPE",
-    "DIAG_MASK_INF", "FLASH_ATTN_EXT", "CPY", "CONT", "CONCAT", "SUM_ROWS", "MEAN", "ARGMAX", "REPEAT", "CLAMP", "PAD",
-)  # fmt: skip
+# Every op the kit covers: every compute op of the schema (view ops are exercised as inputs of these).
+ALL_OPS: tuple[str, ...] = schema.COMPUTE_OPS
 
-DEFAULT_MAX_NMSE = 1e-7
-MUL_MAT_MAX_NMSE = 5e-4
-FLASH_ATTN_MAX_NMSE = 5e-4
-SOFT_MAX_MAX_NMSE = 1e-6
+DEFAULT_MAX_NMSE = schema.NMSE_DEFAULT
+MUL_MAT_MAX_NMSE = schema.OPS["MUL_MAT"].max_nmse
+FLASH_ATTN_MAX_NMSE = schema.OPS["FLASH_ATTN_EXT"].max_nmse
+SOFT_MAX_MAX_NMSE = schema.OPS["SOFT_MAX"].max_nmse
 
 # Converting F32 values to a narrower type (see the module docstring for why these values).
 CONVERT_MAX_NMSE: dict[str, float] = {
@@ -199,7 +195,7 @@ def _lay(how: str) -> str:
 
 # -- case families ------------------------------------------------------------------------------------------------
 def _binary_cases() -> list[Case]:
-    fns = {"ADD": ops.add, "SUB": ops.sub, "MUL": ops.mul, "DIV": ops.div}
+    fns = {op: getattr(ops, op.lower()) for op in schema.BINARY_OPS}
     shapes: list[tuple[tuple[int, ...], tuple[int, ...], str, str]] = [
         ((1,), (1,), "cont", "cont"),
         ((7,), (7,), "cont", "cont"),
@@ -233,12 +229,12 @@ def _binary_cases() -> list[Case]:
 _UNARY_RANGES = {"SQRT": (0.1, 2.0), "LOG": (0.1, 2.0), "EXP": (-2.0, 2.0)}
 # Inputs whose results IEEE arithmetic fixes exactly (zeros, infinities, NaNs), for ops where that is unambiguous.
 _SPECIALS = np.array([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan, 100.0, -100.0, 1e-30], dtype=np.float32)
-_SPECIAL_OPS = ("SQR", "SQRT", "NEG", "ABS", "EXP", "LOG", "TANH")
+# RELU follows ggml (x > 0 ? x : 0): relu(NaN) is 0 on every ggml backend, so it is 0 here too.
+_SPECIAL_OPS = ("SQR", "SQRT", "NEG", "ABS", "EXP", "LOG", "TANH", "RELU")
 
 
 def _unary_cases() -> list[Case]:
-    fns = {"SQR": ops.sqr, "SQRT": ops.sqrt, "NEG": ops.neg, "ABS": ops.abs, "EXP": ops.exp, "LOG": ops.log,
-           "SILU": ops.silu, "GELU": ops.gelu, "RELU": ops.relu, "TANH": ops.tanh, "SIGMOID": ops.sigmoid}
+    fns = {op: getattr(ops, op.lower()) for op in schema.UNARY_OPS}
     layouts = [((1,), "cont"), ((7,), "cont"), ((33,), "cont"), ((4097,), "cont"), ((2, 3, 5, 33), "cont"),
                ((5, 7, 33), "perm"), ((7, 33), "view")]
     out = []
@@ -465,6 +461,20 @@ def _flash_attn_cases() -> list[Case]:
             if softcap:
                 desc += f",softcap={softcap}"
             out.append(Case("FLASH_ATTN_EXT", desc, types, make, max_nmse=FLASH_ATTN_MAX_NMSE))
+    # Queries whose every key is masked: ggml's CPU kernel divides by the softmax sum only when it is not 0, so such
+    # a row is all zeros (not NaN). Rows 0 and 5 (of 7) are fully masked, the others see a causal window.
+    for kvt, mt, nkv in ((F16, F16, 33), (F32, F32, 256)):
+        def make_fm(c: Ctx, kvt=kvt, mt=mt, nkv=nkv) -> Tensor:
+            q = c.rand((1, 4, 7, 64))
+            k = c.rand((1, 2, nkv, 64), kvt)
+            v = c.rand((1, 2, nkv, 64), kvt)
+            m = np.where(np.arange(nkv)[None, :] > nkv - 7 + np.arange(7)[:, None], -np.inf, 0.0)
+            m[[0, 5], :] = -np.inf
+            return ops.flash_attn_ext(q, k, v, c.input(m.astype(np.float32), mt), scale=0.125)
+
+        out.append(Case("FLASH_ATTN_EXT", f"q=[1,4,7,64],kv=[1,2,{nkv},64|64],mask=[7,{nkv}],rows 0 and 5 fully masked",
+                        f"F32,{kvt.name},{mt.name}", make_fm, max_nmse=FLASH_ATTN_MAX_NMSE,
+                        note="a fully masked row is zeros, as in ggml"))
     return out
 
 

@@ -26,7 +26,8 @@ from ..graph import Graph
 from ..quants import dequantize
 from ..registry import resolve_backends
 from ..sched import prepare
-from ..tensor import VIEW_OPS, Tensor
+from ..schema import VIEW_OPS
+from ..tensor import Tensor
 from .cases import ALL_OPS, Case, all_cases
 
 __all__ = ["Report", "Result", "compare", "nmse", "run_backend", "run_case", "to_float"]

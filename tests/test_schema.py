@@ -1,0 +1,100 @@
+"""The op schema is the one place ops are enumerated: everything else is derived from it or checked against it."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import ggml_py
+from ggml_py import alloc, native, schema
+from ggml_py.testing import ALL_OPS, cases
+
+ROOT = Path(__file__).resolve().parents[1]
+# the kernels themselves may name the ops they implement
+KERNEL_FILES = {"backends/ggml_py_numpy/kernels.py"}
+
+
+def test_numpy_kernels_are_exactly_the_compute_ops() -> None:
+    from ggml_py_numpy.kernels import KERNELS
+
+    assert set(KERNELS) == set(schema.COMPUTE_OPS)
+
+
+def test_derived_tables() -> None:
+    assert alloc.INPLACE_OPS == {o.name for o in schema.OPS_LIST if o.inplace}
+    assert set(ALL_OPS) == set(schema.COMPUTE_OPS)
+    assert len(set(schema.ABI_IDS.values())) == len(schema.ABI_IDS)  # ids are unique
+    for o in schema.OPS_LIST:  # parameters fit the ABI's slots
+        assert sum(p.n_slots for p in o.params) <= schema.MAX_OP_PARAMS
+
+
+def test_every_node_carries_exactly_its_schema_params() -> None:
+    """Every kit case builds its graph through ops.py, which asserts the params against the schema."""
+    seen = set()
+    for c in cases():
+        for t in c.build().outputs:
+            stack = [t]
+            while stack:
+                n = stack.pop()
+                if n.op and n.op not in schema.VIEW_OPS:
+                    assert tuple(n.params) == schema.OPS[n.op].param_names, n.op
+                    seen.add(n.op)
+                stack.extend(s for s in n.src if s is not None)
+    assert seen == set(schema.COMPUTE_OPS)
+
+
+def test_header_is_generated_from_the_schema() -> None:
+    text = (Path(ggml_py.get_include()) / "ggml_py" / "backend_abi.h").read_text()
+    assert schema.render_header(text) == text, "run `python -m ggml_py.schema header`"
+    f = native.ffi()
+    ids = {k.removeprefix("GGML_PY_OP_"): v for k, v in f.typeof("enum ggml_py_op").relements.items()}
+    assert {k: v for k, v in ids.items() if k not in ("NONE", "COUNT")} == schema.ABI_IDS
+    for o in schema.OPS_LIST:
+        for p in o.params:
+            assert native.const(f"GGML_PY_P_{o.name}_{p.name.upper()}") == o.slot(p.name)
+
+
+def test_docs_list_every_op_with_its_params() -> None:
+    text = (ROOT / "docs" / "ops.md").read_text()
+    for o in schema.OPS_LIST:
+        assert f"`{o.name}`" in text, f"docs/ops.md does not mention {o.name}"
+        for p in o.params:
+            assert f"`{p.name}`" in text, f"docs/ops.md does not mention {o.name}'s parameter {p.name}"
+
+
+# A choice of test data, not a definition: the unary ops whose results at 0, inf and NaN IEEE fixes exactly.
+SELECTIONS = {("ggml_py/testing/cases.py", "_SPECIAL_OPS")}
+
+
+def _literals_naming_ops(path: Path, rel: str) -> list[int]:
+    """Lines of tuple/list/set/dict literals that name 4 or more ops (an enumeration written by hand)."""
+    names = set(schema.OPS)
+    out = []
+    tree = ast.parse(path.read_text())
+    skip = {id(a.value) for a in ast.walk(tree) if isinstance(a, ast.Assign) and any(
+        isinstance(t, ast.Name) and (rel, t.id) in SELECTIONS for t in a.targets)}
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)):
+            elts = node.keys if isinstance(node, ast.Dict) else node.elts
+            found = {e.value for e in elts if isinstance(e, ast.Constant) and e.value in names}
+            if len(found) >= 4:
+                out.append(node.lineno)
+    return out
+
+
+def test_ops_are_enumerated_by_hand_in_one_place() -> None:
+    places = {}
+    assert _literals_naming_ops(ROOT / "backends/ggml_py_numpy/kernels.py", "")  # the check finds a real table
+    for folder in ("ggml_py", "backends"):
+        for path in (ROOT / folder).rglob("*.py"):
+            rel = str(path.relative_to(ROOT))
+            if rel not in KERNEL_FILES and _literals_naming_ops(path, rel):
+                places[rel] = _literals_naming_ops(path, rel)
+    assert places == {}, places  # schema.py itself is a table of OpDef(...) calls
+    # the C side takes its op ids and names from the generated header only
+    for path in (ROOT / "csrc").rglob("*"):
+        if path.suffix in (".h", ".cpp", ".c"):
+            assert not re.search(r'"(ADD|MUL_MAT|SOFT_MAX)"', path.read_text()), path
