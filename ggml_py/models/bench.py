@@ -131,7 +131,7 @@ def run(vs_llamacpp: bool = False, n_prompt: int = 128, n_gen: int = 64, threads
 
 # -- llama.cpp side --------------------------------------------------------------------------------------------
 _SIDE_SCRIPT = r"""
-import json, sys, time
+import json, resource, sys, time
 import numpy as np
 from llama_cpp import Llama
 a = json.loads(sys.argv[1])
@@ -153,7 +153,9 @@ toks, t0, st = greedy()
 prefill_s = st[0] - t0                     # prompt eval + first sample
 decode_s = st[-1] - st[0]                  # n_gen one-token evals (+ sampling)
 res = {"prefill_tok_s": len(ids) / prefill_s, "decode_tok_s": n_gen / decode_s, "tokens": toks,
-       "version": __import__("llama_cpp").__version__}
+       "version": __import__("llama_cpp").__version__,
+       # the same job as ours (before the logits_all run below, which holds every position's logits)
+       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 del llm
 llm = Llama(logits_all=True, **kw)
 seq = ids + toks[:-1]
@@ -227,7 +229,7 @@ def report(r: dict[str, Any]) -> str:
     if lc:
         lines += [
             f"  llama.cpp {lc.get('version')}: prefill {lc['prefill_tok_s']:.1f} tok/s, decode "
-            f"{lc['decode_tok_s']:.1f} tok/s",
+            f"{lc['decode_tok_s']:.1f} tok/s, peak RSS {lc.get('peak_rss_bytes', 0) / mb:.0f} MB",
             f"  ratio ggml_py/llama.cpp : prefill {r['prefill_ratio_vs_llamacpp']:.2f}x, decode "
             f"{r['decode_ratio_vs_llamacpp']:.2f}x",
             f"  greedy tokens identical : {r['greedy_tokens_identical']} (common prefix "

@@ -24,8 +24,12 @@ from ..errors import ModelError
 from ..sched import Plan, _place_static, prepare
 from ..symbolic import sym
 from ..tensor import PARAM
-from .llama import KVCache, LlamaHParams, LlamaWeights, StepGraph, build_step, causal_mask
+from .architecture import Architecture
+from .blocks import StepGraph
+from .hparams import HParams
+from .kv_cache import KVCache
 from .memory import require_memory
+from .weights import Weights
 
 log = logging.getLogger("ggml_py.models")
 
@@ -82,13 +86,14 @@ class _Progress:
 class Model:
     """A GGUF language model ready to run. Create it with `ggml_py.load_model`."""
 
-    def __init__(self, gguf: Any, hparams: LlamaHParams, weights: LlamaWeights, backends: list[Any], n_ctx: int,
-                 kv_type: dtypes.DType, graph_reuse: bool = True, tokenizer: Any = None,
+    def __init__(self, gguf: Any, arch: Architecture, hparams: HParams, weights: Weights, backends: list[Any],
+                 n_ctx: int, kv_type: dtypes.DType, graph_reuse: bool = True, tokenizer: Any = None,
                  tokenizer_error: Exception | None = None, progress: bool = True) -> None:
         self.gguf = gguf
         self.path: str = gguf.path
         self.metadata: dict[str, Any] = gguf.metadata
-        self.architecture: str = gguf.architecture or "?"
+        self.architecture: str = arch.name
+        self.arch = arch
         self.hparams = hparams
         self.weights = weights
         self.backends = backends
@@ -257,8 +262,8 @@ class Model:
                 self.plans_reused += 1
                 return p, False
         t0 = time.perf_counter()
-        g = build_step(self.hparams, self.weights, self.cache, n, self._n_kv_sym if self.graph_reuse else n_kv,
-                       last_only=key[1])
+        g = self.arch.build_step(self.hparams, self.weights, self.cache, n,
+                                 self._n_kv_sym if self.graph_reuse else n_kv, last_only=key[1])
         p = _Prepared(g, prepare(g.logits, backends=self.backends))
         self.prepare_s += time.perf_counter() - t0
         self.plans_prepared += 1
@@ -278,7 +283,8 @@ class Model:
             plan.set_input(g.tokens, ids)
             plan.set_input(g.pos, pos)
             plan.set_input(g.kv_idx, pos)  # cache row = position (one sequence)
-            plan.set_input(g.mask, self._zeros[:, :n_kv] if n == 1 else causal_mask(pos, n_kv))
+            for mask, values in g.masks(pos, n_kv, self._zeros):  # causal, and sliding-window if any layer slides
+                plan.set_input(mask, values)
             t0 = time.perf_counter()
             if self.graph_reuse:
                 plan.compute(n_kv=n_kv)

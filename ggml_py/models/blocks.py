@@ -1,0 +1,188 @@
+"""The shared blocks of a decoder-only transformer step, written once for every architecture: the step's inputs,
+the embedding, RMS norms, q/k/v projections (separate or fused, with optional biases and per-head norms), RoPE,
+attention over the KV cache (causal or sliding-window mask), gated FFNs (separate or fused gate/up), the output head.
+
+An architecture's module arranges these blocks into one layer (`LayerFn`); `build_step` runs the layers between the
+embedding and the head. Shapes are in numpy order: activations are (T, features), T the step's tokens.
+
+`n_kv` (the cache rows attention reads) is normally the symbol `sym("n_kv", n_ctx)` so that one prepared plan serves
+every position; the mask inputs `(T, n_kv)` bind it. A sliding window is a second mask input, never a rebuild.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import dtypes, ops
+from ..symbolic import Dim
+from ..tensor import Tensor, input
+from .hparams import HParams
+from .kv_cache import KVCache, causal_mask
+from .weights import Layer, Weights
+
+
+@dataclass
+class StepGraph:
+    """The tensors of one built forward step: its inputs and the logits output."""
+
+    n_tokens: int
+    last_only: bool
+    tokens: Tensor
+    pos: Tensor
+    kv_idx: Tensor
+    logits: Tensor
+    mask: Tensor | None  # causal; None when every layer slides
+    mask_swa: Tensor | None = None  # causal within the sliding window; None without sliding layers
+    n_swa: int = 0
+
+    def masks(self, pos: np.ndarray, n_kv: int, zeros: np.ndarray) -> list[tuple[Tensor, np.ndarray]]:
+        """The values of the mask inputs for queries at `pos` over `n_kv` cache rows. `zeros` is a (1, >= n_kv)
+        zero row, the causal mask of any one-token step (it sees every row), kept to allocate nothing per token."""
+        out = []
+        if self.mask is not None:
+            out.append((self.mask, zeros[:, :n_kv] if len(pos) == 1 else causal_mask(pos, n_kv)))
+        if self.mask_swa is not None:
+            out.append((self.mask_swa, causal_mask(pos, n_kv, self.n_swa)))
+        return out
+
+
+def _bias(x: Tensor, b: Tensor | None) -> Tensor:
+    return x if b is None else ops.add(x, b)
+
+
+class StepBuilder:
+    """Builds one forward step over `n_tokens` new tokens attending to the first `n_kv` cache rows."""
+
+    def __init__(self, hp: HParams, w: Weights, cache: KVCache, n_tokens: int, n_kv: Dim, last_only: bool) -> None:
+        self.hp, self.w, self.cache, self.T, self.n_kv = hp, w, cache, n_tokens, n_kv
+        self.last_only = last_only and n_tokens > 1
+        self.tokens = input((n_tokens,), dtypes.I32, name="tokens")
+        self.pos = input((n_tokens,), dtypes.I32, name="pos")
+        self.kv_idx = input((n_tokens,), dtypes.I32, name="kv_idx")  # cache rows to write
+        self._masks: dict[bool, Tensor] = {}
+
+    def mask(self, swa: bool) -> Tensor:
+        """The (T, n_kv) F32 mask input, made on first use: causal, or causal within the sliding window."""
+        if swa not in self._masks:
+            self._masks[swa] = input((self.T, self.n_kv), dtypes.F32, name="kq_mask_swa" if swa else "kq_mask")
+        return self._masks[swa]
+
+    # -- blocks ------------------------------------------------------------------------------------------------------
+    def embed(self) -> Tensor:
+        """(T, E): rows of token_embd (any weight type, dequantized row by row by get_rows), times embd_scale."""
+        x = ops.get_rows(self.w.tok_embd, self.tokens)
+        return x if self.hp.embd_scale == 1.0 else ops.scale(x, self.hp.embd_scale)
+
+    def norm(self, x: Tensor, w: Tensor) -> Tensor:
+        return ops.mul(ops.rms_norm(x, self.hp.rms_eps), w)
+
+    def linear(self, w: Tensor, x: Tensor, b: Tensor | None = None) -> Tensor:
+        return _bias(ops.mul_mat(w, x), b)
+
+    def qkv(self, ly: Layer, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q (T, H, D), k (T, Hk, D), v (T, Hk*Dv) from separate or fused projections."""
+        hp, T = self.hp, self.T
+        nq, nk, nv = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim, hp.n_head_kv * hp.head_dim_v
+        if ly.wqkv is not None:
+            qkv = self.linear(ly.wqkv, h, ly.bqkv)  # (T, nq + nk + nv): columns [q | k | v]
+            row = (nq + nk + nv) * 4
+            q = ops.cont(ops.view(qkv, (T, nq), (row, 4), 0))
+            k = ops.cont(ops.view(qkv, (T, nk), (row, 4), nq * 4))
+            v = ops.cont(ops.view(qkv, (T, nv), (row, 4), (nq + nk) * 4))
+        else:
+            assert ly.wq is not None and ly.wk is not None and ly.wv is not None
+            q = self.linear(ly.wq, h, ly.bq)
+            k = self.linear(ly.wk, h, ly.bk)
+            v = self.linear(ly.wv, h, ly.bv)
+        return ops.reshape(q, (T, hp.n_head, hp.head_dim)), ops.reshape(k, (T, hp.n_head_kv, hp.head_dim)), v
+
+    def attention(self, ly: Layer, il: int, h: Tensor) -> Tensor:
+        """Self-attention of layer il on the normed input h, before the output projection: (T, H*Dv).
+
+        q/k: per-head RMS norm (when the layer has one), then RoPE (the layer's base and scale); k and v are
+        written into the cache rows kv_idx, and attention reads a view of the written cache (so the write is
+        ordered before the read by the graph itself) of its first n_kv rows as (Hk, n_kv, D): heads are slices of
+        a row. flash_attn_ext reads the F16 cache directly and groups heads without copies.
+        """
+        hp, T, n_kv = self.hp, self.T, self.n_kv
+        Hk, D, Dv = hp.n_head_kv, hp.head_dim, hp.head_dim_v
+        q, k, v = self.qkv(ly, h)
+        if ly.q_norm is not None:
+            q = self.norm(q, ly.q_norm)
+        if ly.k_norm is not None:
+            k = self.norm(k, ly.k_norm)
+        base, fscale = hp.rope(il)
+        q = ops.rope(q, self.pos, hp.n_rot, hp.rope_mode, base, fscale)
+        k = ops.rope(k, self.pos, hp.n_rot, hp.rope_mode, base, fscale)
+        es = self.cache.dtype.type_size
+        k_all = ops.set_rows(self.cache.k[il], ops.reshape(k, (T, Hk * D)), self.kv_idx)
+        v_all = ops.set_rows(self.cache.v[il], v, self.kv_idx)
+        kv_k = ops.view(k_all, (Hk, n_kv, D), (D * es, Hk * D * es, es))
+        kv_v = ops.view(v_all, (Hk, n_kv, Dv), (Dv * es, Hk * Dv * es, es))
+        att = ops.flash_attn_ext(ops.permute(q, (1, 0, 2)), kv_k, kv_v, self.mask(hp.is_swa(il)),
+                                 scale=hp.attn_scale)  # (T, H, Dv)
+        return ops.reshape(att, (T, hp.n_head * Dv))
+
+    def keep_last(self, il: int, *ts: Tensor) -> tuple[Tensor, ...]:
+        """On the last layer of a last-only step, the last row of each (T, n) tensor; else the tensors unchanged.
+        Only the last token's logits are wanted then, so the rest of the layer and the head run on one row
+        (llama.cpp's inp_out_ids)."""
+        if not (self.last_only and il == self.hp.n_layer - 1):
+            return ts
+        T = self.T
+        return tuple(ops.view(t, (1, t.shape[-1]), offset=(T - 1) * t.shape[-1] * 4) for t in ts)
+
+    def ffn(self, ly: Layer, h: Tensor, act: str = "silu") -> Tensor:
+        """down(act(gate(h)) * up(h)); act is "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation). Without a
+        separate gate, `up` holds [gate; up] and the first half of its output gates the second."""
+        glu = ops.swiglu if act == "silu" else ops.geglu
+        if ly.gate is None:
+            ff = glu(ops.mul_mat(ly.up, h))
+        else:
+            ff = glu(ops.mul_mat(ly.gate, h), ops.mul_mat(ly.up, h))
+        return ops.mul_mat(ly.down, ff)
+
+    def finish(self, x: Tensor) -> StepGraph:
+        """The final norm, the head (token_embd when tied) and the optional soft cap; the StepGraph."""
+        hp = self.hp
+        logits = ops.mul_mat(self.w.output, self.norm(x, self.w.output_norm))
+        if hp.final_softcap > 0:
+            c = hp.final_softcap
+            logits = ops.scale(ops.tanh(ops.scale(logits, 1.0 / c)), c)
+        logits = logits.set_name("logits").set_output()
+        return StepGraph(self.T, self.last_only, self.tokens, self.pos, self.kv_idx, logits,
+                         self._masks.get(False), self._masks.get(True), hp.n_swa)
+
+
+# One transformer block of an architecture: (builder, its weights, layer index, input x (T, E)) -> output x.
+LayerFn = Callable[[StepBuilder, Layer, int, Tensor], Tensor]
+
+
+def build_step(hp: HParams, w: Weights, cache: KVCache, layer: LayerFn, n_tokens: int, n_kv: Dim,
+               last_only: bool = False) -> StepGraph:
+    """The graph of one forward step: embedding, the architecture's `layer` for every block, the head.
+
+    Inputs: tokens (T,) I32, pos (T,) I32, kv_idx (T,) I32, the mask(s) (T, n_kv) F32.
+    Output: logits (T, n_vocab), or (1, n_vocab) for the last token only when `last_only`.
+    """
+    b = StepBuilder(hp, w, cache, n_tokens, n_kv, last_only)
+    x = b.embed()
+    for il, ly in enumerate(w.layers):
+        x = layer(b, ly, il, x)
+    return b.finish(x)
+
+
+def pre_norm_layer(act: str = "silu") -> LayerFn:
+    """The llama-style block (llama, qwen2, qwen3, phi3 differ only in their tensors):
+    x += wo(attention(norm(x))); x += ffn(norm(x))."""
+
+    def layer(b: StepBuilder, ly: Layer, il: int, x: Tensor) -> Tensor:
+        att = b.attention(ly, il, b.norm(x, ly.attn_norm))
+        att, x = b.keep_last(il, att, x)
+        x = ops.add(x, b.linear(ly.wo, att, ly.bo))
+        return ops.add(x, b.ffn(ly, b.norm(x, ly.ffn_norm), act))
+
+    return layer

@@ -1,0 +1,151 @@
+"""Hyper-parameters of a decoder-only transformer, read from the `<arch>.*` GGUF keys.
+
+Every architecture reads the same core keys (sizes, heads, norms, rope); an architecture module passes what differs
+(its rope mode, its sliding-window layout, its attention scale, ...) to `read_hparams`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import ModelError
+
+
+def _per_layer(v: Any, key: str, path: str) -> int:
+    """Keys such as head_count_kv may be arrays (one value per layer); ggml_py needs them uniform."""
+    if isinstance(v, list | np.ndarray):  # GGUF numeric arrays load as numpy arrays
+        if isinstance(v, np.ndarray):
+            v = v.tolist() if v.ndim == 1 and v.dtype.kind in "iu" else [v]
+        if not v or any(x != v[0] for x in v):
+            raise ModelError(f"{path}: {key} varies per layer ({v[:8]}...), which ggml_py does not support")
+        v = v[0]
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ModelError(f"{path}: {key} must be a positive integer, got {v!r}")
+    return int(v)
+
+
+def _positive(v: Any, key: str, path: str, hi: float = math.inf) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= hi or not math.isfinite(v):
+        what = "a positive number" if hi == math.inf else f"a number in (0, {hi:g}]"
+        raise ModelError(f"{path}: {key} must be {what}, got {v!r}")
+    return float(v)
+
+
+class Meta:
+    """The `<arch>.*` metadata keys of one file, read with validation and errors naming the file and the key."""
+
+    def __init__(self, meta: dict[str, Any], arch: str, path: str) -> None:
+        self.meta, self.arch, self.path = meta, arch, path
+
+    def has(self, key: str) -> bool:
+        return f"{self.arch}.{key}" in self.meta
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.meta.get(f"{self.arch}.{key}", default)
+
+    def int_key(self, key: str, default: int | None = None) -> int:
+        v = self.get(key, default)
+        if v is None:
+            raise ModelError(f"{self.path}: missing metadata key {self.arch + '.' + key!r}")
+        return _per_layer(v, key, self.path)
+
+    def float_key(self, key: str, default: float | None = None, hi: float = math.inf) -> float:
+        """A positive finite number, at most `hi`."""
+        v = self.get(key, default)
+        if v is None:
+            raise ModelError(f"{self.path}: missing metadata key {self.arch + '.' + key!r}")
+        return _positive(v, key, self.path, hi)
+
+
+@dataclass(frozen=True)
+class HParams:
+    """What the graph of one step needs to know about the model."""
+
+    arch: str
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_layer: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    head_dim_v: int
+    n_rot: int
+    rms_eps: float
+    rope_mode: int  # ops.ROPE_NORMAL (adjacent pairs) or ops.ROPE_NEOX (halves)
+    rope_freq_base: float
+    rope_freq_scale: float
+    attn_scale: float  # multiplies q·k before the softmax
+    n_swa: int = 0  # sliding window: a query at p sees keys at p - n_swa < j <= p on the sliding layers; 0 = none
+    swa_layers: tuple[bool, ...] = ()  # per layer: does it use the sliding window
+    rope_freq_base_swa: float = 10000.0  # the sliding layers' own rope (gemma3: local layers 10k, global 1M)
+    rope_freq_scale_swa: float = 1.0
+    embd_scale: float = 1.0  # the token embeddings are multiplied by this (gemma: sqrt(n_embd))
+    final_softcap: float = 0.0  # logits = c * tanh(logits / c) when > 0
+
+    def is_swa(self, il: int) -> bool:
+        return self.n_swa > 0 and bool(self.swa_layers) and self.swa_layers[il]
+
+    def rope(self, il: int) -> tuple[float, float]:
+        """(freq_base, freq_scale) of layer il."""
+        if self.is_swa(il):
+            return self.rope_freq_base_swa, self.rope_freq_scale_swa
+        return self.rope_freq_base, self.rope_freq_scale
+
+
+def swa_pattern(m: Meta, n_layer: int, default_period: int) -> tuple[bool, ...]:
+    """Which layers slide, as llama.cpp reads `attention.sliding_window_pattern`: an array of booleans (one per
+    layer), or a period N (every Nth layer, the last of each group of N, is global); N = 0 means every layer slides."""
+    v = m.get("attention.sliding_window_pattern", default_period)
+    if isinstance(v, list):
+        if len(v) != n_layer or not all(isinstance(x, bool) for x in v):
+            raise ModelError(f"{m.path}: attention.sliding_window_pattern must have one boolean per layer")
+        return tuple(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ModelError(f"{m.path}: attention.sliding_window_pattern must be a non-negative integer, got {v!r}")
+    return tuple(v == 0 or il % v < v - 1 for il in range(n_layer))
+
+
+def read_hparams(meta: dict[str, Any], arch: str, path: str, n_vocab: int, *, rope_mode: int,
+                 **arch_specific: Any) -> HParams:
+    """The core keys every architecture has, plus the architecture's own values in `arch_specific` (HParams
+    fields). rope scaling: none or linear."""
+    m = Meta(meta, arch, path)
+    n_embd = m.int_key("embedding_length")
+    n_head = m.int_key("attention.head_count")
+    n_head_kv = m.int_key("attention.head_count_kv", n_head)
+    if n_head % n_head_kv:
+        raise ModelError(f"{path}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
+    if n_embd % n_head and not m.has("attention.key_length"):
+        raise ModelError(f"{path}: embedding_length {n_embd} is not a multiple of head_count {n_head}")
+    head_dim = m.int_key("attention.key_length", n_embd // n_head)
+    head_dim_v = m.int_key("attention.value_length", head_dim)
+    n_rot = m.int_key("rope.dimension_count", head_dim)
+    if n_rot % 2 or n_rot > head_dim:
+        raise ModelError(f"{path}: rope.dimension_count {n_rot} must be even and at most the head size {head_dim}")
+    scale = 1.0
+    stype = m.get("rope.scaling.type")
+    factor = m.get("rope.scaling.factor", m.get("rope.scale_linear"))
+    if not isinstance(stype, str | None) or stype not in (None, "none", "linear"):
+        raise ModelError(f"{path}: rope scaling type {stype!r} is not supported (supported: none, linear)")
+    if factor is not None and (not isinstance(factor, int | float) or isinstance(factor, bool)
+                               or not math.isfinite(factor) or factor < 0):
+        raise ModelError(f"{path}: rope scaling factor must be a finite number >= 0 (0: none), got {factor!r}")
+    if factor and stype in (None, "linear") and float(factor) != 1.0:
+        scale = 1.0 / float(factor)
+    values: dict[str, Any] = dict(
+        arch=arch, n_vocab=n_vocab, n_ctx_train=m.int_key("context_length"), n_embd=n_embd,
+        n_layer=m.int_key("block_count"), n_ff=m.int_key("feed_forward_length"), n_head=n_head, n_head_kv=n_head_kv,
+        head_dim=head_dim, head_dim_v=head_dim_v, n_rot=n_rot,
+        # an eps of 1 already swamps a unit-variance activation; 1e300 would make every norm output 0 in float32
+        rms_eps=m.float_key("attention.layer_norm_rms_epsilon", 1e-5, hi=1.0), rope_mode=rope_mode,
+        rope_freq_base=m.float_key("rope.freq_base", 10000.0, hi=1e30), rope_freq_scale=scale,
+        attn_scale=1.0 / math.sqrt(head_dim),
+    )
+    values.update(arch_specific)
+    return HParams(**values)

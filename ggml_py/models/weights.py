@@ -1,0 +1,149 @@
+"""The weights of a decoder-only transformer, wrapped zero-copy from the GGUF memory map with checked names, shapes and
+types. The fields are the union over the architectures; each architecture's module says which it loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import dtypes
+from ..dtypes import DType
+from ..errors import ModelError
+from ..tensor import Tensor, weight
+from .hparams import HParams
+
+F32_ONLY = (dtypes.F32,)  # norms and biases
+
+
+@dataclass
+class Layer:
+    """One transformer block. q/k/v come either separately (wq, wk, wv) or fused (wqkv); gate/up either separately
+    (gate, up) or fused in `up` (gate = None, `up` then has 2 * n_ff rows: gate first, as llama.cpp's phi3)."""
+
+    attn_norm: Tensor
+    wo: Tensor
+    ffn_norm: Tensor
+    up: Tensor
+    down: Tensor
+    wq: Tensor | None = None
+    wk: Tensor | None = None
+    wv: Tensor | None = None
+    wqkv: Tensor | None = None
+    bq: Tensor | None = None
+    bk: Tensor | None = None
+    bv: Tensor | None = None
+    bqkv: Tensor | None = None
+    bo: Tensor | None = None
+    q_norm: Tensor | None = None  # per-head RMS norms of q and k (qwen3, gemma3)
+    k_norm: Tensor | None = None
+    attn_post_norm: Tensor | None = None  # norms of the attention and FFN outputs before the residual (gemma3)
+    ffn_post_norm: Tensor | None = None
+    gate: Tensor | None = None
+
+
+@dataclass
+class Weights:
+    tok_embd: Tensor
+    output_norm: Tensor
+    output: Tensor  # is tok_embd when the head is tied
+    layers: list[Layer]
+    tied: bool
+    type_counts: dict[str, int] = field(default_factory=dict)
+
+    def all(self) -> list[Tensor]:
+        out = [self.tok_embd, self.output_norm] + ([] if self.tied else [self.output])
+        for ly in self.layers:
+            out += [t for t in vars(ly).values() if t is not None]
+        return out
+
+
+class TensorReader:
+    """Looks up GGUF tensors by name, checks their shape (numpy order: rows first) and type, wraps them as weights."""
+
+    def __init__(self, gf: Any) -> None:
+        self.gf = gf
+        self.path: str = gf.path
+        self.counts: dict[str, int] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self.gf.tensors
+
+    def get(self, name: str, shape: tuple[int, ...], allowed: tuple[DType, ...] = dtypes.WEIGHT_TYPES,
+            required: bool = True) -> Tensor | None:
+        info = self.gf.tensors.get(name)
+        if info is None:
+            if required:
+                raise ModelError(f"{self.path}: missing tensor {name!r}")
+            return None
+        if tuple(info.shape) != shape:
+            raise ModelError(f"{self.path}: tensor {name!r} has shape {list(info.shape)}, expected {list(shape)} "
+                             "from the metadata")
+        if info.dtype not in allowed:
+            raise ModelError(f"{self.path}: tensor {name!r} has type {info.dtype}, which this model cannot use here "
+                             f"(supported: {', '.join(map(str, allowed))})")
+        self.counts[info.dtype.name] = self.counts.get(info.dtype.name, 0) + 1
+        return weight(self.gf.data(name), info.dtype, info.shape, name=name)
+
+    def need(self, name: str, shape: tuple[int, ...], allowed: tuple[DType, ...] = dtypes.WEIGHT_TYPES) -> Tensor:
+        t = self.get(name, shape, allowed)
+        assert t is not None
+        return t
+
+    def norm(self, name: str, n: int, required: bool = True) -> Tensor | None:
+        return self.get(name, (n,), F32_ONLY, required)
+
+    def refuse(self, unsupported: dict[str, str]) -> None:
+        """Refuse a file that has a tensor the graph would ignore (it would compute something else)."""
+        for name, what in unsupported.items():
+            if any(n == name or n.endswith("." + name) for n in self.gf.tensors):
+                raise ModelError(f"{self.path}: tensor {name!r} ({what}) is not supported by ggml_py")
+
+
+# -- the blocks' tensors, as llama.cpp names them ------------------------------------------------------------------
+def attention_tensors(r: TensorReader, hp: HParams, i: int, *, qk_norm: bool = False) -> dict[str, Tensor | None]:
+    """attn_norm, q/k/v (separate, or fused attn_qkv when the file has it, as llama.cpp accepts for any
+    architecture) with optional biases, attn_output (+ optional bias), and the per-head q/k norms when `qk_norm`."""
+    p = f"blk.{i}."
+    E, H, Hk, D, Dv = hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v
+    nq, nk, nv = H * D, Hk * D, Hk * Dv
+    t: dict[str, Tensor | None] = {"attn_norm": r.norm(p + "attn_norm.weight", E),
+                                   "wo": r.need(p + "attn_output.weight", (E, H * Dv)),
+                                   "bo": r.norm(p + "attn_output.bias", E, required=False)}
+    if r.has(p + "attn_qkv.weight"):
+        t["wqkv"] = r.need(p + "attn_qkv.weight", (nq + nk + nv, E))
+        t["bqkv"] = r.norm(p + "attn_qkv.bias", nq + nk + nv, required=False)
+    else:
+        t["wq"] = r.need(p + "attn_q.weight", (nq, E))
+        t["wk"] = r.need(p + "attn_k.weight", (nk, E))
+        t["wv"] = r.need(p + "attn_v.weight", (nv, E))
+        t["bq"] = r.norm(p + "attn_q.bias", nq, required=False)
+        t["bk"] = r.norm(p + "attn_k.bias", nk, required=False)
+        t["bv"] = r.norm(p + "attn_v.bias", nv, required=False)
+    if qk_norm:
+        t["q_norm"] = r.norm(p + "attn_q_norm.weight", D)
+        t["k_norm"] = r.norm(p + "attn_k_norm.weight", D)
+    return t
+
+
+def ffn_tensors(r: TensorReader, hp: HParams, i: int, *, fused_gate_up: bool = False) -> dict[str, Tensor | None]:
+    """ffn_norm, ffn_gate/ffn_up/ffn_down; with `fused_gate_up`, ffn_up holds [gate; up] (2 * n_ff rows)."""
+    p = f"blk.{i}."
+    E, F = hp.n_embd, hp.n_ff
+    t: dict[str, Tensor | None] = {"ffn_norm": r.norm(p + "ffn_norm.weight", E),
+                                   "down": r.need(p + "ffn_down.weight", (E, F))}
+    if fused_gate_up:
+        t["up"] = r.need(p + "ffn_up.weight", (2 * F, E))
+    else:
+        t["gate"] = r.need(p + "ffn_gate.weight", (F, E))
+        t["up"] = r.need(p + "ffn_up.weight", (F, E))
+    return t
+
+
+def model_tensors(r: TensorReader, hp: HParams, layers: list[Layer]) -> Weights:
+    """token_embd (any weight type, read with get_rows), output_norm, output (absent: tied to token_embd)."""
+    E, V = hp.n_embd, hp.n_vocab
+    tok = r.need("token_embd.weight", (V, E))
+    out_norm = r.norm("output_norm.weight", E)
+    output = r.get("output.weight", (V, E), required=False)
+    assert out_norm is not None
+    return Weights(tok, out_norm, output if output is not None else tok, layers, output is None, r.counts)

@@ -1,0 +1,124 @@
+"""Tiny random GGUF models of every supported architecture, written with gguf.GGUFWriter the way llama.cpp's converter
+names and shapes the tensors, so that llama.cpp can run the same file (tests/test_architectures.py compares).
+
+The shapes are chosen so that every weight row is a multiple of 256 (every K-quant fits) and, for gemma3, the head
+size (key_length) differs from n_embd / n_head and two layers of different kinds (sliding, global) exist.
+"""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from model_factory import CHATML, _store, tiny_vocab
+
+# per architecture: what its tensors and keys look like (facts from llama.cpp's src/models/<arch>.cpp)
+QK_NORM = {"qwen3", "gemma3"}
+QKV_BIAS = {"qwen2"}
+FUSED = {"phi3"}  # attn_qkv and ffn_up = [gate; up]
+POST_NORMS = {"gemma3"}
+# control tokens llama.cpp's vocabulary loader needs for an architecture (phi3: without these it stops with
+# "unordered_map::at"; found by trial, the exact one was not isolated)
+EXTRA_SPECIALS = {"phi3": ["<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<s>", "</s>", "<unk>"]}
+
+
+def write_tiny(path: str | os.PathLike[str], arch: str, *, seed: int = 0, n_embd: int = 256, n_layer: int = 2,
+               n_head: int = 4, n_head_kv: int = 2, head_dim: int | None = None, n_ff: int = 512,
+               weight_type: QT = QT.F32, embd_type: QT = QT.F32, output_type: QT | None = None,
+               n_ctx_train: int = 512, rope_base: float = 10000.0, n_swa: int = 0,
+               swa_pattern: int | None = None, rope_base_swa: float | None = None,
+               final_softcap: float = 0.0, extra_tensors: dict[str, np.ndarray] | None = None) -> str:
+    """Write a random `arch` model to `path`; return the path. output_type None ties the head to the embedding.
+    n_swa > 0 writes `attention.sliding_window` (gemma3: local layers; llama: every layer). extra_tensors are
+    written as they are (to test refusals)."""
+    rng = np.random.default_rng(seed)
+    tokens, types, merges = tiny_vocab()
+    extra = EXTRA_SPECIALS.get(arch, [])
+    tokens, types = tokens + extra, types + [3] * len(extra)
+    V, E, H, Hk, F = len(tokens), n_embd, n_head, n_head_kv, n_ff
+    D = head_dim or E // H
+    path = os.fspath(path)
+    w = gguf.GGUFWriter(path, arch)
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(E)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(F)
+    w.add_head_count(H)
+    w.add_head_count_kv(Hk)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(rope_base)
+    w.add_rope_dimension_count(D)
+    if head_dim:
+        w.add_key_length(D)
+        w.add_value_length(D)
+    if n_swa:
+        w.add_sliding_window(n_swa)
+    if swa_pattern is not None:
+        w.add_uint32(f"{arch}.attention.sliding_window_pattern", swa_pattern)
+    if rope_base_swa is not None:
+        w.add_float32(f"{arch}.rope.freq_base_swa", rope_base_swa)
+    if final_softcap:
+        w.add_final_logit_softcapping(final_softcap)
+    w.add_vocab_size(V)
+    w.add_name(f"tiny-{arch}")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+
+    def rnd(*shape: int, scale: float | None = None) -> np.ndarray:
+        s = scale if scale is not None else 1.0 / np.sqrt(shape[-1])
+        return (rng.standard_normal(shape) * s).astype(np.float32)
+
+    def norm(name: str, n: int) -> None:
+        _store(w, name, 1.0 + 0.1 * rnd(n, scale=1.0), QT.F32)
+
+    def mat(name: str, rows: int, cols: int, qtype: QT = weight_type) -> None:
+        _store(w, name, rnd(rows, cols), qtype)
+
+    _store(w, "token_embd.weight", rnd(V, E, scale=1.0), embd_type)
+    norm("output_norm.weight", E)
+    if output_type is not None:
+        mat("output.weight", V, E, output_type)
+    nq, nk = H * D, Hk * D
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        norm(p + "attn_norm.weight", E)
+        if arch in FUSED:
+            mat(p + "attn_qkv.weight", nq + 2 * nk, E)
+        else:
+            mat(p + "attn_q.weight", nq, E)
+            mat(p + "attn_k.weight", nk, E)
+            mat(p + "attn_v.weight", nk, E)
+        if arch in QKV_BIAS:
+            for t, n in (("q", nq), ("k", nk), ("v", nk)):
+                _store(w, p + f"attn_{t}.bias", rnd(n, scale=0.5), QT.F32)
+        if arch in QK_NORM:
+            norm(p + "attn_q_norm.weight", D)
+            norm(p + "attn_k_norm.weight", D)
+        mat(p + "attn_output.weight", E, nq)
+        norm(p + "ffn_norm.weight", E)
+        if arch in FUSED:
+            mat(p + "ffn_up.weight", 2 * F, E)
+        else:
+            mat(p + "ffn_gate.weight", F, E)
+            mat(p + "ffn_up.weight", F, E)
+        mat(p + "ffn_down.weight", E, F)
+        if arch in POST_NORMS:
+            norm(p + "post_attention_norm.weight", E)
+            norm(p + "post_ffw_norm.weight", E)
+    for name, data in (extra_tensors or {}).items():
+        w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
