@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import struct
 import subprocess
 import sys
@@ -136,14 +135,19 @@ def test_templates_still_render() -> None:
 def test_template_bomb_from_the_cli(tiny_bytes: bytes, tmp_path: Path) -> None:
     p = _edit(tiny_bytes, tmp_path / "bomb.gguf",
               tokenizer__chat_template=(C.T_STRING, C.enc_string("{{ 'x' * 10**10 }}")))
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    # the child reports its own peak RSS (RUSAGE_CHILDREN would include every earlier child of this process)
+    script = ("import resource, sys\nfrom ggml_py.cli import main\ncode = main(sys.argv[1:])\n"
+              "print('peak_rss_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+              "raise SystemExit(code)")
     t0 = time.perf_counter()
-    code, out, err = _cli("generate", "-m", str(p), "--chat", "-p", "hi", "-n", "1", "--backend", PREFERRED)
-    assert code == 1 and time.perf_counter() - t0 < 60
-    line = _one_error_line(err)
+    r = subprocess.run([sys.executable, "-c", script, "generate", "-m", str(p), "--chat", "-p", "hi", "-n", "1",
+                        "--backend", PREFERRED], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert r.returncode == 1 and time.perf_counter() - t0 < 60
+    line = _one_error_line(r.stderr)
     assert "tokenizer.chat_template" in line and "bomb.gguf" in line and "render limit" in line
-    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    assert max(before, after) < 1024 * 1024  # KiB: the child stayed under 1 GiB
+    peak = int(r.stderr.split("peak_rss_kib")[1].split()[0])
+    assert peak < 1024 * 1024  # KiB: the child stayed under 1 GiB
 
 
 # -- row 3: numeric metadata arrays as numpy, bounded nesting --------------------------------------------------------
