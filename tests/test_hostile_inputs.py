@@ -135,10 +135,11 @@ def test_templates_still_render() -> None:
 def test_template_bomb_from_the_cli(tiny_bytes: bytes, tmp_path: Path) -> None:
     p = _edit(tiny_bytes, tmp_path / "bomb.gguf",
               tokenizer__chat_template=(C.T_STRING, C.enc_string("{{ 'x' * 10**10 }}")))
-    # the child reports its own peak RSS (RUSAGE_CHILDREN would include every earlier child of this process)
-    script = ("import resource, sys\nfrom ggml_py.cli import main\ncode = main(sys.argv[1:])\n"
-              "print('peak_rss_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
-              "raise SystemExit(code)")
+    # the child reports its own peak RSS: VmHWM of its memory map (ru_maxrss would count the RSS of this pytest
+    # process, which the child was forked from, and RUSAGE_CHILDREN every earlier child of this process)
+    script = ("import sys\nfrom ggml_py.cli import main\ncode = main(sys.argv[1:])\n"
+              "hwm = [ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('VmHWM:')][0]\n"
+              "print('peak_rss_kib', hwm, file=sys.stderr)\nraise SystemExit(code)")
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", script, "generate", "-m", str(p), "--chat", "-p", "hi", "-n", "1",
                         "--backend", PREFERRED], capture_output=True, text=True, timeout=120,

@@ -54,8 +54,14 @@ def _greedy(model: Any, ids: list[int], n_gen: int) -> tuple[list[int], dict[str
 
 
 def peak_rss_bytes() -> int:
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(r) * (1 if sys.platform == "darwin" else 1024)
+    """This process's peak RSS: VmHWM of its own memory map where Linux tells it (ru_maxrss also counts the RSS of
+    the process it was forked from)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) * 1024
+    except (OSError, StopIteration, ValueError):
+        r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(r) * (1 if sys.platform == "darwin" else 1024)
 
 
 def run(vs_llamacpp: bool = False, n_prompt: int = 128, n_gen: int = 64, threads: int = 2, json: bool = False,
@@ -155,7 +161,9 @@ decode_s = st[-1] - st[0]                  # n_gen one-token evals (+ sampling)
 res = {"prefill_tok_s": len(ids) / prefill_s, "decode_tok_s": n_gen / decode_s, "tokens": toks,
        "version": __import__("llama_cpp").__version__,
        # the same job as ours (before the logits_all run below, which holds every position's logits)
-       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+       # VmHWM: this process's own peak (ru_maxrss would include the RSS of the bench process it was forked from)
+       "peak_rss_bytes": next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
+       * 1024}
 del llm
 llm = Llama(logits_all=True, **kw)
 seq = ids + toks[:-1]
