@@ -199,8 +199,8 @@ class Model:
             self.n_past = 0
 
     def reset_timings(self) -> None:
-        self._t = {"prefill_tokens": 0, "prefill_s": 0.0, "prefill_compute_s": 0.0,
-                   "decode_tokens": 0, "decode_s": 0.0, "decode_compute_s": 0.0,
+        self._t = {"prefill_tokens": 0, "prefill_s": 0.0, "prefill_compute_s": 0.0, "prefill_prepare_s": 0.0,
+                   "decode_tokens": 0, "decode_s": 0.0, "decode_compute_s": 0.0, "decode_prepare_s": 0.0,
                    "sample_s": 0.0, "generate_s": 0.0, "generated_tokens": 0}
 
     def _check_ids(self, ids: Any, n_past: int | None = None, check_ctx: bool = True) -> np.ndarray:
@@ -235,7 +235,7 @@ class Model:
 
     def _forward(self, ids: np.ndarray, last_only: bool, kind: str) -> np.ndarray:
         t0 = time.perf_counter()
-        prepare0 = self.prepare_s  # preparing a plan (once per shape) is reported apart, not as a step's time
+        prepare0 = self.prepare_s
         compute = 0.0
         outs = []
         sizes = batch_sizes(ids.size)
@@ -248,10 +248,11 @@ class Model:
                 outs.append(logits)
             start += n
         out = outs[0] if len(outs) == 1 else np.concatenate(outs, axis=0)
-        dt = time.perf_counter() - t0 - (self.prepare_s - prepare0)
+        dt = time.perf_counter() - t0
         self._t[f"{kind}_tokens"] += int(ids.size)
         self._t[f"{kind}_s"] += dt
         self._t[f"{kind}_compute_s"] += compute
+        self._t[f"{kind}_prepare_s"] += self.prepare_s - prepare0  # plans prepared during these steps
         return out
 
     def _get(self, n: int, last: bool, n_kv: int) -> tuple[_Prepared, bool]:
@@ -378,13 +379,15 @@ class Model:
     @property
     def timings(self) -> dict[str, Any]:
         """Since the last generate / reset_timings: tokens, seconds, tok/s of prefill and decode, and
-        host_overhead_frac = share of decode step time spent outside plan.compute (inputs, outputs, Python). Step
-        times leave out preparing plans (prepare_s: once per shape, the first prefill and the first decode step)."""
+        host_overhead_frac = share of a prepared decode step's time spent outside plan.compute (inputs, outputs,
+        Python). decode_s is wall time and includes any plan prepared during the steps (decode_prepare_s: with graph
+        reuse only the first decode step's; without, every step's), which the overhead leaves out."""
         t = dict(self._t)
         t["prefill_tok_s"] = t["prefill_tokens"] / t["prefill_s"] if t["prefill_s"] else 0.0
         t["decode_tok_s"] = t["decode_tokens"] / t["decode_s"] if t["decode_s"] else 0.0
-        t["host_overhead_frac"] = 1.0 - t["decode_compute_s"] / t["decode_s"] if t["decode_s"] else 0.0
-        t["prefill_host_overhead_frac"] = 1.0 - t["prefill_compute_s"] / t["prefill_s"] if t["prefill_s"] else 0.0
+        for kind, key in (("decode", "host_overhead_frac"), ("prefill", "prefill_host_overhead_frac")):
+            prepared_step_s = t[f"{kind}_s"] - t[f"{kind}_prepare_s"]
+            t[key] = 1.0 - t[f"{kind}_compute_s"] / prepared_step_s if prepared_step_s > 0 else 0.0
         # the whole loop as a user sees it: decode steps + sampling + detokenization
         t["generate_tok_s"] = t["generated_tokens"] / t["generate_s"] if t["generate_s"] else 0.0
         t["plans_prepared"] = self.plans_prepared
