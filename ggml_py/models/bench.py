@@ -65,7 +65,7 @@ def peak_rss_bytes() -> int:
 
 
 def run(vs_llamacpp: bool = False, n_prompt: int = 128, n_gen: int = 64, threads: int = 2, json: bool = False,
-        backend: str | None = None, model: str | None = None, **_: Any) -> dict[str, Any]:
+        backend: str | None = None, model: str | None = None, profile: bool = False, **_: Any) -> dict[str, Any]:
     """Measure and return the figures (see the module docstring). Progress goes to stderr."""
     from . import load_model
 
@@ -81,6 +81,8 @@ def run(vs_llamacpp: bool = False, n_prompt: int = 128, n_gen: int = 64, threads
         toks, t = _greedy(m, ids, n_gen)
         _log(f"  reuse    : prefill {t['prefill_tok_s']:.1f} tok/s, decode {t['decode_tok_s']:.1f} tok/s, "
              f"host overhead {100 * t['host_overhead_frac']:.1f}%")
+        # where a decode step's time goes: the decode plan again, with the last step's inputs and bindings
+        prof = m._plans[(1, False)].plan.profile(computes=20) if profile else None
         prepared_before = m.plans_prepared
         m.graph_reuse = False
         try:
@@ -107,6 +109,8 @@ def run(vs_llamacpp: bool = False, n_prompt: int = 128, n_gen: int = 64, threads
             "rss_within_budget": rss <= file_bytes + kv_bytes + 300 * 2**20,
             "tokens": toks, "text": m.detokenize(toks),
         }
+        if prof is not None:
+            res["decode_profile"] = prof
         if vs_llamacpp:
             res["llamacpp"] = lc = run_llamacpp(m.path, ids, n_gen, threads, n_ctx=m.n_ctx)
             res["decode_ratio_vs_llamacpp"] = t["decode_tok_s"] / lc["decode_tok_s"] if lc["decode_tok_s"] else None
@@ -233,6 +237,13 @@ def report(r: dict[str, Any]) -> str:
         f"  peak RSS {r['peak_rss_bytes'] / mb:.0f} MB (budget file + KV + 300 MB = "
         f"{r['rss_budget_bytes'] / mb:.0f} MB: {'ok' if r['rss_within_budget'] else 'OVER'})",
     ]
+    prof = r.get("decode_profile")
+    if prof:
+        step = prof["seconds_per_compute"]
+        lines.append(f"  decode step profile     : {1e3 * step:.2f} ms per compute, host "
+                     f"{1e6 * prof['host_seconds_per_compute']:.0f} us, {len(prof['splits'])} split(s)")
+        lines += [f"    {op:<16} {1e3 * sec:7.3f} ms  {100 * sec / step:5.1f}%" for op, sec in prof["by_op"].items()]
+        lines += [f"  warning: {w}" for w in prof["warnings"]]
     lc = r.get("llamacpp")
     if lc:
         lines += [
