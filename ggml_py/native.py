@@ -322,18 +322,19 @@ def _flags(t: Tensor) -> int:
     return (t.flags | root.flags) & (INPUT | OUTPUT | PARAM | STATE)
 
 
-def _ggml_order(values: Sequence[Any], inner: Any) -> list[Any]:
-    """numpy-order per-dim values reversed into ggml order, padded to MAX_DIMS (`inner` for a 0-d tensor)."""
-    out = list(reversed(values)) or [inner]
-    return out + [None] * (schema.MAX_DIMS - len(out))
+def _ggml_layout(shape: Sequence[Any], strides: Sequence[Any], itemsize: int) -> tuple[list[Any], list[Any]]:
+    """ne/nb (ints or affine expressions) in ggml order: numpy order reversed, padded to MAX_DIMS with dims of 1
+    whose stride continues the last one (a 0-d tensor is one element)."""
+    ne, nb = list(reversed(shape)) or [1], list(reversed(strides)) or [itemsize]
+    while len(ne) < schema.MAX_DIMS:
+        nb.append(nb[-1] * ne[-1])
+        ne.append(1)
+    return ne, nb
 
 
 def _write_layout(tc: Any, shape: Sequence[int], strides: Sequence[int], itemsize: int) -> None:
-    """ne/nb in ggml order: unused outer dims 1, their stride continuing the last one."""
-    ne, nb = _ggml_order(shape, 1), _ggml_order(strides, itemsize)
+    ne, nb = _ggml_layout(shape, strides, itemsize)
     for k in range(schema.MAX_DIMS):
-        if ne[k] is None:
-            ne[k], nb[k] = 1, nb[k - 1] * ne[k - 1]
         tc.ne[k] = ne[k]
         tc.nb[k] = nb[k]
 
@@ -444,10 +445,8 @@ class _NativePlan:
             keep.extend((tc, name))
             if symbolic:
                 lay = f.new("ggml_py_symbolic_layout *")
-                shape, strides = _ggml_order(t.shape, 1), _ggml_order(t.strides, t.dtype.type_size)
+                shape, strides = _ggml_layout(t.shape, t.strides, t.dtype.type_size)
                 for k in range(schema.MAX_DIMS):
-                    if shape[k] is None:  # an unused outer dim: 1, its stride continuing the last one
-                        shape[k], strides[k] = 1, strides[k - 1] * shape[k - 1]
                     _write_affine(lay.ne[k], shape[k], index, t.name)
                     _write_affine(lay.nb[k], strides[k], index, t.name)
                 _write_affine(lay.offset, off, index, t.name)

@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from model_factory import CHATML, _store, tiny_vocab
+from model_factory import _store, add_tiny_tokenizer, tiny_vocab
 
 # per architecture: what its tensors and keys look like (facts from llama.cpp's src/models/<arch>.cpp)
 QK_NORM = {"qwen3", "gemma3"}
@@ -64,15 +64,7 @@ def write_tiny(path: str | os.PathLike[str], arch: str, *, seed: int = 0, n_embd
         w.add_final_logit_softcapping(final_softcap)
     w.add_vocab_size(V)
     w.add_name(f"tiny-{arch}")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHATML)
+    add_tiny_tokenizer(w, tokens, types, merges)
 
     def rnd(*shape: int, scale: float | None = None) -> np.ndarray:
         s = scale if scale is not None else 1.0 / np.sqrt(shape[-1])

@@ -40,6 +40,19 @@ def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, list(MERGES)
 
 
+
+def add_tiny_tokenizer(w: gguf.GGUFWriter, tokens: list[str], types: list[int], merges: list[str]) -> None:
+    """A tiny_vocab()-style GPT-2 BPE tokenizer (BOS 0, EOS 2, no BOS added) with the ChatML template."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")  # llama.cpp's name, so llama.cpp loads these models too
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+
 def hf_to_gguf_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.py's LlamaModel.permute: per head, interleave the two halves of the rows."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -108,15 +121,7 @@ def write_tiny_llama(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer:
     w.add_vocab_size(V)
     w.add_name(f"tiny-{a}")
     if tokenizer:
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("gpt-2")  # llama.cpp's name, so llama.cpp loads these models too
-        w.add_token_list(tokens)
-        w.add_token_types(types)
-        w.add_token_merges(merges)
-        w.add_bos_token_id(0)
-        w.add_eos_token_id(2)
-        w.add_add_bos_token(False)
-        w.add_chat_template(CHATML)
+        add_tiny_tokenizer(w, tokens, types, merges)
 
     def rnd(*shape: int, scale: float | None = None) -> np.ndarray:
         s = scale if scale is not None else 1.0 / np.sqrt(shape[-1])

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import ggml_py
@@ -47,6 +50,10 @@ def test_every_node_carries_exactly_its_schema_params() -> None:
 def test_header_is_generated_from_the_schema() -> None:
     text = (Path(ggml_py.get_include()) / "ggml_py" / "backend_abi.h").read_text()
     assert schema.render_header(text) == text, "run `python -m ggml_py.schema header`"
+    r = subprocess.run([sys.executable, "-m", "ggml_py.schema", "header", "--check"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert native.cdef_from_header(text).count("enum ggml_py_op") == 1  # the loader parses the header itself
     f = native.ffi()
     ids = {k.removeprefix("GGML_PY_OP_"): v for k, v in f.typeof("enum ggml_py_op").relements.items()}
     assert {k: v for k, v in ids.items() if k not in ("NONE", "COUNT")} == schema.ABI_IDS
