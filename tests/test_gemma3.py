@@ -167,3 +167,40 @@ def test_embedding_is_read_by_rows_and_the_head_stays_quantized(model):
                 stack.append(s)
     assert users == {"GET_ROWS", "MUL_MAT"}
     assert model.backends[0].weight_cache_bytes([w.output]) <= w.output.nbytes * 1.1
+
+
+_NUMPY_HEAD = """
+import sys
+import numpy as np
+from ggml_py import load_model
+from ggml_py.models.bench import peak_rss_bytes
+
+with load_model(sys.argv[1], backends=["numpy"], n_ctx=64, progress=False) as m:
+    logits = m.eval(m.tokenize(sys.argv[2]), last_only=True)
+    np.save(sys.argv[3], logits)
+    print(m.backends[0].weight_cache_bytes(m.weights.all()), m.backends[0].weight_cache_bytes([m.weights.output]))
+print(peak_rss_bytes())
+"""
+
+
+def test_numpy_backend_streams_the_head_instead_of_an_f32_copy(model, gemma_path, tmp_path):
+    """The reference backend keeps F32 copies of weights, but not of the 640 MiB (as F32) tied head: it is
+    dequantized by blocks of rows per use. Its logits agree with simd's; peak RSS (in a process of its own) stays
+    below what the whole copy alone would add."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "numpy_logits.npy"
+    r = subprocess.run([sys.executable, "-c", _NUMPY_HEAD, gemma_path, PROMPT, str(out)],
+                       capture_output=True, text=True, timeout=300, check=True)
+    caches, head_cache = map(int, r.stdout.split()[:2])
+    peak = int(r.stdout.split()[2])
+    assert head_cache == 0
+    head_f32 = model.weights.output.numel() * 4
+    file_size = __import__("os").path.getsize(gemma_path)
+    assert peak < file_size + caches + 256 * 2**20 < file_size + caches + head_f32, (peak, caches)
+    model.reset()
+    want = model.eval(model.tokenize(PROMPT), last_only=True)
+    got = np.load(out)
+    assert nmse(got[0], want[0]) < 5e-3
+    assert int(np.argmax(got)) == int(np.argmax(want))

@@ -432,6 +432,24 @@ def test_kv_cache_that_does_not_fit_is_refused_before_allocating(tiny_path, monk
     assert counters.snapshot().get("buffers_allocated", 0) == before
 
 
+def test_numpy_streams_weights_over_its_copy_limit(tiny_path, monkeypatch):
+    """Weights whose F32 copy would exceed the numpy backend's limit are dequantized by blocks of rows at each use
+    (MUL_MAT by column blocks, GET_ROWS of the wanted rows only): same logits, no copy kept or counted."""
+    import ggml_py_numpy
+
+    with load_model(tiny_path, backends=["numpy"], n_ctx=64, progress=False) as m:
+        ids = m.tokenize(TEXT)
+        want = m.eval(ids)
+    monkeypatch.setattr(ggml_py_numpy.NumpyBackend, "F32_COPY_LIMIT", 0)
+    monkeypatch.setattr(ggml_py_numpy._QuantizedRows, "BLOCK_BYTES", 4096)  # several blocks per weight
+    with load_model(tiny_path, backends=["numpy"], n_ctx=64, progress=False) as m:
+        b = m.backends[0]
+        assert b.weight_cache_bytes(m.weights.all()) == 0
+        got = m.eval(ids)
+        assert not any(len(v) for v in b._dequant_cache.values())
+    assert nmse(got, want) < 1e-10
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_model_memory_estimate_is_exact_at_the_limit(tiny_path, monkeypatch, backend):
     """Weights + the backend's weight caches + KV cache: refused one byte below the sum, loaded at it."""

@@ -66,6 +66,42 @@ def _as_float(t: Tensor, a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return a
 
 
+class _QuantizedRows:
+    """A large weight left quantized: dequantized a block of rows at a time, per call, never kept whole."""
+
+    BLOCK_BYTES = 16 << 20  # F32 bytes per block
+
+    def __init__(self, t: Tensor, raw: np.ndarray, shape: tuple[int, ...]) -> None:
+        self.t, self.raw, self.shape = t, raw, shape
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        return _as_float(self.t, self.raw[..., start:stop, :], (*self.shape[:-2], stop - start, self.shape[-1]))
+
+    def blocks(self) -> list[tuple[int, int]]:
+        n = self.shape[-2]
+        step = max(1, self.BLOCK_BYTES // (4 * self.shape[-1] * int(np.prod(self.shape[:-2], dtype=np.int64))))
+        return [(r, min(n, r + step)) for r in range(0, n, step)]
+
+
+def _run_streamed(kernel: Any, n: Tensor, srcs: list, shape: tuple[int, ...]) -> np.ndarray:
+    """MUL_MAT by blocks of the weight's rows (= blocks of output columns); GET_ROWS of the requested rows only;
+    any other op on such a weight (none in the models) dequantizes it for this call."""
+    w = srcs[0]
+    if n.op == "MUL_MAT" and isinstance(w, _QuantizedRows) and not any(isinstance(x, _QuantizedRows) for x in srcs[1:]):
+        return np.concatenate([kernel(n, [w.rows(r0, r1), *srcs[1:]], shape) for r0, r1 in w.blocks()], axis=-1)
+    if n.op == "GET_ROWS" and isinstance(w, _QuantizedRows) and len(w.shape) == 2:
+        idx = np.asarray(srcs[1])
+        flat = idx.reshape(-1).astype(np.intp)
+        uniq, inv = np.unique(flat, return_inverse=True)
+        rows = w.shape[0]
+        if uniq.size and (uniq[0] < 0 or uniq[-1] >= rows):
+            kernel(n, [np.empty((rows, 0), np.float32), idx], shape)  # raises the kernel's out-of-range error
+        got = _as_float(w.t, w.raw[uniq], (uniq.size, w.shape[1]))
+        return got[inv].reshape((*idx.shape, w.shape[1]))
+    whole = [x.rows(0, x.shape[-2]) if isinstance(x, _QuantizedRows) else x for x in srcs]
+    return kernel(n, whole, shape)
+
+
 class _Step:
     """One node with its operands resolved: array views made once where no symbol is involved."""
 
@@ -106,11 +142,17 @@ class _Step:
             a, shape = self.operand(i, bindings)
             root = s.view_src if s.view_src is not None else s
             if root.flags & PARAM and s.dtype not in (dtypes.F32, dtypes.I32) and not s.is_symbolic:
-                srcs.append(self.backend.dequantized(s, a, shape))
+                if self.backend.keeps_f32_copy(s):
+                    srcs.append(self.backend.dequantized(s, a, shape))
+                else:
+                    srcs.append(_QuantizedRows(s, a, shape))
             else:
                 srcs.append(_as_float(s, a, shape) if s.dtype is not dtypes.I32 else a)
         dst, shape = self.operand(0, bindings)
-        out = self.kernel(n, srcs, shape)
+        if any(isinstance(x, _QuantizedRows) for x in srcs):
+            out = _run_streamed(self.kernel, n, srcs, shape)
+        else:
+            out = self.kernel(n, srcs, shape)
         if n.op == "SET_ROWS":
             idx = srcs[2].astype(np.intp)  # type: ignore[union-attr]
             if idx.size and (idx.min() < 0 or idx.max() >= shape[0]):
@@ -129,6 +171,7 @@ class _Step:
 
 class NumpyBackend(Backend):
     name = "numpy"
+    F32_COPY_LIMIT = 64 << 20
 
     def __init__(self, device: Device) -> None:
         self.device = device
@@ -138,6 +181,11 @@ class NumpyBackend(Backend):
 
     def supports_op(self, node: Tensor) -> bool:
         return node.op in KERNELS
+
+    def keeps_f32_copy(self, t: Tensor) -> bool:
+        """Weights up to F32_COPY_LIMIT bytes as F32 are dequantized once and kept; larger ones (a 262k-token
+        embedding used as the output head: 640 MiB as F32) are dequantized by blocks of rows at each use."""
+        return t.dtype is not dtypes.F32 and int(t.numel()) * 4 <= self.F32_COPY_LIMIT
 
     def dequantized(self, t: Tensor, raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         """Weights never change: dequantize each once and keep it."""
@@ -150,8 +198,8 @@ class NumpyBackend(Backend):
         return hit
 
     def weight_cache_bytes(self, weights: Sequence[Tensor]) -> int:
-        """Every weight that is not F32 is dequantized to an F32 copy on first use and kept (see dequantized)."""
-        return sum(int(t.numel()) * 4 for t in weights if t.dtype is not dtypes.F32)
+        """Every weight that is not F32, up to F32_COPY_LIMIT, is dequantized to an F32 copy on first use and kept."""
+        return sum(int(t.numel()) * 4 for t in weights if self.keeps_f32_copy(t))
 
     def graph_plan_create(self, split: Split) -> list[_Step]:
         return [_Step(self, split, n) for n in split.nodes]
