@@ -196,6 +196,19 @@ def argmax(a: Tensor) -> Tensor:
     return _node("ARGMAX", a.shape[:-1] or (1,), I32, (a,))
 
 
+def top_k(a: Tensor, k: int) -> Tensor:
+    """Indices of the k largest elements of each row, I32, shape (..., k): largest first, the lower index first on
+    ties, NaN counted as the largest (as in ARGMAX, so a sampler sees it). With GET_ROWS of the values, a sampler
+    reads k candidates instead of a whole vocabulary."""
+    _need_type("TOP_K", a, (F32,))
+    if a.ndim < 1:
+        raise _fail("TOP_K", "needs at least one dimension", a)
+    n = a.shape[-1] if a.ndim else 0
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or (isinstance(n, int) and k > n):
+        raise _fail("TOP_K", f"k must be an integer in 1..{n}, got {k!r}", a)
+    return _node("TOP_K", (*a.shape[:-1], k), I32, (a,), k=k)
+
+
 # -- matrix product ------------------------------------------------------------------------------------------
 def mul_mat(a: Tensor, b: Tensor) -> Tensor:
     """ggml's mul_mat: a (..., M, K) weight of any supported type, b (..., N, K) F32 -> (..., N, M) F32 = b @ aᵀ."""

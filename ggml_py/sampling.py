@@ -131,11 +131,41 @@ class Sampler:
             return np.array([i]), np.array([1.0])
         n = x.shape[0]
         if 0 < self.top_k < n:
-            ids = np.argpartition(-x, self.top_k - 1)[: self.top_k]
+            # the k largest, the lower index first among equal values at the cut (as the graph's TOP_K op)
+            kth = -np.partition(-x, self.top_k - 1)[self.top_k - 1]
+            above = np.flatnonzero(x > kth)
+            ids = np.concatenate([above, np.flatnonzero(x == kth)[: self.top_k - above.size]])
         else:
             ids = np.arange(n)
-        vals = x[ids]
-        order = np.argsort(-vals, kind="stable")
+        return self._filter(ids, x[ids])
+
+    def needs_only_top(self, k: int) -> bool:
+        """True when the k best tokens (ids and logits) are all this sampler needs: greedy, or top_k in 1..k, and
+        no penalty (penalties change logits outside the top)."""
+        if self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0
+                                        or self.presence_penalty != 0.0):
+            return False
+        return self.temperature == 0 or 0 < self.top_k <= k
+
+    def sample_candidates(self, ids: np.ndarray, logits: np.ndarray) -> int:
+        """One token id from a step's best tokens: `ids` with their `logits`, largest first (the lower id first on
+        ties, as a step's TOP_K output); the same draw as sample() on the whole logits when needs_only_top()."""
+        ids = np.asarray(ids).reshape(-1)
+        x = np.asarray(logits, dtype=np.float64).reshape(-1)
+        if ids.size == 0 or ids.shape != x.shape:
+            raise SamplingError(f"candidates need as many ids as logits, got {ids.shape} and {x.shape}")
+        if np.isnan(x[0]):  # NaN ranks first, so one anywhere in the logits shows here
+            raise SamplingError("logits contain NaN")
+        if not np.isfinite(x[0]):
+            raise SamplingError("logits have no finite maximum (all -inf, or +inf present)")
+        if self.temperature == 0:
+            return int(ids[0])
+        k = self.top_k if 0 < self.top_k < ids.size else ids.size
+        return self._draw(*self._filter(ids[:k].astype(np.int64), x[:k]))
+
+    def _filter(self, ids: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """top-p, min-p and temperature on candidates; returns them most likely first with their probabilities."""
+        order = np.lexsort((ids, -vals))  # largest first, the lower id first on ties
         ids, vals = ids[order], vals[order]
         if self.top_p < 1.0 and ids.size > 1:
             p = np.exp(vals - vals[0])
@@ -151,7 +181,9 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """One token id. ``history`` is the token sequence so far (prompt and generated), for the penalties."""
-        ids, p = self.candidates(logits, history)
+        return self._draw(*self.candidates(logits, history))
+
+    def _draw(self, ids: np.ndarray, p: np.ndarray) -> int:
         if ids.size == 1:
             return int(ids[0])
         cum = np.cumsum(p)

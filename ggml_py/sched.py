@@ -107,6 +107,9 @@ class Plan:
         self._computing: int | None = None  # the thread inside compute(), to refuse re-entry instead of deadlocking
         self._closed = False
         self._pending: dict[str, int] = {}
+        # per-tensor facts that never change for a plan, so a decode step's few set_input/get_output calls stay cheap
+        self._concrete: dict[int, bool] = {}
+        self._out_views: dict[int, np.ndarray] = {}
         self.symbols = _symbols_of((*graph.leafs, *graph.nodes))
         self._n_computes = 0
         self._assign()
@@ -305,19 +308,28 @@ class Plan:
         else:
             if arr.dtype.kind not in "biuf":
                 raise PlanError(f"input {t.name!r} is {t.dtype}: expected real numbers, got {arr.dtype}")
-            self._bind_shape(t, arr.shape)
+            if not self._is_concrete(t) or arr.shape != t.shape:
+                self._bind_shape(t, arr.shape)
             npd = t.dtype.np_dtype
-            if np.issubdtype(npd, np.integer):
-                if not np.issubdtype(arr.dtype, np.integer):
+            if npd.kind in "iu":
+                if arr.dtype.kind not in "iu":
                     raise PlanError(f"input {t.name!r} is {t.dtype}: expected integer values, got {arr.dtype}")
-                info = np.iinfo(npd)
-                if arr.size and not np.can_cast(arr.dtype, npd) and (arr.min() < info.min or arr.max() > info.max):
-                    bad = arr[(arr < info.min) | (arr > info.max)].flat[0]
-                    raise PlanError(f"input {t.name!r} is {t.dtype}: value {bad} is outside "
-                                    f"[{info.min}, {info.max}]")
+                if arr.size and not np.can_cast(arr.dtype, npd):
+                    info = np.iinfo(npd)
+                    if arr.min() < info.min or arr.max() > info.max:
+                        bad = arr[(arr < info.min) | (arr > info.max)].flat[0]
+                        raise PlanError(f"input {t.name!r} is {t.dtype}: value {bad} is outside "
+                                        f"[{info.min}, {info.max}]")
             arr = np.ascontiguousarray(arr, dtype=npd)
         buf, off = self._location(t)
         buf.set_tensor(off + evaluate(t.view_offs, self._pending), arr.reshape(-1).view(np.uint8))
+
+    def _is_concrete(self, t: Tensor) -> bool:
+        """No symbol in its shape, strides or offset (cached: a tensor's layout never changes)."""
+        c = self._concrete.get(t.id)
+        if c is None:
+            c = self._concrete[t.id] = not any(isinstance(d, Expr) for d in (*t.shape, *t.strides, t.view_offs))
+        return c
 
     def _bind_shape(self, t: Tensor, given: tuple[int, ...]) -> tuple[int, ...]:
         expected = t.shape
@@ -403,6 +415,9 @@ class Plan:
 
     def _get_output_locked(self, key: str | Tensor) -> np.ndarray:
         t = self._tensor(key, OUTPUT)
+        view = self._out_views.get(t.id)
+        if view is not None:
+            return view.copy()
         if not (t.flags & (OUTPUT | INPUT | STATE | PARAM) or _root(t).flags & (STATE | PARAM)):
             raise PlanError(f"{t.name!r} is an intermediate whose memory may be reused; mark it as an output")
         b = getattr(self, "bindings", {})
@@ -413,12 +428,15 @@ class Plan:
         span = nbytes_upper(shape, strides, t.dtype)  # concrete shape: the bytes it spans
         raw = buf.host_view()[off: off + span] if buf.buffer_type.is_host else buf.get_tensor(off, span)
         if t.dtype.is_quantized:
-            rows = np.lib.stride_tricks.as_strided(raw, (*shape[:-1], t.dtype.row_size(shape[-1])),
+            view = np.lib.stride_tricks.as_strided(raw, (*shape[:-1], t.dtype.row_size(shape[-1])),
                                                    (*strides[:-1], 1))
-            return np.array(rows)
-        npd = t.dtype.np_dtype
-        return np.array(np.lib.stride_tricks.as_strided(raw.view(npd) if span % npd.itemsize == 0 and
-                                                        raw.nbytes else raw, shape, strides))
+        else:
+            npd = t.dtype.np_dtype
+            view = np.lib.stride_tricks.as_strided(raw.view(npd) if span % npd.itemsize == 0 and raw.nbytes else raw,
+                                                   shape, strides)
+        if buf.buffer_type.is_host and self._is_concrete(t):
+            self._out_views[t.id] = view  # the same memory at every compute
+        return np.array(view)
 
     def profile(self, computes: int = 1, **bindings: int) -> dict[str, Any]:
         """Compute `computes` times and say where the time went: per split (with its copies), per backend, per op
@@ -493,6 +511,7 @@ class Plan:
             raise PlanError("close() on the thread that is computing this plan (from a signal handler?)")
         with self._lock:
             self._closed = True
+            self._out_views = {}
             for run in self.runs:
                 run.split.backend.graph_plan_free(run.plan)
             self.runs = []

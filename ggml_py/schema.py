@@ -148,6 +148,9 @@ OPS_LIST: tuple[OpDef, ...] = (
     OpDef("CONCAT", 34, ("a", "b"), (Param("axis", AXIS),), "sizes along `axis` added", max_nmse=NMSE_EXACT),
     OpDef("REPEAT", 35, ("a",), rule="the target shape (tiled by `a`)", max_nmse=NMSE_EXACT),
     OpDef("PAD", 36, ("a",), (Param("pads", DIMS),), "`a.shape` plus `pads`", max_nmse=NMSE_EXACT),
+    OpDef("TOP_K", 37, ("a",), (Param("k", I32),),
+          "`a (..., n)` -> `(..., k)` I32: indices of the k largest, largest first, the lower index first on ties, "
+          "NaN above everything (as ARGMAX)", max_nmse=NMSE_EXACT),
     # views: no kernel, no ABI id; backends see their results as layouts (ne, nb, data)
     OpDef("VIEW", None, ("a",), rule="given shape, strides and offset", family="view"),
     OpDef("RESHAPE", None, ("a",), rule="given shape, same element count", family="view"),

@@ -21,6 +21,8 @@ from ggml_py.backend import Backend, BackendRegistration, Device
 from ggml_py.testing import ALL_OPS, cases, compare, nmse, run_backend
 from ggml_py.testing.cases import CONVERT_MAX_NMSE, WEIGHT_TYPES
 
+from conftest import available_backends
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -301,3 +303,27 @@ def test_pytest_plugin_runs_cases_as_tests(tmp_path):
                 "--ggml-backend", "subset", "--ggml-op", "MUL_MAT", "-k", "Q4_0 or F16")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "SKIPPED" in p.stdout and "subset does not support MUL_MAT" in p.stdout and " passed" in p.stdout
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_top_k_follows_its_contract(backend):
+    """TOP_K against the contract written out in Python (not the numpy kernel the kit compares with): NaN first,
+    then largest first, the lower index first on ties; rows longer than the simd kernel's 4096-column chunks."""
+    rng = np.random.default_rng(3)
+    x = rng.integers(-5, 6, size=(3, 9000)).astype(np.float32)
+    x[0, [10, 8000, 4100]] = np.nan
+    x[1, rng.choice(9000, 200, replace=False)] = -np.inf
+    x[2, :] = -np.inf
+    x[2, 5000] = 1.0
+    inp = gp.input(x.shape)
+    out = gp.ops.top_k(inp, 50).set_output()
+    plan = gp.prepare(out, backends=[backend])
+    plan.set_input(inp, x)
+    plan.compute()
+    got = plan.get_output(out)
+    for r in range(3):
+        key = [(not np.isnan(v), -v if not np.isnan(v) else 0.0, i) for i, v in enumerate(x[r])]
+        want = [i for _, _, i in sorted(key)[:50]]
+        assert got[r].tolist() == want
+    with pytest.raises(gp.GgmlPyError, match="k must be"):
+        gp.ops.top_k(inp, 9001)

@@ -169,6 +169,33 @@ def test_generate_greedy_matches_reference_argmax(tiny_path, tmp_path):
         seq.append(t)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_generate_samples_from_the_steps_candidates_as_from_all_logits(tiny_path, backend, monkeypatch):
+    """generate() reads a step's 64 best tokens (the graph's TOP_K) instead of the whole logits when the sampler
+    needs no more; the tokens are the ones sampling from all logits gives, seed for seed."""
+    from ggml_py.sampling import Sampler
+
+    kw = dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02)
+    with load_model(tiny_path, backends=[backend], n_ctx=64, progress=False) as m:
+        with monkeypatch.context() as mp:
+            mp.setattr(Sampler, "sample", lambda *a, **k: pytest.fail("generate read the whole logits"))
+            got = [t.id for t in m.generate(TEXT, 12, seed=5, stop_at_eos=False, **kw)]
+        s = Sampler(seed=5, **kw)
+        m.reset()
+        logits = m.eval(m.tokenize(TEXT), last_only=True)[-1]
+        want = []
+        for _ in range(12):
+            want.append(s.sample(logits))
+            logits = m.eval([want[-1]])[-1]
+        # with a repeat penalty the whole logits are needed: generate reads them
+        calls = []
+        with monkeypatch.context() as mp:
+            mp.setattr(Sampler, "sample_candidates", lambda *a, **k: calls.append(1))
+            assert len(list(m.generate(TEXT, 3, seed=5, repeat_penalty=1.3, stop_at_eos=False, **kw))) == 3
+        assert not calls
+    assert got == want
+
+
 def test_generation_stops_at_context_end(tiny_path):
     with load_model(tiny_path, backends=["numpy"], n_ctx=16) as m:
         prompt = m.tokenize("the cat is on")

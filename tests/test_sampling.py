@@ -159,3 +159,49 @@ def test_bad_values_raise(kwargs):
 def test_bad_logits_raise(bad):
     with pytest.raises(SamplingError):
         Sampler(seed=0).sample(bad, [])
+
+
+# -- sampling from a step's candidates (the graph's TOP_K output) ------------------------------------------------
+def _top(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The TOP_K op's contract, written independently: NaN first, then largest first, the lower id on ties."""
+    order = sorted(range(x.size), key=lambda i: (not np.isnan(x[i]), -x[i] if not np.isnan(x[i]) else 0.0, i))[:k]
+    ids = np.array(order, np.int32)
+    return ids, x[ids].astype(np.float32)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
+                                dict(temperature=1.5, top_k=5, top_p=1.0, min_p=0.0),
+                                dict(temperature=1.0, top_k=64, top_p=0.5, min_p=0.0),
+                                dict(temperature=0.7, top_k=1)])
+def test_candidates_give_the_same_draws_as_the_whole_logits(kw):
+    """With no penalty and top_k within the candidates, sampling from the best 64 (ids, logits) draws exactly
+    the tokens sampling from all logits draws, seed for seed, ties included (logits from a small set of values)."""
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        x = (rng.integers(-20, 21, 500) / 4).astype(np.float32) if trial % 2 else rng.normal(0, 3, 500).astype(
+            np.float32)
+        full, cand = Sampler(seed=trial, **kw), Sampler(seed=trial, **kw)
+        assert cand.needs_only_top(64)
+        ids, vals = _top(x, 64)
+        assert [full.sample(x) for _ in range(20)] == [cand.sample_candidates(ids, vals) for _ in range(20)]
+
+
+def test_candidates_are_refused_when_the_sampler_needs_more():
+    assert not Sampler(repeat_penalty=1.1).needs_only_top(64)
+    assert not Sampler(frequency_penalty=0.5).needs_only_top(64)
+    assert Sampler(repeat_penalty=1.1, repeat_last_n=0).needs_only_top(64)
+    assert not Sampler(top_k=0).needs_only_top(64)  # all tokens
+    assert not Sampler(top_k=65).needs_only_top(64)
+    assert Sampler(top_k=0, temperature=0).needs_only_top(64)
+
+
+def test_candidates_report_nan_and_infinite_logits():
+    x = np.zeros(100, np.float32)
+    x[70] = np.nan  # NaN ranks first in TOP_K's order, so the candidates show it
+    with pytest.raises(SamplingError, match="NaN"):
+        Sampler(seed=0).sample_candidates(*_top(x, 64))
+    x[70] = np.inf
+    with pytest.raises(SamplingError, match="finite"):
+        Sampler(seed=0).sample_candidates(*_top(x, 64))
+    with pytest.raises(SamplingError, match="as many"):
+        Sampler(seed=0).sample_candidates(np.arange(3), np.zeros(2))

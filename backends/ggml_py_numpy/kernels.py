@@ -219,6 +219,14 @@ def argmax(n: Tensor, s: list, o: tuple[int, ...]) -> Arr:
     return np.argmax(s[0], axis=-1).astype(np.int32).reshape(o)
 
 
+def top_k(n: Tensor, s: list, o: tuple[int, ...]) -> Arr:
+    # NaN first, then largest first; lexsort is stable: the lower index first on ties
+    x = s[0]
+    nan = np.isnan(x)
+    order = np.lexsort((-np.where(nan, 0, x), ~nan), axis=-1)
+    return order[..., : n.params["k"]].astype(np.int32).reshape(o)
+
+
 KERNELS: dict[str, Kernel] = {
     "ADD": _binary(np.add),
     "SUB": _binary(np.subtract),
@@ -244,6 +252,7 @@ KERNELS: dict[str, Kernel] = {
     "SUM_ROWS": lambda n, s, o: f32(s[0].astype(np.float64).sum(axis=-1, keepdims=True)),
     "MEAN": lambda n, s, o: f32(s[0].astype(np.float64).mean(axis=-1, keepdims=True)),
     "ARGMAX": argmax,
+    "TOP_K": top_k,
     "MUL_MAT": mul_mat,
     "SOFT_MAX": soft_max,
     "DIAG_MASK_INF": diag_mask_inf,

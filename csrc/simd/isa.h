@@ -283,6 +283,7 @@ void k_cpy(Node&, int, int, int, const ExecCtx&);
 void k_concat(Node&, int, int, int, const ExecCtx&);
 void k_sum_rows(Node&, int, int, int, const ExecCtx&);
 void k_argmax(Node&, int, int, int, const ExecCtx&);
+void k_top_k(Node&, int, int, int, const ExecCtx&);
 void k_repeat(Node&, int, int, int, const ExecCtx&);
 void k_pad(Node&, int, int, int, const ExecCtx&);
 

@@ -32,6 +32,7 @@ static KernelTable make_table() {
     t.ops[GGML_PY_OP_CONCAT] = k_concat;
     t.ops[GGML_PY_OP_SUM_ROWS] = t.ops[GGML_PY_OP_MEAN] = k_sum_rows;
     t.ops[GGML_PY_OP_ARGMAX] = k_argmax;
+    t.ops[GGML_PY_OP_TOP_K] = k_top_k;
     t.ops[GGML_PY_OP_REPEAT] = k_repeat;
     t.ops[GGML_PY_OP_PAD] = k_pad;
     t.stream_read = stream_read;

@@ -407,6 +407,13 @@ std::string validate_node(const Node& n) {
             if (nelements(d) != nrows(a)) return fail("dst must have one element per row");
             if (a.ne[0] == 0 && nrows(a) > 0) return fail("empty rows");
             return "";
+        case GGML_PY_OP_TOP_K:
+            if (!need(1)) return fail("needs a source");
+            if (!f32(a) || d.type != T_I32) return fail("F32 -> I32");
+            if (!is_contiguous(d)) return fail("dst must be contiguous");
+            if (d.ne[0] != n.params.i[GGML_PY_P_TOP_K_K] || d.ne[0] < 1 || d.ne[0] > a.ne[0]) return fail("k must be in 1..ne0 and dst ne0");
+            if (d.ne[1] != a.ne[1] || d.ne[2] != a.ne[2] || d.ne[3] != a.ne[3]) return fail("dst rows differ from src rows");
+            return "";
         case GGML_PY_OP_REPEAT:
             if (!need(1)) return fail("needs a source");
             if (a.type != d.type || type_is_quant(d.type)) return fail("types differ");
@@ -447,6 +454,10 @@ Scratch node_scratch(const Node& n) {
             s.per_thread = pad64(single > group ? single : group);
             break;
         }
+        case GGML_PY_OP_TOP_K:
+            s.shared = (size_t)nrows(a) * (size_t)((a.ne[0] + TOPK_CHUNK - 1) / TOPK_CHUNK) * (size_t)n.dst.ne[0] * 8;
+            s.per_thread = pad64((size_t)(TOPK_CHUNK + 16) * 4);
+            break;
         case GGML_PY_OP_ROPE: s.per_thread = pad64((size_t)(2 * n.params.i[GGML_PY_P_ROPE_N_DIMS] + 16) * 4); break;
         case GGML_PY_OP_NORM: case GGML_PY_OP_RMS_NORM: case GGML_PY_OP_SUM_ROWS: case GGML_PY_OP_MEAN: case GGML_PY_OP_ARGMAX: case GGML_PY_OP_SOFT_MAX:
             s.per_thread = pad64((size_t)(a.ne[0] + 16) * 4);
@@ -483,6 +494,10 @@ bool node_is_small(const Node& n) {
             work = nelements(d) * 4;
             threshold = 64 * 1024;
             break;
+        case GGML_PY_OP_TOP_K:  // a vocabulary of logits is worth both threads
+            work = nelements(a);
+            threshold = 2 * TOPK_CHUNK;
+            break;
         case GGML_PY_OP_SET_ROWS:
             work = nelements(a) * (type_is_quant(d.type) ? 8 : 1);
             threshold = 64 * 1024;
@@ -503,6 +518,7 @@ int node_phases(const Node& n, bool n_rows_symbolic) {
     if (n.op == GGML_PY_OP_MUL_MAT && type_is_quant(n.src[0].type)) {
         if (n_rows_symbolic || n.src[1].ne[1] < GEMM_MIN_ROWS) return 2;
     }
+    if (n.op == GGML_PY_OP_TOP_K) return 2;  // chunks, then their merge
     return 1;
 }
 

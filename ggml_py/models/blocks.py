@@ -23,6 +23,9 @@ from .hparams import HParams
 from .kv_cache import KVCache, causal_mask
 from .weights import Layer, Weights
 
+# How many candidates a one-token step hands to the sampler without the whole logits (llama.cpp's default top_k is 40)
+TOP_CANDIDATES = 64
+
 
 @dataclass
 class StepGraph:
@@ -37,6 +40,13 @@ class StepGraph:
     mask: Tensor | None  # causal; None when every layer slides
     mask_swa: Tensor | None = None  # causal within the sliding window; None without sliding layers
     n_swa: int = 0
+    # a one-row step's TOP_CANDIDATES best token ids (largest logit first) and their logits, for a sampler that
+    # needs no more: reading them instead of the whole vocabulary's logits saves the host a copy per token
+    top_ids: Tensor | None = None
+    top_logits: Tensor | None = None
+
+    def outputs(self) -> list[Tensor]:
+        return [t for t in (self.logits, self.top_ids, self.top_logits) if t is not None]
 
     def masks(self, pos: np.ndarray, n_kv: int, zeros: np.ndarray) -> list[tuple[Tensor, np.ndarray]]:
         """The values of the mask inputs for queries at `pos` over `n_kv` cache rows. `zeros` is a (1, >= n_kv)
@@ -153,8 +163,14 @@ class StepBuilder:
             c = hp.final_softcap
             logits = ops.scale(ops.tanh(ops.scale(logits, 1.0 / c)), c)
         logits = logits.set_name("logits").set_output()
+        top_ids = top_logits = None
+        rows, n_vocab = logits.shape
+        if rows == 1:
+            top_ids = ops.top_k(logits, min(TOP_CANDIDATES, n_vocab)).set_name("top_ids").set_output()
+            top_logits = ops.get_rows(ops.reshape(logits, (n_vocab, 1)), ops.reshape(top_ids, (top_ids.shape[-1],)))
+            top_logits = top_logits.set_name("top_logits").set_output()
         return StepGraph(self.T, self.last_only, self.tokens, self.pos, self.kv_idx, logits,
-                         self._masks.get(False), self._masks.get(True), hp.n_swa)
+                         self._masks.get(False), self._masks.get(True), hp.n_swa, top_ids, top_logits)
 
 
 # One transformer block of an architecture: (builder, its weights, layer index, input x (T, E)) -> output x.

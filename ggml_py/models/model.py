@@ -25,7 +25,7 @@ from ..sched import Plan, _place_static, prepare
 from ..symbolic import sym
 from ..tensor import PARAM
 from .architecture import Architecture
-from .blocks import StepGraph
+from .blocks import TOP_CANDIDATES, StepGraph
 from .hparams import HParams
 from .kv_cache import KVCache
 from .memory import require_memory
@@ -233,7 +233,9 @@ class Model:
             self._owner = None  # the cache moves on: a running generate iterator is overtaken
             return self._forward(arr, last_only=last_only, kind="prefill" if arr.size > 1 else "decode")
 
-    def _forward(self, ids: np.ndarray, last_only: bool, kind: str) -> np.ndarray:
+    def _forward(self, ids: np.ndarray, last_only: bool, kind: str, read: str = "logits") -> Any:
+        """Steps over `ids` in batches; the logits of every row, or of the last only (`last_only`); with
+        read="top" (last_only) the last row's candidates (ids, logits) instead of its logits."""
         t0 = time.perf_counter()
         prepare0 = self.prepare_s
         compute = 0.0
@@ -242,10 +244,11 @@ class Model:
         start = 0
         for i, n in enumerate(sizes):
             # when only the last row matters, every batch computes the head for its last row alone
-            logits, c = self._step(ids[start:start + n], last=last_only)
+            wanted = not last_only or i == len(sizes) - 1
+            out, c = self._step(ids[start:start + n], last=last_only, read=read if wanted else None)
             compute += c
-            if not last_only or i == len(sizes) - 1:
-                outs.append(logits)
+            if wanted:
+                outs.append(out)
             start += n
         out = outs[0] if len(outs) == 1 else np.concatenate(outs, axis=0)
         dt = time.perf_counter() - t0
@@ -265,15 +268,16 @@ class Model:
         t0 = time.perf_counter()
         g = self.arch.build_step(self.hparams, self.weights, self.cache, n,
                                  self._n_kv_sym if self.graph_reuse else n_kv, last_only=key[1])
-        p = _Prepared(g, prepare(g.logits, backends=self.backends))
+        p = _Prepared(g, prepare(g.outputs(), backends=self.backends))
         self.prepare_s += time.perf_counter() - t0
         self.plans_prepared += 1
         if self.graph_reuse:
             self._plans[key] = p
         return p, True
 
-    def _step(self, ids: np.ndarray, last: bool) -> tuple[np.ndarray, float]:
-        """One forward step over len(ids) tokens at positions n_past..: write inputs, compute, read the logits."""
+    def _step(self, ids: np.ndarray, last: bool, read: str | None = "logits") -> tuple[Any, float]:
+        """One forward step over len(ids) tokens at positions n_past..: write inputs, compute, read the logits (or,
+        read="top", the step's candidates (ids, logits); None: nothing)."""
         n = ids.size
         p0 = self.n_past
         n_kv = p0 + n
@@ -292,7 +296,10 @@ class Model:
             else:
                 plan.compute()
             compute = time.perf_counter() - t0
-            logits = plan.get_output(g.logits)
+            if read == "top":
+                logits: Any = (plan.get_output(g.top_ids), plan.get_output(g.top_logits))
+            else:
+                logits = plan.get_output(g.logits) if read else None
         finally:
             if prep is not self._plans.get((n, last and n > 1)):  # a throw-away plan (graph_reuse=False)
                 plan.close()
@@ -350,12 +357,17 @@ class Model:
         try:
             if max_tokens == 0:
                 return
+            # a sampler that looks at the best few tokens only reads the step's candidates, not the whole logits
+            read = "top" if sampler.needs_only_top(min(TOP_CANDIDATES, self.n_vocab)) else "logits"
             with self._lock:
                 self._step_as(owner)
-                logits = self._forward(ids, last_only=True, kind="prefill")[-1]
+                logits = self._forward(ids, last_only=True, kind="prefill", read=read)
             for i in range(max_tokens):
                 t0 = time.perf_counter()
-                t = int(sampler.sample(logits, history))
+                if read == "top":
+                    t = int(sampler.sample_candidates(*logits))
+                else:
+                    t = int(sampler.sample(logits[-1], history))
                 self._t["sample_s"] += time.perf_counter() - t0
                 if stop_at_eos and tok is not None and tok.is_eog(t):
                     break
@@ -371,7 +383,7 @@ class Model:
                 yield Token(t, text)
                 with self._lock:
                     self._step_as(owner)
-                    logits = self._forward(np.array([t], np.int32), last_only=True, kind="decode")[-1]
+                    logits = self._forward(np.array([t], np.int32), last_only=True, kind="decode", read=read)
         finally:
             self._t["generate_s"] += time.perf_counter() - t_start
 

@@ -311,6 +311,26 @@ def _norm_cases() -> list[Case]:
 
         out.append(Case("ARGMAX", f"shape={_s(shape)}" + _lay(how), "F32", make_a,
                         max_nmse=0.0))
+    # many ties (values from a small set), -inf and NaN: the order is fully specified (lower index first on ties,
+    # NaN first), so the indices must match exactly; the long rows span several of a kernel's chunks
+    for shape, k, how, kind in [((1,), 1, "cont", "distinct"), ((33,), 5, "cont", "ties"),
+                                ((7, 33), 33, "cont", "ties"), ((3, 49157), 64, "cont", "distinct"),
+                                ((2, 20000), 40, "cont", "ties"),
+                                ((4, 100), 7, "cont", "special"), ((5, 7, 33), 4, "trans", "ties")]:
+        def make_k(c: Ctx, shape=shape, k=k, how=how, kind=kind) -> Tensor:
+            if kind == "distinct":
+                vals = c.uniform(shape)
+            else:
+                vals = c.rng.integers(-3, 4, size=shape).astype(np.float32)
+                if kind == "special":
+                    flat = vals.reshape(-1)
+                    flat[c.rng.choice(flat.size, flat.size // 4, replace=False)] = np.nan
+                    flat[c.rng.choice(flat.size, flat.size // 8, replace=False)] = -np.inf
+            if how == "trans":
+                return ops.top_k(ops.transpose(c.input(np.ascontiguousarray(np.swapaxes(vals, -1, -2)))), k)
+            return ops.top_k(c.input(vals), k)
+
+        out.append(Case("TOP_K", f"shape={_s(shape)},k={k},{kind}" + _lay(how), "F32", make_k, max_nmse=0.0))
     return out
 
 

@@ -144,6 +144,7 @@ enum ggml_py_type {
  *   CONCAT          a, b
  *   REPEAT          a
  *   PAD             a
+ *   TOP_K           a
  */
 enum ggml_py_op {
     GGML_PY_OP_NONE = 0,
@@ -183,7 +184,8 @@ enum ggml_py_op {
     GGML_PY_OP_CONCAT = 34,
     GGML_PY_OP_REPEAT = 35,
     GGML_PY_OP_PAD = 36,
-    GGML_PY_OP_COUNT = 37
+    GGML_PY_OP_TOP_K = 37,
+    GGML_PY_OP_COUNT = 38
 };
 
 /* Op parameters: GGML_PY_P_<OP>_<PARAM> is the first slot of ggml_py_op_params it fills, read
@@ -207,6 +209,7 @@ enum ggml_py_op {
 #define GGML_PY_P_FLASH_ATTN_EXT_SOFTCAP 2 /* f */
 #define GGML_PY_P_CONCAT_AXIS 0 /* i, ggml dim */
 #define GGML_PY_P_PAD_PADS 0 /* i, MAX_DIMS slots */
+#define GGML_PY_P_TOP_K_K 0 /* i */
 /* GGML_PY_SCHEMA_END */
 
 /* ggml_py_tensor.flags */
@@ -371,7 +374,7 @@ const ggml_py_plugin *ggml_py_plugin_init(void);
     "NEG", "ABS", "EXP", "LOG", "SILU", "GELU", "RELU", "TANH", \
     "SIGMOID", "CLAMP", "SWIGLU", "GEGLU", "NORM", "RMS_NORM", "SUM_ROWS", "MEAN", \
     "ARGMAX", "MUL_MAT", "SOFT_MAX", "DIAG_MASK_INF", "ROPE", "FLASH_ATTN_EXT", "GET_ROWS", "SET_ROWS", \
-    "CPY", "CONT", "CONCAT", "REPEAT", "PAD" }
+    "CPY", "CONT", "CONCAT", "REPEAT", "PAD", "TOP_K" }
 /* GGML_PY_OP_NAMES_END */
 
 /* The value of an affine expression for the given symbol values. */
