@@ -137,7 +137,9 @@ class Sampler:
             ids = np.concatenate([above, np.flatnonzero(x == kth)[: self.top_k - above.size]])
         else:
             ids = np.arange(n)
-        return self._filter(ids, x[ids])
+        vals = x[ids]
+        order = np.lexsort((ids, -vals))  # largest first, the lower id first on ties (as TOP_K orders them)
+        return self._filter(ids[order], vals[order])
 
     def needs_only_top(self, k: int) -> bool:
         """True when the k best tokens (ids and logits) are all this sampler needs: greedy, or top_k in 1..k, and
@@ -164,9 +166,8 @@ class Sampler:
         return self._draw(*self._filter(ids[:k].astype(np.int64), x[:k]))
 
     def _filter(self, ids: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """top-p, min-p and temperature on candidates; returns them most likely first with their probabilities."""
-        order = np.lexsort((ids, -vals))  # largest first, the lower id first on ties
-        ids, vals = ids[order], vals[order]
+        """top-p, min-p and temperature on candidates sorted most likely first; returns the survivors with their
+        probabilities."""
         if self.top_p < 1.0 and ids.size > 1:
             p = np.exp(vals - vals[0])
             cum = np.cumsum(p)

@@ -628,3 +628,22 @@ def test_profile_per_backend_and_op_and_tiny_split_warning(cexample: Path, libdi
     with caplog.at_level("WARNING", logger="ggml_py"):
         cut = gp.prepare(z, backends=[native.backend(cexample), "numpy"])
     assert len(cut.runs) == 40 and cut.warnings and "40 splits" in caplog.text
+
+
+# -- shipped as a wheel ------------------------------------------------------------------------------------------
+def test_native_plugin_shipped_as_a_wheel(tmp_path: Path) -> None:
+    """examples/c-backend as a package (setuptools compiles cexample.c against ggml_py.get_include() into the
+    wheel; the entry point returns the library's path), pip-installed into a temporary venv: found by its entry
+    point, listed, and passing the conformance kit on what it claims; uninstalled, it is gone."""
+    from test_python_plugin import install_copy, make_venv
+
+    v = make_venv(tmp_path)
+    install_copy(v, EXAMPLE.parent, tmp_path)
+    rows = {b["name"]: b for b in v.cli("backends")["backends"]}
+    assert rows["cexample"]["status"] == "ok", rows["cexample"]
+    assert "ggml_py_cexample:library_path" in rows["cexample"]["source"]
+    rep = v.cli("test-backend", "cexample")
+    assert rep["failed"] == 0 and rep["passed"] > 0
+    assert {r["op"] for r in rep["results"] if r["status"] == "passed"} == {"ADD", "MUL", "MUL_MAT"}
+    v.run("-m", "pip", "uninstall", "-y", "-q", "ggml-py-cexample")
+    assert "cexample" not in {b["name"] for b in v.cli("backends")["backends"]}

@@ -53,9 +53,8 @@ class Venv:
         return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Venv]:
-    base = tmp_path_factory.mktemp("toyvenv")
+def make_venv(base: Path) -> Venv:
+    """A temporary venv that sees this test venv's packages and can build wheels without build isolation."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(base / "venv")], check=True, timeout=120)
     v = Venv(base / "venv")
     purelib = v.run("-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip()
@@ -75,10 +74,22 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Venv]:
         r = v.run("-m", "pip", "install", "-q", "--disable-pip-version-check", "wheel", check=False)
         if r.returncode != 0:
             pytest.skip(f"setuptools here cannot build wheels and `wheel` could not be installed: {r.stderr[-300:]}")
-    src = base / "python-backend"  # build from a copy: setuptools writes build/ and *.egg-info next to the sources
-    shutil.copytree(EXAMPLE, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    return v
+
+
+def install_copy(v: Venv, example: Path, base: Path) -> None:
+    """pip-install an example package from a copy (setuptools writes build/ and *.egg-info next to the sources)."""
+    src = base / example.name
+    shutil.copytree(example, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "*.so"))
     v.run("-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "--disable-pip-version-check",
           "-q", str(src))
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Venv]:
+    base = tmp_path_factory.mktemp("toyvenv")
+    v = make_venv(base)
+    install_copy(v, EXAMPLE, base)
     yield v
     v.run("-m", "pip", "uninstall", "-y", "-q", "ggml-py-toy", check=False)
 
