@@ -2,8 +2,9 @@
 extension only to get setuptools' compiler handling and a platform wheel; Python never imports it, ggml_py dlopens it
 (see ggml_py_cexample.library_path)."""
 
-import ggml_py
 from setuptools import Extension, setup
+
+import ggml_py
 
 setup(ext_modules=[Extension("ggml_py_cexample._plugin", ["cexample.c"], include_dirs=[ggml_py.get_include()],
                              extra_compile_args=["-std=c11", "-O2"])])
