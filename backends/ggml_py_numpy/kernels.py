@@ -219,12 +219,25 @@ def argmax(n: Tensor, s: list, o: tuple[int, ...]) -> Arr:
     return np.argmax(s[0], axis=-1).astype(np.int32).reshape(o)
 
 
+def _top_row(x: Arr, k: int) -> Arr:
+    nan = np.flatnonzero(np.isnan(x))  # NaN first, in index order
+    if nan.size >= k:
+        return nan[:k]
+    rest = k - nan.size
+    idx = np.flatnonzero(~np.isnan(x))
+    v = x[idx]
+    if rest < v.size:  # the rest largest; at the cut, the lower indices of equal values
+        kth = -np.partition(-v, rest - 1)[rest - 1]
+        above = idx[v > kth]
+        idx = np.concatenate([above, idx[v == kth][: rest - above.size]])
+    order = np.lexsort((idx, -x[idx]))  # largest first, the lower index first on ties
+    return np.concatenate([nan, idx[order]])
+
+
 def top_k(n: Tensor, s: list, o: tuple[int, ...]) -> Arr:
-    # NaN first, then largest first; lexsort is stable: the lower index first on ties
     x = s[0]
-    nan = np.isnan(x)
-    order = np.lexsort((-np.where(nan, 0, x), ~nan), axis=-1)
-    return order[..., : n.params["k"]].astype(np.int32).reshape(o)
+    rows = x.reshape(-1, x.shape[-1])
+    return np.stack([_top_row(r, n.params["k"]) for r in rows]).astype(np.int32).reshape(o)
 
 
 KERNELS: dict[str, Kernel] = {

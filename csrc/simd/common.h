@@ -156,8 +156,6 @@ struct Scratch {
 
 // Rows of activations at or above which MUL_MAT takes the tiled GEMM path.
 enum { GEMM_MIN_ROWS = 4 };
-// TOP_K reads a row in chunks of this many columns, each chunk a unit of parallel work
-enum { TOPK_CHUNK = 4096 };
 
 // Interleaved weight layout "x8" (GEMV of constant Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights): groups of 8 rows; per group
 // and 32-column block b a record of 8 * type_size bytes:

@@ -186,9 +186,11 @@ void k_argmax(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
 
 // ---------------------------------------------------------------------------------------------------------------
 // TOP_K: indices of the k largest of each row, largest first; the lower index first on ties; NaN above everything
-// (as ARGMAX: a sampler reading the candidates sees a NaN row).
-// Phase 0: every (row, chunk of TOPK_CHUNK columns) keeps its own sorted top-k in the shared scratch, so a long row
-// (a vocabulary of logits) is read by all threads at once; phase 1 merges a row's chunks.
+// (as ARGMAX: a sampler reading the candidates sees a NaN row). One thread per row: values that may still make the
+// top go to an unsorted buffer (4k entries, at least 256); when it is full, nth_element keeps the best k and the k-th of them
+// sets the bar. Since indices only grow, what passes the bar is a NaN or strictly larger than the k-th kept value
+// (nothing, once all k kept values are NaN). On a vocabulary of logits the bar rises fast: a few hundred values
+// ever reach the buffer, and the scan is one vector compare per 8.
 
 struct TopEntry {
     float v;
@@ -202,71 +204,69 @@ GP_INLINE bool top_before(const TopEntry& a, const TopEntry& b) {
     return a.v > b.v || (a.v == b.v && a.i < b.i);
 }
 
-// the top min(k, n) of x[0..n) (column indices from i0), sorted, into out
-static int64_t top_chunk(const float* x, int64_t n, int64_t i0, int64_t k, TopEntry* out) {
-    const int64_t m = n < k ? n : k;
-    for (int64_t j = 0; j < m; ++j) out[j] = {x[j], (int32_t)(i0 + j)};
-    std::sort(out, out + m, top_before);
-    int64_t j = m;
+// TOP_K's buffer of candidates: 4k entries, at least 256 (a small k would raise the bar too often)
+GP_INLINE int64_t top_buffer(int64_t k) { return k < 64 ? 256 : 4 * k; }
+
+// the top min(k, n) of x[0..n), sorted, into out (int32 indices); buf: top_buffer(k) entries
+static void top_row(const float* x, int64_t n, int64_t k, TopEntry* buf, int32_t* out) {
+    const int64_t cap = top_buffer(k);
+    int64_t cnt = 0, j = 0;
+    bool have_bar = false;
+    float bar = 0.0f;
+    auto compact = [&] {
+        std::nth_element(buf, buf + (k - 1), buf + cnt, top_before);
+        cnt = k;
+        bar = buf[k - 1].v;
+        have_bar = true;
+    };
     while (j < n) {
-        // indices only grow, so what enters is a NaN or strictly larger than the last kept value (nothing, once
-        // every kept value is NaN)
-        const float thr = out[m - 1].v;
-        if (thr != thr) break;
-        int64_t lim = n;
-#if GP_AVX2
-        const __m256 vt = _mm256_set1_ps(thr);
-        while (j + 8 <= n && !_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), vt, _CMP_NLE_UQ))) j += 8;
-        lim = imin(n, j + 8);
-#endif
-        while (j < lim && x[j] <= thr) ++j;
-        if (j >= lim) continue;
-        const TopEntry e = {x[j], (int32_t)(i0 + j)};
-        {
-            int64_t p = m - 1;
-            while (p > 0 && top_before(e, out[p - 1])) {
-                out[p] = out[p - 1];
-                --p;
-            }
-            out[p] = e;
+        if (!have_bar) {  // the buffer is not full yet: take everything
+            const int64_t take = imin(n - j, cap - cnt);
+            for (int64_t t = 0; t < take; ++t) buf[cnt + t] = {x[j + t], (int32_t)(j + t)};
+            cnt += take;
+            j += take;
+            if (cnt == cap) compact();
+            continue;
         }
-        ++j;
+        if (bar != bar) break;
+#if GP_AVX2
+        const __m256 vb = _mm256_set1_ps(bar);
+        bool full = false;
+        for (; j + 8 <= n && !full; j += 8) {
+            unsigned m = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), vb, _CMP_NLE_UQ));
+            while (m) {
+                const int t = __builtin_ctz(m);
+                m &= m - 1;
+                buf[cnt++] = {x[j + t], (int32_t)(j + t)};
+            }
+            full = cnt > cap - 8;
+        }
+        if (full) {  // raise the bar and go on
+            compact();
+            continue;
+        }
+#endif
+        for (; j < n && cnt < cap; ++j)
+            if (!(x[j] <= bar)) buf[cnt++] = {x[j], (int32_t)j};
+        if (cnt == cap) compact();
     }
-    return m;
+    const int64_t m = imin(k, cnt);
+    std::partial_sort(buf, buf + m, buf + cnt, top_before);
+    for (int64_t t = 0; t < m; ++t) out[t] = buf[t].i;
 }
 
 void k_top_k(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
+    (void)phase;
     const Tensor& d = n.dst;
     const Tensor& a = n.src[0];
     const int64_t nr = nrows(a), ne0 = a.ne[0], k = d.ne[0];
-    const int64_t nch = (ne0 + TOPK_CHUNK - 1) / TOPK_CHUNK;
-    TopEntry* shared = (TopEntry*)ctx.wdata;
-    if (phase == 0) {
-        int64_t u0, u1;
-        if (!my_rows(nr * nch, TOPK_CHUNK, ith, nth, &u0, &u1, 2 * TOPK_CHUNK)) return;
-        float* tmp = (float*)ctx.thread_scratch(ith);
-        for (int64_t u = u0; u < u1; ++u) {
-            const int64_t r = u / nch, c0 = (u % nch) * TOPK_CHUNK, len = imin(TOPK_CHUNK, ne0 - c0);
-            const float* x = row_in(rowp(a, r) + c0 * a.nb[0], a.nb[0], len, tmp);
-            top_chunk(x, len, c0, k, shared + u * k);
-        }
-        return;
-    }
     int64_t r0, r1;
-    if (!my_rows(nr, k * nch, ith, nth, &r0, &r1)) return;
+    if (!my_rows(nr, ne0, ith, nth, &r0, &r1, 1 << 20)) return;  // a row's scan is fast: rows are the unit
+    float* tmp = (float*)ctx.thread_scratch(ith);
+    TopEntry* buf = (TopEntry*)(tmp + ((ne0 + 15) & ~(int64_t)15));
     for (int64_t r = r0; r < r1; ++r) {
-        TopEntry* row = shared + r * nch * k;
-        // chunk c holds min(k, its length) entries at row + c*k: gather them, then keep the best k
-        int64_t m = 0;
-        for (int64_t c = 0; c < nch; ++c) {
-            const int64_t cnt = imin(k, imin(TOPK_CHUNK, ne0 - c * TOPK_CHUNK));
-            if (row + m != row + c * k) memmove(row + m, row + c * k, (size_t)cnt * sizeof(TopEntry));
-            m += cnt;
-        }
-        std::partial_sort(row, row + k, row + m, top_before);
-        int32_t* out = (int32_t*)(d.data + (r % d.ne[1]) * d.nb[1] + ((r / d.ne[1]) % d.ne[2]) * d.nb[2] +
-                                  (r / (d.ne[1] * d.ne[2])) * d.nb[3]);
-        for (int64_t j = 0; j < k; ++j) out[j] = row[j].i;
+        const float* x = row_in(rowp(a, r), a.nb[0], ne0, tmp);
+        top_row(x, ne0, k, buf, (int32_t*)d.data + r * k);  // dst is contiguous (validated)
     }
 }
 

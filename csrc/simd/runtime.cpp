@@ -454,9 +454,8 @@ Scratch node_scratch(const Node& n) {
             s.per_thread = pad64(single > group ? single : group);
             break;
         }
-        case GGML_PY_OP_TOP_K:
-            s.shared = (size_t)nrows(a) * (size_t)((a.ne[0] + TOPK_CHUNK - 1) / TOPK_CHUNK) * (size_t)n.dst.ne[0] * 8;
-            s.per_thread = pad64((size_t)(TOPK_CHUNK + 16) * 4);
+        case GGML_PY_OP_TOP_K:  // a strided row's copy, then the candidates' buffer (>= 4k entries of 8 bytes)
+            s.per_thread = pad64((size_t)((a.ne[0] + 15) & ~(int64_t)15) * 4 + (size_t)(n.dst.ne[0] + 64) * 4 * 8);
             break;
         case GGML_PY_OP_ROPE: s.per_thread = pad64((size_t)(2 * n.params.i[GGML_PY_P_ROPE_N_DIMS] + 16) * 4); break;
         case GGML_PY_OP_NORM: case GGML_PY_OP_RMS_NORM: case GGML_PY_OP_SUM_ROWS: case GGML_PY_OP_MEAN: case GGML_PY_OP_ARGMAX: case GGML_PY_OP_SOFT_MAX:
@@ -494,10 +493,6 @@ bool node_is_small(const Node& n) {
             work = nelements(d) * 4;
             threshold = 64 * 1024;
             break;
-        case GGML_PY_OP_TOP_K:  // a vocabulary of logits is worth both threads
-            work = nelements(a);
-            threshold = 2 * TOPK_CHUNK;
-            break;
         case GGML_PY_OP_SET_ROWS:
             work = nelements(a) * (type_is_quant(d.type) ? 8 : 1);
             threshold = 64 * 1024;
@@ -518,7 +513,6 @@ int node_phases(const Node& n, bool n_rows_symbolic) {
     if (n.op == GGML_PY_OP_MUL_MAT && type_is_quant(n.src[0].type)) {
         if (n_rows_symbolic || n.src[1].ne[1] < GEMM_MIN_ROWS) return 2;
     }
-    if (n.op == GGML_PY_OP_TOP_K) return 2;  // chunks, then their merge
     return 1;
 }
 
