@@ -157,6 +157,15 @@ struct Scratch {
 // Rows of activations at or above which MUL_MAT takes the tiled GEMM path.
 enum { GEMM_MIN_ROWS = 4 };
 
+// FLASH_ATTN_EXT of a decode step splits the keys into this many ranges at most, of ~128 keys each; a partial result
+// per head and range is FA_PART(Dv) floats (acc[Dv], M, pad, S as a double)
+enum { FA_MAX_KEY_CHUNKS = 16 };
+static inline int64_t fa_key_chunks(int64_t nkv) {
+    const int64_t c = (nkv + 127) / 128;
+    return c < 1 ? 1 : (c > FA_MAX_KEY_CHUNKS ? FA_MAX_KEY_CHUNKS : c);
+}
+static inline int64_t FA_PART(int64_t dv) { return dv + 4; }
+
 // Interleaved weight layout "x8" (GEMV of constant Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights): groups of 8 rows; per group
 // and 32-column block b a record of 8 * type_size bytes:
 //   Q4_1: qs[128] then d[8] (f16) then m[8] (f16). Byte 32c + 4r + i holds row r's elements 8c+i (low nibble) and

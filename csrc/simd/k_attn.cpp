@@ -36,12 +36,12 @@ GP_INLINE __m256 load8(const uint8_t* p, bool f16) {
     return f16 ? load_f16x8((const uint16_t*)p) : _mm256_loadu_ps((const float*)p);
 }
 
-// One query row against all keys, accumulator of DV8*8 floats in registers. Returns the softmax denominator S;
-// the unnormalised output is left in out[0..Dv).
+// One query row against keys [0, Nkv), accumulator of DV8*8 floats in registers. Returns the softmax denominator S;
+// the unnormalised output is left in out[0..Dv) and the running maximum in *m_out.
 template <int DV8>
 static double fa_row_reg(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bool kf16, const uint8_t* vb,
                          int64_t vs, bool vf16, int64_t Nkv, const uint8_t* mp, int64_t ms_stride, int mtype,
-                         float slope, float scale, float softcap, float* out) {
+                         float slope, float scale, float softcap, float* out, float* m_out) {
     __m256 acc[DV8];
     for (int i = 0; i < DV8; ++i) acc[i] = _mm256_setzero_ps();
     float M = -INFINITY;
@@ -110,7 +110,19 @@ static double fa_row_reg(const float* qf, int64_t D, const uint8_t* kb, int64_t 
         }
     }
     for (int i = 0; i < DV8; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
+    *m_out = M;
     return S;
+}
+
+// fa_row_reg for Dv in {32, 64, 128}
+static double fa_row(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bool kf16, const uint8_t* vb,
+                     int64_t vs, bool vf16, int64_t Nkv, const uint8_t* mp, int64_t ms_stride, int mtype, float slope,
+                     float scale, float softcap, int64_t Dv, float* out, float* m_out) {
+    if (Dv == 64)
+        return fa_row_reg<8>(qf, D, kb, ks, kf16, vb, vs, vf16, Nkv, mp, ms_stride, mtype, slope, scale, softcap, out, m_out);
+    if (Dv == 128)
+        return fa_row_reg<16>(qf, D, kb, ks, kf16, vb, vs, vf16, Nkv, mp, ms_stride, mtype, slope, scale, softcap, out, m_out);
+    return fa_row_reg<4>(qf, D, kb, ks, kf16, vb, vs, vf16, Nkv, mp, ms_stride, mtype, slope, scale, softcap, out, m_out);
 }
 #endif
 
@@ -241,7 +253,6 @@ static void fa_group(const Node& n, int64_t iq, int64_t hk, int64_t b, float* sc
 #endif
 
 void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
-    (void)phase;
     const Tensor& dst = n.dst;
     const Tensor& q = n.src[0];
     const Tensor& k = n.src[1];
@@ -257,17 +268,78 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
     if (softcap != 0.0f) scale /= softcap;
 
 #if GP_AVX2
+    const bool groupable = (D % 8) == 0 && (Dv % 8) == 0 && k.nb[0] == type_size(k.type) &&
+                           v.nb[0] == type_size(v.type);
+    const int64_t gunits = Nq * Hk * B;
+    if (n.n_phases == 2 && groupable && (Dv == 32 || Dv == 64 || Dv == 128)) {
+        // few query rows and KV heads (a decode step): split the keys too, so that both threads have work however
+        // few heads there are ("flash decoding"). Phase 0: each (query row, head, range of keys) leaves its partial
+        // result (acc[Dv], M, S) in the shared scratch; phase 1 merges a head's ranges.
+        const int64_t nch = fa_key_chunks(Nkv), chunk = ((Nkv + nch - 1) / nch + 7) & ~(int64_t)7;
+        const int64_t heads = Nq * H * B;
+        float* parts = (float*)ctx.wdata;
+        if (phase == 0) {
+            const bool kf = k.type == T_F16, vf = v.type == T_F16;
+            float* qf = (float*)ctx.thread_scratch(ith);
+            int64_t u0, u1;
+            split_range(heads * nch, ith, nth, &u0, &u1);
+            for (int64_t u = u0; u < u1; ++u) {
+                const int64_t hu = u / nch, c = u % nch;
+                const int64_t h = hu % H, iq = (hu / H) % Nq, b = hu / (H * Nq), hk = h / rep;
+                const int64_t jb = imin(Nkv, c * chunk), je = imin(Nkv, jb + chunk);
+                float* pg = parts + u * FA_PART(Dv);
+                const uint8_t* qp = q.data + iq * q.nb[1] + h * q.nb[2] + b * q.nb[3];
+                for (int64_t i = 0; i < D; ++i) qf[i] = *(const float*)(qp + i * q.nb[0]);
+                const uint8_t* mp = has_mask ? mk.data + iq * mk.nb[1] + (h % mk.ne[2]) * mk.nb[2] +
+                                                   (b % mk.ne[3]) * mk.nb[3] + jb * mk.nb[0]
+                                             : nullptr;
+                const double S = fa_row(qf, D, k.data + hk * k.nb[2] + b * k.nb[3] + jb * k.nb[1], k.nb[1], kf,
+                                        v.data + hk * v.nb[2] + b * v.nb[3] + jb * v.nb[1], v.nb[1], vf, je - jb, mp,
+                                        has_mask ? mk.nb[0] : 0, mk.type, alibi_slope_fa(max_bias, h, H), scale,
+                                        softcap, Dv, pg, pg + Dv);
+                memcpy(pg + Dv + 2, &S, sizeof(double));
+            }
+            return;
+        }
+        int64_t u0, u1;
+        split_range(heads, ith, nth, &u0, &u1);
+        float* acc = (float*)ctx.thread_scratch(ith);
+        for (int64_t hu = u0; hu < u1; ++hu) {  // one head of one query row: merge its ranges
+            const int64_t h = hu % H, iq = (hu / H) % Nq, b = hu / (H * Nq);
+            const float* p0 = parts + hu * nch * FA_PART(Dv);
+            float M = -INFINITY;
+            for (int64_t c = 0; c < nch; ++c) M = fmaxf(M, p0[c * FA_PART(Dv) + Dv]);
+            for (int64_t i = 0; i < Dv; ++i) acc[i] = 0.0f;
+            double S = 0.0;
+            for (int64_t c = 0; c < nch && M > -INFINITY; ++c) {
+                const float* pg = p0 + c * FA_PART(Dv);
+                if (!(pg[Dv] > -INFINITY)) continue;  // every key of this range masked
+                const float w = expf(pg[Dv] - M);
+                double s;
+                memcpy(&s, pg + Dv + 2, sizeof(double));
+                S += s * w;
+                const __m256 vw = _mm256_set1_ps(w);
+                for (int64_t i = 0; i < Dv; i += 8)
+                    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(vw, _mm256_loadu_ps(pg + i), _mm256_loadu_ps(acc + i)));
+            }
+            const float inv = S == 0.0 ? 0.0f : (float)(1.0 / S);
+            uint8_t* op = dst.data + h * dst.nb[1] + iq * dst.nb[2] + b * dst.nb[3];
+            for (int64_t i = 0; i < Dv; ++i) *(float*)(op + i * dst.nb[0]) = acc[i] * inv;
+        }
+        return;
+    }
+    if (phase != n.n_phases - 1) return;  // the split-key phase runs only with the vector kernels
     // grouped heads (one conversion of each key/value tile for all heads sharing it) when there are enough groups
-    // to keep every thread busy; a decode step with few KV heads balances better head by head
-    if (rep >= 2 && Nq * Hk * B >= 8 && (D % 8) == 0 && (Dv % 8) == 0 && k.nb[0] == type_size(k.type) &&
-        v.nb[0] == type_size(v.type)) {
-        const int64_t gunits = Nq * Hk * B;
+    // to keep every thread busy
+    if (rep >= 2 && gunits >= 8 && groupable) {
         int64_t g0, g1;
         split_range(gunits, ith, nth, &g0, &g1);
         for (int64_t u = g0; u < g1; ++u)
             fa_group(n, (u / Hk) % Nq, u % Hk, u / (Hk * Nq), (float*)ctx.thread_scratch(ith));
         return;
     }
+#else
+    if (phase != n.n_phases - 1) return;
 #endif
     const int64_t units = Nq * H * B;
     int64_t u0, u1;
@@ -297,12 +369,9 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
         if (vec && (Dv == 32 || Dv == 64 || Dv == 128)) {
             const bool kf = k.type == T_F16, vf = v.type == T_F16;
             const int64_t ms = has_mask ? mk.nb[0] : 0;
-            if (Dv == 64)
-                S = fa_row_reg<8>(qf, D, kb, k.nb[1], kf, vb, v.nb[1], vf, Nkv, mp, ms, mk.type, slope, scale, softcap, acc);
-            else if (Dv == 128)
-                S = fa_row_reg<16>(qf, D, kb, k.nb[1], kf, vb, v.nb[1], vf, Nkv, mp, ms, mk.type, slope, scale, softcap, acc);
-            else
-                S = fa_row_reg<4>(qf, D, kb, k.nb[1], kf, vb, v.nb[1], vf, Nkv, mp, ms, mk.type, slope, scale, softcap, acc);
+            float m_unused;
+            S = fa_row(qf, D, kb, k.nb[1], kf, vb, v.nb[1], vf, Nkv, mp, ms, mk.type, slope, scale, softcap, Dv, acc,
+                       &m_unused);
         } else if (vec) {
             for (int64_t j0 = 0; j0 < Nkv; j0 += 8) {
                 const int64_t nt = imin(8, Nkv - j0);

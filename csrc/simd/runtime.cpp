@@ -430,6 +430,11 @@ std::string validate_node(const Node& n) {
     }
 }
 
+// a decode step's attention (few query rows x KV heads) splits the keys across threads (k_flash_attn_ext)
+static bool fa_splits_keys(const Node& n) {
+    return n.op == GGML_PY_OP_FLASH_ATTN_EXT && n.src[0].ne[1] * n.src[1].ne[2] * n.src[0].ne[3] < 8;
+}
+
 static size_t pad64(size_t x) { return (x + 63) & ~(size_t)63; }
 
 Scratch node_scratch(const Node& n) {
@@ -452,6 +457,8 @@ Scratch node_scratch(const Node& n) {
             const size_t single = (size_t)(((Dv + 15) & ~15) + ((D + 15) & ~15) + Dv + 64) * 4;
             const size_t group = (size_t)(8 * D + 8 * Dv + H * (D + Dv) + 3 * H + 64) * 4;  // GQA tiles
             s.per_thread = pad64(single > group ? single : group);
+            if (fa_splits_keys(n))  // the partial results of every (query row, head, range of keys)
+                s.shared = (size_t)(a.ne[1] * H * a.ne[3] * FA_MAX_KEY_CHUNKS * FA_PART(Dv)) * 4;
             break;
         }
         case GGML_PY_OP_TOP_K:  // a strided row's copy, then the candidates' buffer (>= 4k entries of 8 bytes)
@@ -513,6 +520,7 @@ int node_phases(const Node& n, bool n_rows_symbolic) {
     if (n.op == GGML_PY_OP_MUL_MAT && type_is_quant(n.src[0].type)) {
         if (n_rows_symbolic || n.src[1].ne[1] < GEMM_MIN_ROWS) return 2;
     }
+    if (fa_splits_keys(n)) return 2;  // ranges of keys, then their merge
     return 1;
 }
 

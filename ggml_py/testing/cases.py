@@ -458,6 +458,8 @@ def _flash_attn_cases() -> list[Case]:
         (1, 4, 4, 7, 33, 64, 64, (F16, 7, True), 0.0, 20.0),  # logit softcap
         (1, 4, 2, 5, 33, 64, 32, (F32, 5, False), 0.0, 0.0),  # value head size differs
         (2, 4, 2, 7, 33, 64, 64, (F16, 7, True), 0.0, 0.0),  # batch of two
+        (1, 9, 3, 1, 1000, 64, 64, (F16, 1, False), 0.0, 0.0),  # a decode step over a long cache (keys split)
+        (1, 8, 2, 2, 701, 64, 64, (F16, 2, True), 0.0, 0.0),  # two queries, an odd key count
     ]
     for kvt in (F16, F32):
         for b, h, hk, nq, nkv, d, dv, mask, max_bias, softcap in specs:
@@ -495,6 +497,18 @@ def _flash_attn_cases() -> list[Case]:
         out.append(Case("FLASH_ATTN_EXT", f"q=[1,4,7,64],kv=[1,2,{nkv},64|64],mask=[7,{nkv}],rows 0 and 5 fully masked",
                         f"F32,{kvt.name},{mt.name}", make_fm, max_nmse=FLASH_ATTN_MAX_NMSE,
                         note="a fully masked row is zeros, as in ggml"))
+    # A decode step behind a sliding window (the first 600 of 1000 keys masked: whole ranges of keys see nothing),
+    # and one whose every key is masked (zeros)
+    for first, what in ((600, "keys 0..599 masked"), (1000, "every key masked")):
+        def make_win(c: Ctx, first=first) -> Tensor:
+            q = c.rand((1, 9, 1, 64))
+            k = c.rand((1, 3, 1000, 64), F16)
+            v = c.rand((1, 3, 1000, 64), F16)
+            m = np.where(np.arange(1000)[None, :] < first, -np.inf, 0.0).astype(np.float32)
+            return ops.flash_attn_ext(q, k, v, c.input(m, F16), scale=0.125)
+
+        out.append(Case("FLASH_ATTN_EXT", f"q=[1,9,1,64],kv=[1,3,1000,64|64],mask=[1,1000],{what}", "F32,F16,F16",
+                        make_win, max_nmse=FLASH_ATTN_MAX_NMSE))
     return out
 
 
