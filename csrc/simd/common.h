@@ -187,6 +187,10 @@ static inline int64_t FA_PART(int64_t dv) { return dv + 4; }
 static inline bool repack_supported(int t) {
     return t == T_Q4_1 || t == T_Q8_0 || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
 }
+// Types whose GEMM (prefill) also reads the repacked copy: for them the repacked copy replaces the original (whose
+// memory, usually mapped from the GGUF file, is handed back to the OS once repacked; see get_repacked). The K-quants
+// are repacked for the GEMV kernels only, and keep both.
+static inline bool repack_serves_gemm(int t) { return t == T_Q4_1 || t == T_Q8_0; }
 // bytes per repacked row (a group of 8 rows takes 8 times this)
 static inline int64_t repack_row_bytes(int t, int64_t k) {
     switch (t) {

@@ -2,6 +2,10 @@
 // made once per weight and shared by every plan through a cache keyed by the weight's unique id, address and shape.
 #include <cstdlib>
 #include <cstring>
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -14,9 +18,9 @@ namespace gp {
 
 RepackBuf::~RepackBuf() { free(data); }
 
-static void repack_q4_1(const Tensor& w, uint8_t* out) {
-    const int64_t K = w.ne[0], groups = w.ne[1] / 8, nb = K / 32;
-    for (int64_t g = 0; g < groups; ++g) {
+static void repack_q4_1(const Tensor& w, uint8_t* out, int64_t g0, int64_t g1) {
+    const int64_t K = w.ne[0], nb = K / 32;
+    for (int64_t g = g0; g < g1; ++g) {
         for (int64_t b = 0; b < nb; ++b) {
             uint8_t* rec = out + (g * nb + b) * 160;
             uint16_t* dd = (uint16_t*)(rec + 128);
@@ -37,9 +41,9 @@ static void repack_q4_1(const Tensor& w, uint8_t* out) {
     }
 }
 
-static void repack_q8_0(const Tensor& w, uint8_t* out) {
-    const int64_t K = w.ne[0], groups = w.ne[1] / 8, nb = K / 32;
-    for (int64_t g = 0; g < groups; ++g) {
+static void repack_q8_0(const Tensor& w, uint8_t* out, int64_t g0, int64_t g1) {
+    const int64_t K = w.ne[0], nb = K / 32;
+    for (int64_t g = g0; g < g1; ++g) {
         for (int64_t b = 0; b < nb; ++b) {
             uint8_t* rec = out + (g * nb + b) * 272;
             uint16_t* dd = (uint16_t*)(rec + 256);
@@ -55,11 +59,11 @@ static void repack_q8_0(const Tensor& w, uint8_t* out) {
 
 // Q4_K and Q5_K: the same records, Q5_K's with its fifth bits in qh[256] after the nibbles (see common.h)
 template <typename Block>
-static void repack_q45_K(const Tensor& w, uint8_t* out) {
+static void repack_q45_K(const Tensor& w, uint8_t* out, int64_t g0, int64_t g1) {
     constexpr bool five = std::is_same_v<Block, blk_q5_K>;
     constexpr int64_t size = five ? 1440 : 1184, meta = five ? 1280 : 1024;
-    const int64_t K = w.ne[0], groups = w.ne[1] / 8, nb = K / 256;
-    for (int64_t g = 0; g < groups; ++g) {
+    const int64_t K = w.ne[0], nb = K / 256;
+    for (int64_t g = g0; g < g1; ++g) {
         for (int64_t s = 0; s < nb; ++s) {
             uint8_t* rec = out + (g * nb + s) * size;
             if constexpr (five) memset(rec + 1024, 0, 256);  // the fifth bits are OR-ed together below
@@ -90,9 +94,9 @@ static void repack_q45_K(const Tensor& w, uint8_t* out) {
     }
 }
 
-static void repack_q6_K(const Tensor& w, uint8_t* out) {
-    const int64_t K = w.ne[0], groups = w.ne[1] / 8, nb = K / 256;
-    for (int64_t g = 0; g < groups; ++g) {
+static void repack_q6_K(const Tensor& w, uint8_t* out, int64_t g0, int64_t g1) {
+    const int64_t K = w.ne[0], nb = K / 256;
+    for (int64_t g = g0; g < g1; ++g) {
         for (int64_t s = 0; s < nb; ++s) {
             uint8_t* rec = out + (g * nb + s) * 1680;
             memset(rec, 0, 1536);  // the quant bytes are OR-ed together below
@@ -126,6 +130,25 @@ static void repack_q6_K(const Tensor& w, uint8_t* out) {
     }
 }
 
+// The original of a weight whose every reader now uses the repacked copy: give its whole pages back to the OS
+// (MADV_PAGEOUT: clean pages of a mapped file are dropped and re-read from the file if ever touched again, e.g. by
+// GET_ROWS of a tied embedding or another backend; anonymous pages go to swap, or stay). Nothing is lost either way;
+// without this, peak RSS holds both copies. Linux only; elsewhere, and on older kernels, a no-op.
+static void release_pages(const uint8_t* p, size_t n) {
+#if defined(__linux__) && defined(MADV_PAGEOUT)
+    static const bool enabled = [] {
+        const char* e = getenv("GGML_PY_SIMD_KEEP_ORIGINALS");
+        return !(e && *e && *e != '0');
+    }();
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t a = ((uintptr_t)p + page - 1) & ~(page - 1), b = ((uintptr_t)p + n) & ~(page - 1);
+    if (enabled && b > a) madvise((void*)a, b - a, MADV_PAGEOUT);
+#else
+    (void)p;
+    (void)n;
+#endif
+}
+
 std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w) {
     using Key = std::tuple<int64_t, uintptr_t, int, int64_t, int64_t, int64_t>;
     static std::mutex mu;
@@ -147,11 +170,19 @@ std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w) {
     void* p = nullptr;
     if (posix_memalign(&p, 64, buf->size ? buf->size : 64) != 0) throw std::bad_alloc();
     buf->data = (uint8_t*)p;
-    if (w.type == T_Q4_1) repack_q4_1(w, buf->data);
-    else if (w.type == T_Q8_0) repack_q8_0(w, buf->data);
-    else if (w.type == T_Q4_K) repack_q45_K<blk_q4_K>(w, buf->data);
-    else if (w.type == T_Q5_K) repack_q45_K<blk_q5_K>(w, buf->data);
-    else repack_q6_K(w, buf->data);
+    // by slices of 128 groups (1024 rows), each slice's original released as soon as it is repacked: at no time
+    // are both copies of a whole large weight (a 49k-token embedding) resident
+    const int64_t groups = w.ne[1] / 8, slice = 128;
+    for (int64_t g0 = 0; g0 < groups; g0 += slice) {
+        const int64_t g1 = g0 + slice < groups ? g0 + slice : groups;
+        if (w.type == T_Q4_1) repack_q4_1(w, buf->data, g0, g1);
+        else if (w.type == T_Q8_0) repack_q8_0(w, buf->data, g0, g1);
+        else if (w.type == T_Q4_K) repack_q45_K<blk_q4_K>(w, buf->data, g0, g1);
+        else if (w.type == T_Q5_K) repack_q45_K<blk_q5_K>(w, buf->data, g0, g1);
+        else repack_q6_K(w, buf->data, g0, g1);
+        if (repack_serves_gemm(w.type))
+            release_pages(w.data + g0 * 8 * w.nb[1], (size_t)(g1 - g0) * 8 * (size_t)w.nb[1]);
+    }
     (*cache)[key] = buf;
     return buf;
 }

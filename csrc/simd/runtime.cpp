@@ -633,9 +633,11 @@ Plan::Plan(const std::vector<NodeDesc>& descs, const std::vector<Range>& ranges,
         if (n.op == GGML_PY_OP_MUL_MAT)
             for (const Patch& p : patches_)
                 if (p.target == &n.src[1].ne[1]) rows_sym = true;
-        // constant Q4_1/Q8_0 weights of matrix-vector products: interleave 8 rows once (shared by all plans)
+        // constant weights of matrix-vector products (and of every product, for the types whose GEMM reads it):
+        // interleave 8 rows once (shared by all plans)
         if (n.op == GGML_PY_OP_MUL_MAT && kt_->uses_repack && descs[i].src[0].const_id != 0 && !node_symbolic_src0(descs[i]) &&
-            (rows_sym || n.src[1].ne[1] < GEMM_MIN_ROWS) && repack_supported(n.src[0].type)) {
+            (rows_sym || n.src[1].ne[1] < GEMM_MIN_ROWS || repack_serves_gemm(n.src[0].type)) &&
+            repack_supported(n.src[0].type)) {
             auto rp = get_repacked(descs[i].src[0].const_id, n.src[0]);
             if (rp) {
                 n.repack = rp->data;
