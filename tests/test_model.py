@@ -512,3 +512,40 @@ def test_bench_model_profile_says_where_a_decode_step_goes() -> None:
     assert 0.5 * split_s < sum(prof["by_op"].values()) <= split_s * 1.01
     assert r["reuse_speedup"] > 1.5 and r["no_reuse_identical_tokens"]
     assert "decode step profile" in bench.report(r)
+
+
+_RSS_AFTER_GENERATE = """
+import sys
+from ggml_py import load_model
+from ggml_py.models import default_model_path
+
+with load_model(default_model_path(), backends=["simd"], n_ctx=256, n_threads=2, progress=False) as m:
+    toks = [t.id for t in m.generate("The three primary colors are", 16, temperature=0, stop_at_eos=False)]
+    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    print(int(status["RssFile"].split()[0]) * 1024, int(status["VmHWM"].split()[0]) * 1024, *toks)
+"""
+
+
+@smollm2
+@pytest.mark.skipif("simd" not in BACKENDS or not os.path.exists("/proc/self/status"), reason="simd on Linux")
+def test_simd_repacked_weights_replace_the_mapped_file(tmp_path):
+    """SmolLM2's Q4_1/Q8_0 matrices are read only in simd's repacked layout (decode and prefill), so the pages of
+    the mapped file holding them are handed back once repacked: after a generation, the file's resident share is a
+    small part of its size, and peak RSS is lower than with the originals kept (GGML_PY_SIMD_KEEP_ORIGINALS=1),
+    with the same tokens."""
+    import subprocess
+    import sys
+
+    def run(**env):
+        r = subprocess.run([sys.executable, "-c", _RSS_AFTER_GENERATE], capture_output=True, text=True, timeout=300,
+                           check=True, env={**os.environ, **env})
+        rss_file, peak, *toks = map(int, r.stdout.split())
+        return rss_file, peak, toks
+
+    size = os.path.getsize(default_model_path())
+    rss_file, peak, toks = run()
+    kept_file, kept_peak, kept_toks = run(GGML_PY_SIMD_KEEP_ORIGINALS="1")
+    assert toks == kept_toks
+    assert kept_file > 0.8 * size  # the check can fail: with the originals kept, the file is resident
+    assert rss_file < 0.4 * size, (rss_file, size)
+    assert peak < kept_peak - 0.5 * size, (peak, kept_peak)
