@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sysconfig
 from pathlib import Path
 
@@ -58,6 +59,12 @@ def available_backends() -> list[str]:
         infos[name].load()  # re-raises the plugin's own error
         out.append(name)
     return out
+
+
+def sigint_default() -> None:
+    """preexec_fn of the subprocesses a test interrupts: SIGINT back to its default, so that the child's Python
+    installs its KeyboardInterrupt handler even when this run inherited SIGINT ignored (a background job)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _installed_locations() -> list[Path]:
@@ -136,4 +143,5 @@ def rng():
     return np.random.default_rng(1234)
 
 
-__all__ = ["available_backends", "declared_absent", "expected_backends", "installed_check", "require_backend"]
+__all__ = ["available_backends", "declared_absent", "expected_backends", "installed_check", "require_backend",
+           "sigint_default"]
