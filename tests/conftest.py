@@ -1,41 +1,139 @@
-"""Shared fixtures. The installed package registers its backends through entry points; when the tests run from a
-source tree without installation (development), register them in-process instead."""
+"""Shared fixtures and the suite's guards (docs/testing.md).
+
+- The suite runs against the *installed* package: `ggml_py` and the built-in backends must be imported from
+  site-packages, not from this checkout (`make test` installs the wheel and runs pytest with PYTHONSAFEPATH=1, so
+  that neither the working directory nor a script's directory is put on sys.path; subprocesses inherit it).
+- Every backend named in `GGML_PY_EXPECT_BACKENDS` (default `numpy,simd`, the built-ins) must load; one that does not
+  fails the session. A backend left out of the list is declared absent on purpose: its tests skip as "declared".
+- At most `GGML_PY_MAX_SKIPS` (default 0) tests may skip for any other reason; more fail the session, listed.
+"""
 
 from __future__ import annotations
 
-import importlib
+import os
+import signal
+import sysconfig
+from pathlib import Path
 
 import pytest
 
 import ggml_py
 
+REPO = Path(__file__).resolve().parents[1]
+BUILTIN_BACKENDS = ("numpy", "simd")
+# the reason of a skip that a run asked for (a backend left out of GGML_PY_EXPECT_BACKENDS): not counted
+DECLARED = "declared absent"
 
-def _ensure_builtin_backends() -> None:
-    names = ggml_py.registry.names()
-    for name, module in (("numpy", "ggml_py_numpy"), ("simd", "ggml_py_simd")):
-        if name in names:
-            continue
-        try:
-            mod = importlib.import_module(module)
-        except ImportError:
-            continue
-        if not hasattr(mod, "register"):
-            continue
-        ggml_py.registry.register(name, mod.register, source=f"test conftest ({module})")
+# subprocesses of the tests (`python -c`, `python -m ggml_py.cli`) must not import this checkout either
+os.environ.setdefault("PYTHONSAFEPATH", "1")
 
 
-_ensure_builtin_backends()
+def expected_backends() -> list[str]:
+    """The backends this run requires (GGML_PY_EXPECT_BACKENDS, default numpy,simd), in order."""
+    raw = os.environ.get("GGML_PY_EXPECT_BACKENDS")
+    if raw is None:
+        return list(BUILTIN_BACKENDS)
+    return [n.strip() for n in raw.split(",") if n.strip()]
+
+
+def declared_absent(name: str) -> pytest.MarkDecorator:
+    """Skip marker for tests that need backend `name`: they skip only when the run declared it absent."""
+    return pytest.mark.skipif(name not in expected_backends(),
+                              reason=f"{name} {DECLARED} (GGML_PY_EXPECT_BACKENDS={','.join(expected_backends())})")
+
+
+def require_backend(name: str) -> None:
+    """Module level: skip the module when the run declared `name` absent; otherwise it must be importable."""
+    if name not in expected_backends():
+        pytest.skip(f"{name} {DECLARED} (GGML_PY_EXPECT_BACKENDS={','.join(expected_backends())})",
+                    allow_module_level=True)
 
 
 def available_backends() -> list[str]:
+    """The expected backends (GGML_PY_EXPECT_BACKENDS), each checked to load: a broken one raises (never filtered)."""
     out = []
-    for info in ggml_py.registry.infos():
-        try:
-            info.load()
-            out.append(info.name)
-        except Exception:
-            pass
+    infos = {i.name: i for i in ggml_py.registry.infos()}
+    for name in expected_backends():
+        if name not in infos:
+            raise RuntimeError(f"expected backend {name!r} is not registered (entry points: {sorted(infos)})")
+        infos[name].load()  # re-raises the plugin's own error
+        out.append(name)
     return out
+
+
+def sigint_default() -> None:
+    """preexec_fn of the subprocesses a test interrupts: SIGINT back to its default, so that the child's Python
+    installs its KeyboardInterrupt handler even when this run inherited SIGINT ignored (a background job)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _installed_locations() -> list[Path]:
+    return [Path(p).resolve() for p in {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}]
+
+
+def installed_check() -> list[str]:
+    """Problems with where ggml_py and the built-in backends were imported from (empty when all is installed)."""
+    import importlib
+
+    bad = []
+    sites = _installed_locations()
+    for mod in ("ggml_py", "ggml_py_numpy", "ggml_py_simd"):
+        try:
+            path = Path(importlib.import_module(mod).__file__ or "").resolve()
+        except ImportError as e:
+            if mod.removeprefix("ggml_py_") in expected_backends() or mod == "ggml_py":
+                bad.append(f"{mod}: {e}")
+            continue
+        if not any(path.is_relative_to(s) for s in sites) or path.is_relative_to(REPO / "ggml_py") or \
+                path.is_relative_to(REPO / "backends"):
+            bad.append(f"{mod} imported from {path}, not from site-packages ({', '.join(map(str, sites))})")
+    return bad
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    problems = installed_check()
+    if problems:
+        pytest.exit("the tests must run against the installed package (make test; or PYTHONSAFEPATH=1 "
+                    ".venv/bin/python -m pytest after `make install`):\n  " + "\n  ".join(problems), returncode=1)
+    infos = {i.name: i for i in ggml_py.registry.infos()}
+    broken = []
+    for name in expected_backends():
+        if name not in infos:
+            broken.append(f"{name}: not registered (entry points found: {', '.join(sorted(infos))})")
+            continue
+        try:
+            infos[name].load()
+        except Exception as e:
+            broken.append(f"{name}: {type(e).__name__}: {e}")
+    if broken:
+        pytest.exit("expected backend(s) failed to load (declare an absence on purpose with "
+                    "GGML_PY_EXPECT_BACKENDS):\n  " + "\n  ".join(broken), returncode=1)
+
+
+def _skip_reason(rep: pytest.TestReport) -> str:
+    if isinstance(rep.longrepr, tuple) and len(rep.longrepr) == 3:
+        return str(rep.longrepr[2])
+    return str(rep.longrepr)
+
+
+def max_skips() -> int:
+    return int(os.environ.get("GGML_PY_MAX_SKIPS", "0"))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or session.config.option.collectonly:
+        return
+    skipped = [r for r in reporter.stats.get("skipped", []) if DECLARED not in _skip_reason(r)]
+    allowed = max_skips()
+    if len(skipped) > allowed:
+        lines = [f"{r.nodeid}: {_skip_reason(r)}" for r in skipped]
+        reporter.write_sep("=", f"skip guard: {len(skipped)} test(s) skipped, {allowed} allowed (GGML_PY_MAX_SKIPS)",
+                           red=True)
+        for ln in lines:
+            reporter.write_line("  " + ln)
+        if session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture
@@ -43,3 +141,7 @@ def rng():
     import numpy as np
 
     return np.random.default_rng(1234)
+
+
+__all__ = ["available_backends", "declared_absent", "expected_backends", "installed_check", "require_backend",
+           "sigint_default"]

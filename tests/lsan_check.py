@@ -142,7 +142,7 @@ def run(log_dir: str, test_files: list[str]) -> int:
             os.makedirs(os.path.dirname(prefix), exist_ok=True)
             for old in glob.glob(glob.escape(prefix) + ".*"):
                 os.remove(old)
-            rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", path],
+            rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", path],
                                 env=sanitizer_env(prefix, verbose=attempt > 1)).returncode
             logs = Logs.read(prefix)
             bad = logs.report(f"{path} (attempt {attempt}, pytest exit {rc}): ")

@@ -30,6 +30,28 @@ def _expected(xv, w, scale):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_entry_recorder_sees_two_plans_overlap(backend, monkeypatch):
+    """The recorder of the test below can see an overlap: two plans on one backend do run at once."""
+    plans = [_plan(backend, s)[0] for s in (0.5, 2.0)]
+    for p in plans:
+        p.set_input("x", np.ones((64, 256), np.float32))
+    rec = _record_entries(plans[0], monkeypatch)
+    barrier = threading.Barrier(2)
+
+    def work(p) -> None:
+        barrier.wait()
+        for _ in range(10):
+            p.compute()
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in plans]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert rec.calls == 20 and rec.max_inside == 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_two_plans_two_threads(backend):
     rng = np.random.default_rng(0)
     plans = [_plan(backend, s) for s in (0.5, 2.0)]
@@ -55,15 +77,47 @@ def test_two_plans_two_threads(backend):
     assert not errors, errors
 
 
+class EntryRecorder:
+    """Wraps a backend's graph_plan_compute (the call that runs the kernels): counts the calls inside at once and
+    keeps the largest count. Each call sleeps inside (the GIL is released), so two unserialised computes overlap."""
+
+    def __init__(self, inner, hold_s: float = 0.002) -> None:
+        self.inner, self.hold_s = inner, hold_s
+        self.lock = threading.Lock()
+        self.inside = self.max_inside = self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        with self.lock:
+            self.inside += 1
+            self.calls += 1
+            self.max_inside = max(self.max_inside, self.inside)
+        try:
+            time.sleep(self.hold_s)
+            return self.inner(*args, **kwargs)
+        finally:
+            with self.lock:
+                self.inside -= 1
+
+
+def _record_entries(plan, monkeypatch) -> EntryRecorder:
+    (be,) = {id(r.split.backend): r.split.backend for r in plan.runs}.values()
+    rec = EntryRecorder(be.graph_plan_compute)
+    monkeypatch.setattr(be, "graph_plan_compute", rec)
+    return rec
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_same_plan_two_threads_is_serialised(backend):
+def test_same_plan_two_threads_is_serialised(backend, monkeypatch):
     plan, w = _plan(backend, 1.0)
     xv = np.random.default_rng(1).standard_normal((64, 256)).astype(np.float32)
     plan.set_input("x", xv)
+    rec = _record_entries(plan, monkeypatch)
     errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
 
     def work() -> None:
         try:
+            barrier.wait()
             for _ in range(30):
                 plan.compute()
         except BaseException as e:
@@ -75,7 +129,8 @@ def test_same_plan_two_threads_is_serialised(backend):
     for t in threads:
         t.join()
     assert not errors, errors
-    assert plan.stats()["computes"] == 60
+    assert plan.stats()["computes"] == 60 and rec.calls == 60
+    assert rec.max_inside == 1, f"{rec.max_inside} computes of one plan ran the backend at once"
     np.testing.assert_allclose(plan.get_output("y"), _expected(xv, w, 1.0), rtol=1e-3, atol=1e-3)
 
 

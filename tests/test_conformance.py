@@ -161,7 +161,9 @@ def test_kit_covers_every_op_type_and_size():
                    "FLASH_ATTN_EXT[F32,F16", "FLASH_ATTN_EXT[F32,F32", "kv=[1,1,33", "kv=[1,2,256"):
         assert needle in text, needle
     thr = {c.op: c.max_nmse for c in all_}
-    assert thr["MUL_MAT"] == thr["FLASH_ATTN_EXT"] == 5e-4 and thr["SOFT_MAX"] == 1e-6 and thr["ROPE"] == 1e-7
+    assert thr["FLASH_ATTN_EXT"] == 5e-4 and thr["SOFT_MAX"] == 1e-6 and thr["ROPE"] == 1e-7
+    mm = {c.types.split(",")[0]: c.max_nmse for c in all_ if c.op == "MUL_MAT"}
+    assert {mm[t] for t in ("F32", "F16", "BF16")} == {1e-10} and {v for t, v in mm.items() if "F" not in t} == {5e-4}
     assert all(c.max_nmse == 0 for c in all_ if c.op in ("ARGMAX", "CONT", "CONCAT", "REPEAT", "PAD"))
     assert all(c.max_nmse == 0 for c in all_ if c.op == "CPY" and c.types.split("->")[0] == c.types.split("->")[1])
 

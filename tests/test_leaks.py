@@ -4,17 +4,20 @@ grow the process's memory on any backend."""
 
 from __future__ import annotations
 
-import resource
+import gc
 import subprocess
+import weakref
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as QT
 
 import ggml_py as gp
-from ggml_py import ops
+from ggml_py import load_model, ops
 
 import lsan_check
 from conftest import available_backends
+from model_factory import write_tiny_llama
 
 SIMD = "/venv/lib/python3.11/site-packages/ggml_py_simd/_simd.cpython-311-x86_64-linux-gnu.so"
 LOG = f"""
@@ -120,8 +123,22 @@ def test_lsan_runner_does_not_retry_findings_or_test_failures(tmp_path, monkeypa
         assert len(calls) == 1
 
 
-def _max_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def rss_mib() -> float:
+    """The process's current resident set (VmRSS: anonymous and file-backed pages), not its peak: a leak after
+    a high-water mark still shows."""
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) / 1024
+
+
+def test_rss_mib_sees_memory_come_and_go():
+    """What the tests below rely on: a touched allocation raises rss_mib() and freeing it lowers it again (a peak
+    such as ru_maxrss would stay up)."""
+    before = rss_mib()
+    block = np.ones(96 << 20, np.uint8)  # 96 MiB, every page written
+    during = rss_mib()
+    del block
+    after = rss_mib()
+    assert during - before > 80 and during - after > 80, (before, during, after)
 
 
 @pytest.mark.parametrize("backend", available_backends())
@@ -140,8 +157,48 @@ def test_preparing_and_closing_plans_repeatedly_does_not_grow_memory(backend):
 
     for _ in range(20):  # warm-up: caches, pools and allocator arenas reach their steady size
         cycle()
-    before = _max_rss_mib()
+    gc.collect()
+    before = rss_mib()
     for _ in range(200):
         cycle()
-    grown = _max_rss_mib() - before
-    assert grown < 64, f"peak RSS grew by {grown:.0f} MiB over 200 prepare/compute/close cycles"
+    gc.collect()
+    grown = rss_mib() - before
+    assert grown < 64, f"RSS grew by {grown:.0f} MiB over 200 prepare/compute/close cycles"
+
+
+@pytest.fixture(scope="module")
+def leak_model(tmp_path_factory) -> str:
+    """F32 weights of about 27 MiB (two 512-wide layers): a model whose mapping or weight copies outlived close()
+    would add that much per cycle."""
+    path = tmp_path_factory.mktemp("leak") / "leak.gguf"
+    write_tiny_llama(path, seed=7, n_embd=512, n_ff=1536, n_head=4, n_head_kv=4, weight_type=QT.F32,
+                     embd_type=QT.F32, output_type=QT.F32)
+    return str(path)
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_loading_and_closing_a_model_repeatedly_does_not_grow_memory(leak_model, backend):
+    """load -> eval -> generate -> close, 12 times: the process's RSS and the live Model objects stay flat."""
+    refs: list[weakref.ref] = []
+
+    def cycle() -> None:
+        m = load_model(leak_model, backends=[backend], n_ctx=128, progress=False)
+        try:
+            ids = m.tokenize("the cat is on the mat")
+            m.eval(ids)
+            assert len(list(m.generate(ids, 2, temperature=0.0, stop_at_eos=False))) == 2
+        finally:
+            m.close()
+        refs.append(weakref.ref(m))
+
+    for _ in range(2):
+        cycle()
+    gc.collect()
+    before = rss_mib()
+    for _ in range(12):
+        cycle()
+    gc.collect()
+    grown = rss_mib() - before
+    alive = sum(r() is not None for r in refs)
+    assert alive == 0, f"{alive} closed Model objects are still referenced"
+    assert grown < 64, f"RSS grew by {grown:.0f} MiB over 12 load/eval/close cycles of a 27 MiB model"

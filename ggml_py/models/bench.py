@@ -65,8 +65,12 @@ def peak_rss_bytes() -> int:
 
 
 def run(vs_llamacpp: bool = False, n_prompt: int = 128, n_gen: int = 64, threads: int = 2, json: bool = False,
-        backend: str | None = None, model: str | None = None, profile: bool = False, **_: Any) -> dict[str, Any]:
-    """Measure and return the figures (see the module docstring). Progress goes to stderr."""
+        backend: str | None = None, model: str | None = None, profile: bool = False, quick: bool = False,
+        **_: Any) -> dict[str, Any]:
+    """Measure and return the figures (see the module docstring). Progress goes to stderr. `quick`: 16 prompt
+    tokens and 8 generated, a functional smoke run."""
+    if quick:
+        n_prompt, n_gen = min(n_prompt, 16), min(n_gen, 8)
     from . import load_model
 
     t0 = time.perf_counter()

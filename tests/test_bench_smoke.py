@@ -1,0 +1,76 @@
+"""`ggml-py bench ...` through the installed console script, with --quick (tiny sizes, two repetitions): every
+benchmark runs, reports in text and in JSON, and its functional results hold (identical results with and without
+graph reuse, the llama.cpp comparison's tokens and logits). Functional only: no figure is compared with a target."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+import llamacpp_peer
+from conftest import declared_absent
+from model_factory import write_tiny_llama
+
+# the console script installed next to this interpreter (the wheel's [project.scripts])
+GGML_PY = shutil.which("ggml-py", path=str(Path(sys.executable).parent))
+
+
+def _bench(*args: str, as_json: bool = True) -> dict | str:
+    assert GGML_PY, f"no ggml-py console script next to {sys.executable}"
+    r = subprocess.run([GGML_PY, "bench", *args, "--quick", *(["--json"] if as_json else [])], capture_output=True,
+                       text=True, timeout=600, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout) if as_json else r.stdout
+
+
+def _positive(*xs: float) -> bool:
+    return all(isinstance(x, float | int) and math.isfinite(x) and x > 0 for x in xs)
+
+
+def test_bench_reuse():
+    r = _bench("reuse")
+    assert r["identical_results"] and r["nodes"] > 10
+    assert _positive(r["reuse_ms_per_compute"], r["rebuild_ms_per_compute"])
+    assert "reuse" in _bench("reuse", as_json=False)
+
+
+@declared_absent("simd")
+def test_bench_ops():
+    r = _bench("ops")
+    mm = r["mul_mat_f32"]
+    assert mm["shape"] == [256, 256, 16] and mm["nmse"] < 1e-10 and _positive(mm["ratio"])
+    gemvs = [k for k in r if k.startswith("gemv_")]
+    assert {"gemv_q4_1", "gemv_q4_k"} <= set(gemvs)
+    assert all(_positive(r[k]["ratio"], r[k]["cached_ratio"]) for k in gemvs)
+    assert r["dispatch"]["nodes"] == 30 and _positive(r["dispatch"]["us_per_node"])
+    assert set(r["ok"]) == {"mul_mat_f32", "gemv_q4_1", "gemv_q4_k", "dispatch"}
+    assert "dispatch:" in _bench("ops", as_json=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_f32(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("bench") / "tiny.gguf"
+    write_tiny_llama(path, seed=9, n_embd=128, n_ff=256, weight_type=QT.F32, embd_type=QT.F32, output_type=QT.F32)
+    return str(path)
+
+
+@pytest.mark.skipif(not llamacpp_peer.available(), reason=llamacpp_peer.NOT_AVAILABLE)
+def test_bench_model_with_llama_cpp_and_profile(tiny_f32):
+    r = _bench("model", "-m", tiny_f32, "--vs-llamacpp", "--profile")
+    assert (r["n_prompt"], r["n_gen"]) == (16, 8) and len(r["tokens"]) >= 8
+    assert r["no_reuse_identical_tokens"] and r["plans_reused"] > 0
+    assert _positive(r["prefill_tok_s"], r["decode_tok_s"], r["decode_ratio_vs_llamacpp"])
+    # the same F32 file: llama.cpp's logits over its own greedy sequence are ours
+    assert r["logits_nmse_vs_llamacpp"] < 1e-6 and r["logits_argmax_agreement"] == 1.0
+    assert r["greedy_tokens_identical"], (r["tokens"], r["llamacpp"]["tokens"])
+    assert r["decode_profile"]
+    text = _bench("model", "-m", tiny_f32, as_json=False)
+    assert "tok/s" in text
