@@ -248,9 +248,12 @@ def _more_bits(i: int, n: int) -> bool:
 
 
 class _Counters:
+    """llama.cpp's running counts of attn_v and ffn_down tensors seen (its ffn_gate/ffn_up counts serve only IQ3_XS,
+    a file type ggml_py does not write)."""
+
     def __init__(self, n_attn_v: int, n_layer: int) -> None:
         self.n_attn_v, self.n_layer = n_attn_v, n_layer
-        self.attn_v = self.ffn_down = self.ffn_gate = self.ffn_up = 0
+        self.attn_v = self.ffn_down = 0
 
 
 def _mixture_type(ft: FileType, t: DType, name: str, shape: Sequence[int], cat: str, facts: ModelFacts,
@@ -325,11 +328,6 @@ def _mixture_type(ft: FileType, t: DType, name: str, shape: Sequence[int], cat: 
                 t = Q5_K
         elif f == "Q3_K_L":
             t = Q4_K
-        return t
-    if cat == "ffn_gate":
-        c.ffn_gate += 1
-    elif cat == "ffn_up":
-        c.ffn_up += 1
     return t
 
 
