@@ -105,12 +105,13 @@ def file_type(name: str) -> FileType:
 
 def tensor_type(name: str) -> DType:
     """A single tensor type for --output-type / --token-embedding-type: one ggml_py can write."""
+    supported = ", ".join(x.name for x in quants.QUANTIZABLE)
     try:
         t = dtypes.get(name)
     except ValueError:
-        t = None
-    if t is None or t not in quants.QUANTIZABLE:
-        raise QuantizeError(f"unknown tensor type {name!r}; supported: {', '.join(x.name for x in quants.QUANTIZABLE)}")
+        raise QuantizeError(f"unknown tensor type {name!r}; supported: {supported}") from None
+    if t not in quants.QUANTIZABLE:
+        raise QuantizeError(f"ggml_py cannot write {t.name} tensors; supported: {supported}")
     return t
 
 

