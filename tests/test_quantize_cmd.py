@@ -230,21 +230,22 @@ def test_options_and_requantizing_match_llama_cpp(tiny, ours, model, tmp_path):
 @need_smollm2
 @need_llama_cpp
 def test_smollm2_q4_k_m_matches_llama_cpp(tmp_path):
-    """SmolLM2 Q4_1 -> F16 -> Q4_K_M with both tools: the same files; then llama.cpp's greedy tokens on ggml_py's
-    Q4_K_M file are ggml_py's (steps where llama.cpp's best two logits are within NEAR_TIE aside). Its rows of 576
-    are not a multiple of 256, so most matrices fall back to Q5_0 (Q6_K ones to Q8_0), in both tools."""
+    """SmolLM2's Q4_1 file requantized (--allow-requantize) to Q4_K_M and converted to F16 by both tools: the same
+    files; then llama.cpp's greedy tokens on ggml_py's Q4_K_M file are ggml_py's (steps where llama.cpp's best two
+    logits are within NEAR_TIE aside). Its rows of 576 are not a multiple of 256, so most matrices fall back to Q5_0
+    (Q6_K ones to Q8_0), in both tools."""
     from ggml_py.models import default_model_path
 
     src = default_model_path()
     f16, f16_l = str(tmp_path / "f16.gguf"), str(tmp_path / "f16.llama_cpp.gguf")
     q4km, q4km_l = str(tmp_path / "q4km.gguf"), str(tmp_path / "q4km.llama_cpp.gguf")
     r16 = quantize_file(src, f16, "F16", allow_requantize=True)
-    r = quantize_file(f16, q4km, "Q4_K_M")
-    assert r16.n_requantized == 211 and r.tensor_types == {"F32": 61, "Q4_K": 16, "Q5_0": 166, "Q6_K": 14,
-                                                              "Q8_0": 15}
+    r = quantize_file(src, q4km, "Q4_K_M", allow_requantize=True)
+    assert r16.n_requantized == 211 and r.n_requantized == 210  # token_embd stays Q8_0 in Q4_K_M
+    assert r.tensor_types == {"F32": 61, "Q4_K": 16, "Q5_0": 166, "Q6_K": 14, "Q8_0": 15}
     assert len(r.fallbacks) == 180
     codes = llamacpp_peer.run(_QUANTIZE, [(src, f16_l, {"ftype": 1, "allow_requantize": True}),
-                                          (f16, q4km_l, {"ftype": MIXTURES["Q4_K_M"].ftype})])
+                                          (src, q4km_l, {"ftype": MIXTURES["Q4_K_M"].ftype, "allow_requantize": True})])
     assert codes == [0, 0]
     _same_tensors(f16, f16_l)
     _same_tensors(q4km, q4km_l)
