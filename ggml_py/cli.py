@@ -25,6 +25,7 @@ COMMANDS = {
     "eval": "eval",
     "tokenize": "tokenize",
     "info": "info",
+    "quantize": "quantize",
     "config": "config",
 }
 
