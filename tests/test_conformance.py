@@ -283,8 +283,9 @@ def test_cli_human_table_and_errors(capsys):
 # -- the pytest plugin -----------------------------------------------------------------------------------------
 def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "backends"), str(ROOT / "tests"),
-                                         env.get("PYTHONPATH", "")])
+    # the installed ggml_py and backends (the checkout's backends/ has no compiled simd module); tests/ for the
+    # test backends registered below
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "pytest", "-p", "ggml_py.testing.pytest_plugin", "-p", "no:cacheprovider",
            "-p", "no:hypothesispytest", "--pyargs", "ggml_py.testing", "-q", "-rsf",
            "--ggml-register", "numpy=ggml_py_numpy:register", *args]
