@@ -74,3 +74,17 @@ def test_bench_model_with_llama_cpp_and_profile(tiny_f32):
     assert r["decode_profile"]
     text = _bench("model", "-m", tiny_f32, as_json=False)
     assert "tok/s" in text
+
+
+@pytest.mark.skipif(not llamacpp_peer.available(), reason=llamacpp_peer.NOT_AVAILABLE)
+def test_bench_matrix(tiny_f32, tmp_path, monkeypatch):
+    """The weight-type matrix on a tiny model: requantized once (into GGML_PY_BENCH_CACHE), both runtimes run the
+    same job in processes of their own, every figure is there with its ratio."""
+    monkeypatch.setenv("GGML_PY_BENCH_CACHE", str(tmp_path))
+    r = _bench("matrix", "-m", tiny_f32, "--types", "Q8_0")
+    (row,) = r["rows"]
+    assert row["type"] == "Q8_0" and row["model"] == str(tmp_path / "tiny.Q8_0.gguf")
+    figs = ("prefill_32", "decode_ctx_16", "peak_rss_mib")
+    assert _positive(*(row[f"{who}.{f}"] for f in figs for who in ("ggml_py", "llama.cpp")))
+    assert all(row[f"ratio.{f}"] == row[f"ggml_py.{f}"] / row[f"llama.cpp.{f}"] for f in figs)
+    assert "Q8_0" in _bench("matrix", "-m", tiny_f32, "--types", "Q8_0", as_json=False)

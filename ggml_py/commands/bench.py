@@ -9,15 +9,19 @@ from typing import Any
 
 from ..errors import GgmlPyError
 
-BUILTIN = {"reuse": "ggml_py.benchmarks.reuse", "model": "ggml_py.models.bench"}
+BUILTIN = {"reuse": "ggml_py.benchmarks.reuse", "model": "ggml_py.models.bench",
+           "matrix": "ggml_py.models.bench_matrix"}
 ENTRY_POINT_GROUP = "ggml_py.benchmarks"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", help="reuse, model, or one a backend provides (ops)")
+    p.add_argument("name", help="reuse, model, matrix, or one a backend provides (ops)")
     p.add_argument("--backend", default=None, help="backend to measure (default: the benchmark's)")
     p.add_argument("--steps", type=int, default=None, help="repetitions (reuse)")
     p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("--types", default=None, help="matrix: weight types (default: Q4_0,Q4_1,Q8_0,Q4_K_M,Q6_K)")
+    p.add_argument("--thread-counts", default=None, help="matrix: thread counts (default: 1,2)")
+    p.add_argument("--rounds", type=int, default=None, help="matrix: interleaved rounds (best kept; default 3)")
     p.add_argument("--vs-llamacpp", action="store_true", help="model: also run llama-cpp-python side by side")
     p.add_argument("--profile", action="store_true",
                    help="model: where a decode step's time goes (per op and backend, and the host's share)")
@@ -50,6 +54,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         opts["steps"] = args.steps
     if args.model:
         opts["model"] = args.model
+    if args.types:
+        opts["types"] = tuple(x.strip() for x in args.types.split(",") if x.strip())
+    if args.thread_counts:
+        try:
+            opts["threads_list"] = tuple(int(x) for x in args.thread_counts.split(","))
+        except ValueError:
+            raise GgmlPyError(f"--thread-counts must be comma-separated integers, got {args.thread_counts!r}") from None
+    if args.rounds:
+        opts["rounds"] = args.rounds
     fn = target.run if hasattr(target, "run") else target
     result = fn(**opts)
     if not args.json:
