@@ -17,6 +17,7 @@ from __future__ import annotations
 import json as _json
 import os
 import subprocess
+import tempfile
 import time
 from typing import Any
 
@@ -97,8 +98,10 @@ class _LlamaCpp:
     def __init__(self, model: str, threads: int, b_max: int, n_ctx: int) -> None:
         py = os.environ.get("LLAMA_CPP_PYTHON") or ensure_llamacpp()
         arg = _json.dumps({"model": model, "threads": threads, "b_max": b_max, "n_ctx": n_ctx})
+        # stderr (llama.cpp logs a lot) goes to a file: a pipe nobody reads would fill and block the side process
+        self.err = tempfile.TemporaryFile(mode="w+")
         self.p = subprocess.Popen([py, "-c", _SIDE, arg], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
+                                  stderr=self.err, text=True)
         line = self._line()
         if line != "READY":
             raise GgmlPyError(f"llama-cpp-python side process failed: {line or self._err()}")
@@ -115,9 +118,10 @@ class _LlamaCpp:
                 return line.strip()
 
     def _err(self) -> str:
-        assert self.p.stderr is not None
         self.p.kill()
-        tail = self.p.stderr.read().strip().splitlines()[-1:] or ["no output"]
+        self.p.wait()
+        self.err.seek(0)
+        tail = self.err.read().strip().splitlines()[-1:] or ["no output"]
         return tail[0]
 
     def run(self, prompts: list[list[int]], n_gen: int) -> dict[str, Any]:
@@ -136,6 +140,7 @@ class _LlamaCpp:
             self.p.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.p.kill()
+        self.err.close()
 
 
 def _prompts(model: Any, b: int, n_prompt: int) -> list[list[int]]:
