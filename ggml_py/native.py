@@ -327,7 +327,10 @@ def _ggml_layout(shape: Sequence[Any], strides: Sequence[Any], itemsize: int) ->
     whose stride continues the last one (a 0-d tensor is one element)."""
     ne, nb = list(reversed(shape)) or [1], list(reversed(strides)) or [itemsize]
     while len(ne) < schema.MAX_DIMS:
-        nb.append(nb[-1] * ne[-1])
+        try:
+            nb.append(nb[-1] * ne[-1])
+        except ValueError:  # two symbolic dims (e.g. a mask (n_tok, n_kv)): any stride serves a dim of size 1
+            nb.append(upper(nb[-1]) * upper(ne[-1]))
         ne.append(1)
     return ne, nb
 

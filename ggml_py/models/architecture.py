@@ -42,9 +42,9 @@ class Architecture:
         layers = [self.layer_tensors(r, hp, i) for i in range(hp.n_layer)]
         return model_tensors(r, hp, layers)
 
-    def build_step(self, hp: HParams, w: Weights, cache: KVCache, n_tokens: int, n_kv: Dim,
-                   last_only: bool = False) -> StepGraph:
-        return build_step(hp, w, cache, self.layer, n_tokens, n_kv, last_only)
+    def build_step(self, hp: HParams, w: Weights, cache: KVCache, n_tokens: Dim, n_kv: Dim,
+                   last_only: bool = False, n_out: Dim | None = None) -> StepGraph:
+        return build_step(hp, w, cache, self.layer, n_tokens, n_kv, last_only, n_out)
 
 
 _MODULES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")  # one module per architecture, named as in GGUF

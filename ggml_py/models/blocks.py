@@ -7,6 +7,8 @@ embedding and the head. Shapes are in numpy order: activations are (T, features)
 
 `n_kv` (the cache rows attention reads) is normally the symbol `sym("n_kv", n_ctx)` so that one prepared plan serves
 every position; the mask inputs `(T, n_kv)` bind it. A sliding window is a second mask input, never a rebuild.
+The batched decoder (batch.py) also makes T symbolic and selects the rows whose logits are wanted with an `out_idx`
+input (GET_ROWS before the last layer's FFN), so one plan serves any mix of sequences and prefill chunks.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class StepGraph:
     mask: Tensor | None  # causal; None when every layer slides
     mask_swa: Tensor | None = None  # causal within the sliding window; None without sliding layers
     n_swa: int = 0
+    out_idx: Tensor | None = None  # rows whose logits are computed (batched steps), (n_out,) I32
     # a one-row step's TOP_CANDIDATES best token ids (largest logit first) and their logits, for a sampler that
     # needs no more: reading them instead of the whole vocabulary's logits saves the host a copy per token
     top_ids: Tensor | None = None
@@ -66,9 +69,12 @@ def _bias(x: Tensor, b: Tensor | None) -> Tensor:
 class StepBuilder:
     """Builds one forward step over `n_tokens` new tokens attending to the first `n_kv` cache rows."""
 
-    def __init__(self, hp: HParams, w: Weights, cache: KVCache, n_tokens: int, n_kv: Dim, last_only: bool) -> None:
+    def __init__(self, hp: HParams, w: Weights, cache: KVCache, n_tokens: Dim, n_kv: Dim, last_only: bool,
+                 n_out: Dim | None = None) -> None:
         self.hp, self.w, self.cache, self.T, self.n_kv = hp, w, cache, n_tokens, n_kv
-        self.last_only = last_only and n_tokens > 1
+        self.last_only = last_only and n_out is None and isinstance(n_tokens, int) and n_tokens > 1
+        # rows to keep on the last layer (the logits wanted), or None for all rows (or the last one: last_only)
+        self.out_idx = input((n_out,), dtypes.I32, name="out_idx") if n_out is not None else None
         self.tokens = input((n_tokens,), dtypes.I32, name="tokens")
         self.pos = input((n_tokens,), dtypes.I32, name="pos")
         self.kv_idx = input((n_tokens,), dtypes.I32, name="kv_idx")  # cache rows to write
@@ -137,10 +143,14 @@ class StepBuilder:
         return ops.reshape(att, (T, hp.n_head * Dv))
 
     def keep_last(self, il: int, *ts: Tensor) -> tuple[Tensor, ...]:
-        """On the last layer of a last-only step, the last row of each (T, n) tensor; else the tensors unchanged.
-        Only the last token's logits are wanted then, so the rest of the layer and the head run on one row
-        (llama.cpp's inp_out_ids)."""
-        if not (self.last_only and il == self.hp.n_layer - 1):
+        """On the last layer of a last-only step, the last row of each (T, n) tensor; with an `out_idx` input, the
+        rows it names; else the tensors unchanged. Only those tokens' logits are wanted, so the rest of the layer
+        and the head run on those rows alone (llama.cpp's inp_out_ids)."""
+        if il != self.hp.n_layer - 1:
+            return ts
+        if self.out_idx is not None:
+            return tuple(ops.get_rows(t, self.out_idx) for t in ts)
+        if not self.last_only:
             return ts
         T = self.T
         return tuple(ops.view(t, (1, t.shape[-1]), offset=(T - 1) * t.shape[-1] * 4) for t in ts)
@@ -165,26 +175,27 @@ class StepBuilder:
         logits = logits.set_name("logits").set_output()
         top_ids = top_logits = None
         rows, n_vocab = logits.shape
-        if rows == 1:
+        if isinstance(rows, int) and rows == 1:
             top_ids = ops.top_k(logits, min(TOP_CANDIDATES, n_vocab)).set_name("top_ids").set_output()
             top_logits = ops.get_rows(ops.reshape(logits, (n_vocab, 1)), ops.reshape(top_ids, (top_ids.shape[-1],)))
             top_logits = top_logits.set_name("top_logits").set_output()
         return StepGraph(self.T, self.last_only, self.tokens, self.pos, self.kv_idx, logits,
-                         self._masks.get(False), self._masks.get(True), hp.n_swa, top_ids, top_logits)
+                         self._masks.get(False), self._masks.get(True), hp.n_swa, self.out_idx, top_ids, top_logits)
 
 
 # One transformer block of an architecture: (builder, its weights, layer index, input x (T, E)) -> output x.
 LayerFn = Callable[[StepBuilder, Layer, int, Tensor], Tensor]
 
 
-def build_step(hp: HParams, w: Weights, cache: KVCache, layer: LayerFn, n_tokens: int, n_kv: Dim,
-               last_only: bool = False) -> StepGraph:
+def build_step(hp: HParams, w: Weights, cache: KVCache, layer: LayerFn, n_tokens: Dim, n_kv: Dim,
+               last_only: bool = False, n_out: Dim | None = None) -> StepGraph:
     """The graph of one forward step: embedding, the architecture's `layer` for every block, the head.
 
-    Inputs: tokens (T,) I32, pos (T,) I32, kv_idx (T,) I32, the mask(s) (T, n_kv) F32.
-    Output: logits (T, n_vocab), or (1, n_vocab) for the last token only when `last_only`.
+    Inputs: tokens (T,) I32, pos (T,) I32, kv_idx (T,) I32, the mask(s) (T, n_kv) F32, and with `n_out` out_idx
+    (n_out,) I32. Output: logits (T, n_vocab), (1, n_vocab) for the last token only when `last_only`, or
+    (n_out, n_vocab) for the rows out_idx names.
     """
-    b = StepBuilder(hp, w, cache, n_tokens, n_kv, last_only)
+    b = StepBuilder(hp, w, cache, n_tokens, n_kv, last_only, n_out)
     x = b.embed()
     for il, ly in enumerate(w.layers):
         x = layer(b, ly, il, x)

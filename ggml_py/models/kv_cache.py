@@ -1,8 +1,14 @@
 """The KV cache (one K and one V tensor per layer) and the attention masks over it.
 
-Row r of every layer's cache holds position r of the (single) sequence. Sliding-window layers keep all rows too and
-mask the ones outside their window: the window is in the mask's values, an input, so one prepared plan serves every
-position (llama.cpp instead keeps a smaller ring-buffer cache for those layers).
+A `Model`'s own cache holds one sequence: row r of every layer's cache holds position r. A cache shared by several
+sequences (`KVCells`, used by the batched decoder in batch.py) keeps, per row ("cell"), which sequence and which
+position it holds; cells are taken from the lowest free ones and freed when their sequence ends, and the attention
+mask is built on the host from sequence membership and causality (`KVCells.mask`). One sequence is the special case
+where cell r holds position r of sequence 0 (`causal_mask`).
+
+Sliding-window layers keep all rows too and mask the ones outside their window: the window is in the mask's values,
+an input, so one prepared plan serves every position (llama.cpp instead keeps a smaller ring-buffer cache for those
+layers).
 """
 
 from __future__ import annotations
@@ -52,3 +58,86 @@ def causal_mask(pos: np.ndarray, n_kv: int, window: int = 0) -> np.ndarray:
     if window > 0:
         ok &= p - j < window
     return np.where(ok, np.float32(0), np.float32(-np.inf)).astype(np.float32)
+
+
+class CacheFullError(ModelError):
+    """The KV cache has no free cells for the tokens asked for."""
+
+
+class KVCells:
+    """Which sequence and position each cell (row) of a shared KV cache holds.
+
+    `seq[c]` is the sequence id in cell c (-1: free), `pos[c]` its position. Every token of a step gets a cell
+    (`alloc`); the cells a step's attention reads are the first `n_kv` (one past the highest used cell), and the
+    mask of a query lets it see exactly the cells of its own sequence at positions <= its own (and, with a sliding
+    window, within the window). All of it is numpy over the whole batch: the host work per step does not grow with
+    the number of sequences.
+    """
+
+    def __init__(self, n_cells: int, n_seq_max: int) -> None:
+        if n_cells < 1 or n_seq_max < 1:
+            raise ModelError(f"a KV cache needs n_ctx >= 1 and n_seq_max >= 1, got {n_cells} and {n_seq_max}")
+        self.n_cells = n_cells
+        self.n_seq_max = n_seq_max
+        self.seq = np.full(n_cells, -1, np.int32)
+        self.pos = np.full(n_cells, -1, np.int32)
+        self.n_used = 0
+        self.n_kv = 0  # one past the highest used cell
+
+    @property
+    def n_free(self) -> int:
+        return self.n_cells - self.n_used
+
+    def alloc(self, seq_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Cells for tokens (seq_ids[i], positions[i]), the lowest free ones; CacheFullError when too few are free."""
+        n = len(seq_ids)
+        if n > self.n_free:
+            raise CacheFullError(f"the KV cache is full: {n} new tokens, {self.n_free} of {self.n_cells} cells free "
+                                 f"(n_ctx); finish or cancel a sequence, or use a larger context")
+        cells = np.flatnonzero(self.seq < 0)[:n].astype(np.int32)
+        self.seq[cells] = seq_ids
+        self.pos[cells] = positions
+        self.n_used += n
+        if n:
+            self.n_kv = max(self.n_kv, int(cells[-1]) + 1)
+        return cells
+
+    def free(self, seq_id: int) -> int:
+        """Free every cell of a sequence; returns how many."""
+        cells = self.seq == seq_id
+        n = int(np.count_nonzero(cells))
+        if n:
+            self.seq[cells] = -1
+            self.pos[cells] = -1
+            self.n_used -= n
+            used = np.flatnonzero(self.seq >= 0)
+            self.n_kv = int(used[-1]) + 1 if used.size else 0
+        return n
+
+    def release(self, cells: np.ndarray) -> None:
+        """Free the given cells (a step that failed gives back the cells it took)."""
+        cells = cells[self.seq[cells] >= 0]
+        self.seq[cells] = -1
+        self.pos[cells] = -1
+        self.n_used -= int(cells.size)
+        used = np.flatnonzero(self.seq >= 0)
+        self.n_kv = int(used[-1]) + 1 if used.size else 0
+
+    def clear(self) -> None:
+        self.seq.fill(-1)
+        self.pos.fill(-1)
+        self.n_used = self.n_kv = 0
+
+    def mask(self, seq_ids: np.ndarray, positions: np.ndarray, n_kv: int, window: int = 0,
+             out: np.ndarray | None = None) -> np.ndarray:
+        """(T, n_kv) F32: 0 where query i (sequence seq_ids[i] at positions[i]) may see cell j, else -inf."""
+        cs, cp = self.seq[None, :n_kv], self.pos[None, :n_kv]
+        p = positions[:, None]
+        ok = (cs == seq_ids[:, None]) & (cp <= p)
+        if window > 0:
+            ok &= p - cp < window
+        if out is None:
+            out = np.empty(ok.shape, np.float32)
+        out.fill(-np.inf)
+        out[ok] = 0.0
+        return out

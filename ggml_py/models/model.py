@@ -117,6 +117,7 @@ class Model:
         # close); `_owner` is the generate iterator the cache belongs to, so an overtaken iterator raises.
         self._lock = threading.RLock()
         self._owner: object | None = None
+        self._decoders: list[Any] = []  # batch decoders on this model (closed with it)
         self.weights_copied = copy_weights
         self._check_file()
         if copy_weights:
@@ -387,6 +388,55 @@ class Model:
         finally:
             self._t["generate_s"] += time.perf_counter() - t_start
 
+    # -- many sequences ----------------------------------------------------------------------------------------------
+    def batch_decoder(self, n_ctx: int | None = None, n_seq_max: int = 8, n_batch: int = 128,
+                      kv_type: str | dtypes.DType | None = None) -> Any:
+        """A `BatchDecoder` (batch.py): a KV cache of `n_ctx` cells (default: the model's n_ctx) shared by up to
+        `n_seq_max` sequences, stepped together on one prepared plan of up to `n_batch` tokens per step. It has a
+        cache of its own: the model's eval / generate are not affected by it."""
+        from .batch import BatchDecoder
+
+        return BatchDecoder(self, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, kv_type=kv_type)
+
+    def batch(self, prompts: Sequence[str | Sequence[int]], max_tokens: int = 128, *, n_parallel: int | None = None,
+              n_ctx: int | None = None, add_special: bool = True, **sampling: Any) -> list[Any]:
+        """Generate for many prompts at once (continuous batching on one prepared plan): a list of `Completion`
+        (scheduler.py: .text, .tokens, .finish_reason), in prompt order.
+
+        `sampling` takes generate()'s parameters (temperature, top_k, top_p, min_p, repeat_penalty,
+        repeat_last_n, seed, stop_at_eos) plus frequency_penalty, presence_penalty and stop (strings); a seed is
+        per prompt (prompt i uses seed + i). At most `n_parallel` sequences (default min(len(prompts), 16)) run at
+        once in a cache of `n_ctx` cells (default n_parallel x the longest prompt + max_tokens)."""
+        from .scheduler import GenParams, Scheduler
+
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        ids = [self.tokenize(p, add_special=add_special) if isinstance(p, str)
+               else self._check_ids(p, check_ctx=False).tolist() for p in prompts]
+        par = n_parallel or min(len(ids), 16)
+        if n_ctx is None:
+            n_ctx = par * (max(len(i) for i in ids) + max_tokens)
+        seed = sampling.pop("seed", None)
+        sched = Scheduler(self, n_parallel=par, n_ctx=n_ctx, max_queue=len(ids))
+        try:
+            reqs = [sched.submit(i, GenParams(max_tokens=max_tokens, seed=None if seed is None else seed + k,
+                                              **sampling)) for k, i in enumerate(ids)]
+            sched.run_until_idle()
+            return [r.result() for r in reqs]
+        finally:
+            sched.close()
+
+    def _attach(self, dec: Any) -> None:
+        with self._lock:
+            self._check_open()
+            self._decoders.append(dec)
+
+    def _detach(self, dec: Any) -> None:
+        with self._lock:
+            if dec in self._decoders:
+                self._decoders.remove(dec)
+
     # -- reports ---------------------------------------------------------------------------------------------------
     @property
     def timings(self) -> dict[str, Any]:
@@ -438,6 +488,8 @@ class Model:
             for p in self._plans.values():
                 p.plan.close()
             self._plans.clear()
+            for d in list(self._decoders):
+                d.close()
             self.gguf.close()
 
     def __enter__(self) -> Model:

@@ -1,0 +1,209 @@
+"""Batched decoding: many sequences in one KV cache, advanced together on ONE prepared plan.
+
+A `BatchDecoder` owns a KV cache of `n_ctx` cells shared by up to `n_seq_max` sequences (`KVCells`: cell ->
+(sequence, position)). A step (`decode`) takes any mix of sequences, each with one or more new tokens (a decoding
+sequence's next token, a chunk of a new sequence's prompt), up to `n_batch` tokens in all, and returns the logits of
+the last token of the entries that ask for them. Everything that changes between steps is an input of the plan:
+
+    tokens, pos, kv_idx (the cells the step's K/V rows are written to with SET_ROWS)   (T,) I32
+    kq_mask (and kq_mask_swa with sliding-window layers)                               (T, n_kv) F32
+    out_idx (the rows whose logits are wanted; GET_ROWS before the last layer's FFN)   (n_out,) I32
+
+with T, n_kv and n_out symbolic dimensions bound at compute time, so sequences join and leave, and prompts are
+prefilled in chunks beside other sequences' decoding, without ever preparing another plan. The mask, built on the
+host from the cells' sequences and positions, keeps sequences apart: a query sees the cells of its own sequence at
+positions up to its own (within the window on sliding layers). Host work per step is numpy over the whole batch.
+
+The model's own single-sequence plans (`Model.eval` / `generate`) are untouched: they keep their own cache and their
+power-of-two token counts (row r = position r is the one-sequence case of the same cells).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import dtypes
+from ..errors import ModelError
+from ..sched import prepare
+from ..symbolic import sym
+from .blocks import StepGraph
+from .kv_cache import KVCache, KVCells
+from .memory import require_memory
+
+if TYPE_CHECKING:
+    from ..sched import Plan
+    from .model import Model
+
+DEFAULT_N_BATCH = 128  # tokens per step at most (the plan's bound on T)
+
+
+class BatchDecoder:
+    """Up to `n_seq_max` sequences in a cache of `n_ctx` cells, decoded together on one prepared plan.
+
+    >>> dec = model.batch_decoder(n_seq_max=4)
+    >>> a, b = dec.new_sequence(), dec.new_sequence()
+    >>> logits = dec.decode([(a, prompt_a, True), (b, prompt_b, True)])   # (2, n_vocab): last token of each
+    >>> logits = dec.decode([(a, [next_a], True), (b, [next_b], True)])
+    >>> dec.free_sequence(a)
+
+    Thread safety: every call takes the model's lock (one step at a time per model).
+    """
+
+    def __init__(self, model: Model, n_ctx: int | None = None, n_seq_max: int = 8, n_batch: int = DEFAULT_N_BATCH,
+                 kv_type: str | dtypes.DType | None = None) -> None:
+        for name, v in (("n_seq_max", n_seq_max), ("n_batch", n_batch)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ModelError(f"{name} must be a positive integer, got {v!r}")
+        n_ctx = model.n_ctx if n_ctx is None else n_ctx
+        if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1:
+            raise ModelError(f"n_ctx must be a positive integer, got {n_ctx!r}")
+        kv = model.cache.dtype if kv_type is None else dtypes.get(kv_type)
+        self.model = model
+        self.n_ctx = n_ctx
+        self.n_seq_max = n_seq_max
+        self.n_batch = n_batch
+        hp = model.hparams
+        require_memory([(f"batch KV cache ({hp.n_layer} layers x {n_ctx} cells, {kv})",
+                         KVCache.nbytes_for(hp, n_ctx, kv))], "use a smaller n_ctx or kv_type F16")
+        self.cache = KVCache(hp, n_ctx, kv)
+        self.cells = KVCells(n_ctx, n_seq_max)
+        self._free_ids = list(range(n_seq_max))
+        self._next_pos: dict[int, int] = {}  # sequence id -> its next position (= tokens it holds)
+        self._graph: StepGraph | None = None
+        self._plan: Plan | None = None
+        self.plans_prepared = 0
+        self.prepare_s = 0.0
+        self.steps = 0
+        self.tokens = 0
+        self.compute_s = 0.0
+        self.step_s = 0.0
+        self._closed = False
+        model._attach(self)
+
+    # -- sequences -------------------------------------------------------------------------------------------------
+    @property
+    def n_active(self) -> int:
+        return len(self._next_pos)
+
+    def new_sequence(self) -> int:
+        """A new, empty sequence's id (ModelError when n_seq_max are active)."""
+        with self.model._lock:
+            if not self._free_ids:
+                raise ModelError(f"all {self.n_seq_max} sequences are in use (n_seq_max); free one first")
+            s = self._free_ids.pop(0)
+            self._next_pos[s] = 0
+            return s
+
+    def free_sequence(self, seq_id: int) -> None:
+        """End a sequence: its cells are free for others at once."""
+        with self.model._lock:
+            if seq_id not in self._next_pos:
+                raise ModelError(f"sequence {seq_id} is not active")
+            self.cells.free(seq_id)
+            del self._next_pos[seq_id]
+            self._free_ids.append(seq_id)
+            self._free_ids.sort()
+
+    def seq_len(self, seq_id: int) -> int:
+        """Tokens the sequence holds (= position of its next token)."""
+        return self._next_pos[seq_id]
+
+    # -- the plan --------------------------------------------------------------------------------------------------
+    def _prepared(self) -> tuple[StepGraph, Plan]:
+        if self._plan is None:
+            m = self.model
+            t0 = time.perf_counter()
+            g = m.arch.build_step(m.hparams, m.weights, self.cache, sym("n_tok", self.n_batch),
+                                  sym("n_kv", self.n_ctx), n_out=sym("n_out", self.n_seq_max))
+            self._plan = prepare(g.logits, backends=m.backends)
+            self._graph = g
+            self.prepare_s += time.perf_counter() - t0
+            self.plans_prepared += 1
+        assert self._graph is not None
+        return self._graph, self._plan
+
+    # -- a step ----------------------------------------------------------------------------------------------------
+    def decode(self, entries: Sequence[tuple[int, Sequence[int] | np.ndarray, bool]]) -> np.ndarray:
+        """One step over entries (seq_id, new token ids, want_logits): every entry's tokens are appended to its
+        sequence; returns (number of entries wanting logits, n_vocab) float32, the logits of each such entry's
+        last token, in entry order. A sequence may appear once per step."""
+        t_step = time.perf_counter()
+        m = self.model
+        with m._lock:
+            m._check_open()
+            if self._closed:
+                raise ModelError("this batch decoder is closed")
+            m._check_file()
+            if not entries:
+                return np.zeros((0, m.n_vocab), np.float32)
+            seq_list = [int(e[0]) for e in entries]
+            if len(set(seq_list)) != len(seq_list):
+                raise ModelError("a sequence appears twice in one step")
+            for s in seq_list:
+                if s not in self._next_pos:
+                    raise ModelError(f"sequence {s} is not active (new_sequence() first)")
+            toks = [np.asarray(e[1]) for e in entries]
+            lens = np.array([t.size for t in toks], np.int64)
+            if lens.min() < 1:
+                raise ModelError("every entry of a step needs at least one token")
+            n = int(lens.sum())
+            if n > self.n_batch:
+                raise ModelError(f"{n} tokens in one step exceed the batch size {self.n_batch} (n_batch)")
+            ids = m._check_ids(np.concatenate(toks), n_past=0, check_ctx=False)
+            seqs = np.repeat(np.array(seq_list, np.int32), lens)
+            ends = np.cumsum(lens)
+            starts = np.array([self._next_pos[s] for s in seq_list], np.int64)
+            pos = (np.repeat(starts - (ends - lens), lens) + np.arange(n)).astype(np.int32)
+            want = np.array([bool(e[2]) for e in entries])
+            out_rows = (ends - 1)[want].astype(np.int32)
+            g, plan = self._prepared()
+            cells = self.cells.alloc(seqs, pos)  # CacheFullError when the cache is full
+            try:
+                n_kv = self.cells.n_kv
+                plan.set_input(g.tokens, ids)
+                plan.set_input(g.pos, pos)
+                plan.set_input(g.kv_idx, cells)
+                if g.mask is not None:
+                    plan.set_input(g.mask, self.cells.mask(seqs, pos, n_kv))
+                if g.mask_swa is not None:
+                    plan.set_input(g.mask_swa, self.cells.mask(seqs, pos, n_kv, g.n_swa))
+                assert g.out_idx is not None
+                plan.set_input(g.out_idx, out_rows if out_rows.size else np.array([n - 1], np.int32))
+                t0 = time.perf_counter()
+                plan.compute(n_kv=n_kv)
+                self.compute_s += time.perf_counter() - t0
+                logits = plan.get_output(g.logits) if out_rows.size else np.zeros((0, m.n_vocab), np.float32)
+            except BaseException:
+                self.cells.release(cells)  # the step did not happen: its cells are free again
+                raise
+            for s, k in zip(seq_list, lens.tolist()):
+                self._next_pos[s] += k
+            self.steps += 1
+            self.tokens += n
+            self.step_s += time.perf_counter() - t_step
+            return logits
+
+    def stats(self) -> dict[str, Any]:
+        return {"n_ctx": self.n_ctx, "n_seq_max": self.n_seq_max, "n_batch": self.n_batch,
+                "active_sequences": self.n_active, "cells_used": self.cells.n_used, "n_kv": self.cells.n_kv,
+                "steps": self.steps, "tokens": self.tokens, "compute_s": self.compute_s, "step_s": self.step_s,
+                "plans_prepared": self.plans_prepared, "prepare_s": self.prepare_s}
+
+    def close(self) -> None:
+        """Free the plan (the model's close() closes its decoders too)."""
+        with self.model._lock:
+            self._closed = True
+            if self._plan is not None:
+                self._plan.close()
+                self._plan = None
+            self.model._detach(self)
+
+    def __enter__(self) -> BatchDecoder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

