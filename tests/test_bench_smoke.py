@@ -88,3 +88,14 @@ def test_bench_matrix(tiny_f32, tmp_path, monkeypatch):
     assert _positive(*(row[f"{who}.{f}"] for f in figs for who in ("ggml_py", "llama.cpp")))
     assert all(row[f"ratio.{f}"] == row[f"ggml_py.{f}"] / row[f"llama.cpp.{f}"] for f in figs)
     assert "Q8_0" in _bench("matrix", "-m", tiny_f32, "--types", "Q8_0", as_json=False)
+
+
+@pytest.mark.skipif(not llamacpp_peer.available(), reason=llamacpp_peer.NOT_AVAILABLE)
+def test_bench_serve(tiny_f32):
+    """Concurrent streams through the scheduler against llama.cpp's batched decode: both run, on one plan; the
+    same F32 file gives llama.cpp's greedy tokens in every stream."""
+    r = _bench("serve", "-m", tiny_f32, "--vs-llamacpp")
+    assert [row["streams"] for row in r["results"]] == [1, 2]
+    assert all(_positive(row["tok_s"], row["llamacpp_tok_s"]) for row in r["results"])
+    assert [row["greedy_streams_identical_to_llamacpp"] for row in r["results"]] == [1, 2]
+    assert r["plans_prepared"] <= 4

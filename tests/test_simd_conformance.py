@@ -154,6 +154,37 @@ def test_symbolic_decode_plan_one_compute_call():
         assert np.sum((ref - got) ** 2) / np.sum(ref ** 2) < 5e-4
 
 
+@pytest.mark.parametrize("t_max", [2, 16])
+def test_decode_attention_with_a_symbolic_row_count(t_max):
+    """Attention whose query row count is a symbol (batched decode): with few rows x KV heads the keys are split
+    across threads (t_max 2: a plan of two phases), with many they are not (t_max 16); any bound value computes, with
+    the scratch planned for the symbol's whole range (a regression: 2 rows once needed more than planned)."""
+    H, Hk, D, NKV = 6, 2, 64, 300
+    T = gp.sym("T", t_max)
+    b = _backend(n_threads=2)
+    q = gp.input((1, H, T, D), name="q")
+    k = gp.input((1, Hk, NKV, D), dtypes.F16, name="k")
+    v = gp.input((1, Hk, NKV, D), dtypes.F16, name="v")
+    out = ops.flash_attn_ext(q, k, v, None, scale=0.125).set_output()
+    plan = gp.prepare(out, backends=[b])
+    rng = np.random.default_rng(1)
+    kv = rng.standard_normal((1, Hk, NKV, D)).astype(np.float32)
+    vv = rng.standard_normal((1, Hk, NKV, D)).astype(np.float32)
+    plan.set_input("k", kv)
+    plan.set_input("v", vv)
+    kk = np.repeat(kv[0].astype(np.float16).astype(np.float64), H // Hk, 0)
+    vk = np.repeat(vv[0].astype(np.float16).astype(np.float64), H // Hk, 0)
+    for rows in sorted({1, 2, t_max}):
+        qv = rng.standard_normal((1, H, rows, D)).astype(np.float32)
+        plan.set_input("q", qv)
+        plan.compute()
+        s = np.einsum("hqd,hkd->hqk", qv[0], kk) * 0.125
+        p = np.exp(s - s.max(-1, keepdims=True))
+        ref = (np.einsum("hqk,hkd->hqd", p / p.sum(-1, keepdims=True), vk)).transpose(1, 0, 2)
+        got = plan.get_output(out)[0]
+        assert np.sum((ref - got) ** 2) / np.sum(ref ** 2) < 1e-6
+
+
 def test_errors_are_ggml_py_errors():
     b = _backend()
     emb = gp.weight(np.zeros((4, 8), np.float32), name="emb")

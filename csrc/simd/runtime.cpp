@@ -461,8 +461,10 @@ Scratch node_scratch(const Node& n) {
             const size_t single = (size_t)(((Dv + 15) & ~15) + ((D + 15) & ~15) + Dv + 64) * 4;
             const size_t group = (size_t)(8 * D + 8 * Dv + H * (D + Dv) + 3 * H + 64) * 4;  // GQA tiles
             s.per_thread = pad64(single > group ? single : group);
-            if (fa_splits_keys(n))  // the partial results of every (query row, head, range of keys)
-                s.shared = (size_t)(a.ne[1] * H * a.ne[3] * FA_MAX_KEY_CHUNKS * FA_PART(Dv)) * 4;
+            // the partial results of every (query row, head, range of keys) when the keys may be split: rows x KV
+            // heads < 8, so fewer than 8 x (heads per KV head) query heads, whatever the (symbolic) row count
+            if (n.src[1].ne[2] * a.ne[3] < 8)
+                s.shared = (size_t)(8 * (H / n.src[1].ne[2]) * FA_MAX_KEY_CHUNKS * FA_PART(Dv)) * 4;
             break;
         }
         case GGML_PY_OP_TOP_K:  // a strided row's copy, then the candidates' buffer (>= 4k entries of 8 bytes)

@@ -167,9 +167,14 @@ def _ours(sched: Any, prompts: list[list[int]], n_gen: int) -> dict[str, Any]:
 
 def run(vs_llamacpp: bool = True, n_prompt: int = 64, n_gen: int = 64, threads: int = 2, json: bool = False,
         backend: str | None = None, model: str | None = None, concurrency: tuple[int, ...] = CONCURRENCY,
-        rounds: int = 2, **_: Any) -> dict[str, Any]:
+        rounds: int = 2, quick: bool = False, **_: Any) -> dict[str, Any]:
+    """Measure and return the figures (see the module docstring). `quick`: 1 and 2 streams, tiny sizes, one
+    round: a functional smoke run."""
     from . import load_model
     from .scheduler import Scheduler
+
+    if quick:
+        concurrency, n_prompt, n_gen, rounds = (1, 2), min(n_prompt, 8), min(n_gen, 4), 1
 
     b_max = max(concurrency)
     seq_ctx = n_prompt + n_gen + 8
