@@ -138,5 +138,5 @@ def test_ctrl_c_during_generate_exits_130_with_a_message():
     finally:
         p.kill()
     assert first and p.returncode == 130, (p.returncode, err[-2000:])
-    assert time.perf_counter() - t0 < 10
+    assert time.perf_counter() - t0 < (40 if os.environ.get("GGML_PY_SANITIZE") else 10)  # ASan: -O1, 3-4x slower
     assert err.rstrip().endswith("error: interrupted") and "Traceback" not in err
