@@ -57,13 +57,34 @@ lint: $(VENV)/bin/activate
 	$(PIP) install ruff >/dev/null
 	$(VENV)/bin/ruff check ggml_py backends tests examples
 
-# The SIMD extension built with AddressSanitizer + UndefinedBehaviorSanitizer, the tests run under it with
-# LeakSanitizer: tests/lsan_check.py runs pytest on each file (or on PYTEST_ARGS's files) in a process of its own, logs
-# to build/asan/<file>.<attempt>/log.<pid>, and fails on any sanitizer error report and on any leak allocated by our
-# native code (CPython's own exit-time leaks are expected and counted, not failed).
-test-asan: $(VENV)/bin/activate
+# The SIMD extension built with AddressSanitizer + UndefinedBehaviorSanitizer, the whole suite (or PYTEST_ARGS's files)
+# run under it with LeakSanitizer: tests/lsan_check.py runs pytest on each file in a process of its own, SAN_JOBS files
+# at a time, logs to build/asan/<file>.<attempt>/log.<pid>, and fails on any sanitizer error report and on any leak
+# allocated by our native code (CPython's own exit-time leaks are expected and counted, not failed). The C plugins the
+# tests build are instrumented too (GGML_PY_SANITIZE). The normal build is reinstalled afterwards.
+SAN_JOBS ?= 2
+# the numpy backend is pure Python: under ASan only the native backend's half of the per-backend tests is worth the
+# time (numpy's are declared absent there; the numpy backend still serves as the reference where a test asks for it)
+ASAN_EXPECT_BACKENDS ?= simd
+ASAN_TESTS ?= $(sort $(wildcard tests/test_*.py))
+test-asan: models
 	GGML_PY_SANITIZE=address,undefined $(PIP) install ".[test]" --config-settings=build-dir=build/asan
-	$(TEST_ENV) $(PY) tests/lsan_check.py run $(CURDIR)/build/asan $(or $(PYTEST_ARGS),tests); rc=$$?; $(PIP) install ".[test]"; exit $$rc
+	$(TEST_ENV) GGML_PY_EXPECT_BACKENDS=$(ASAN_EXPECT_BACKENDS) GGML_PY_SANITIZE=address,undefined \
+		$(PY) tests/lsan_check.py run --jobs $(SAN_JOBS) $(CURDIR)/build/asan \
+		$(or $(PYTEST_ARGS),$(ASAN_TESTS)); rc=$$?; $(PIP) install ".[test]"; exit $$rc
+
+# The thread tests under ThreadSanitizer: the SIMD extension rebuilt with -fsanitize=thread, tests/tsan_check.py runs
+# each target in a process of its own and fails on any ThreadSanitizer report (races, lock inversions) or test failure.
+TSAN_TESTS ?= tests/test_concurrency.py tests/test_interrupt.py \
+	tests/test_native_plugin.py::test_cancel_from_another_thread \
+	tests/test_native_plugin.py::test_plans_sharing_a_backend_across_threads \
+	tests/test_native_plugin.py::test_ctrl_c_stops_a_long_native_compute_at_once \
+	tests/test_simd_kernels.py::test_many_nodes_one_call_threads tests/test_simd_kernels.py::test_compute_from_threads_serialises \
+	tests/test_simd_conformance.py::test_conformance_kit_one_thread_and_three
+test-tsan: models
+	GGML_PY_SANITIZE=thread $(PIP) install ".[test]" --config-settings=build-dir=build/tsan
+	$(TEST_ENV) $(PY) tests/tsan_check.py $(CURDIR)/build/tsan $(or $(PYTEST_ARGS),$(TSAN_TESTS)); rc=$$?; \
+		$(PIP) install ".[test]"; exit $$rc
 
 bench: install
 	$(VENV)/bin/ggml-py bench reuse

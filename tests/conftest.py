@@ -28,6 +28,12 @@ DECLARED = "declared absent"
 os.environ.setdefault("PYTHONSAFEPATH", "1")
 
 
+# make test-asan / test-tsan: instrumented native code (-O1, every access checked) is several times slower, and
+# ASan's allocator keeps freed memory in quarantine. Latency bounds are scaled; RSS tests are deselected there.
+SANITIZED = bool(os.environ.get("GGML_PY_SANITIZE"))
+SLOWDOWN = 20.0 if SANITIZED else 1.0
+
+
 def expected_backends() -> list[str]:
     """The backends this run requires (GGML_PY_EXPECT_BACKENDS, default numpy,simd), in order."""
     raw = os.environ.get("GGML_PY_EXPECT_BACKENDS")
@@ -143,5 +149,5 @@ def rng():
     return np.random.default_rng(1234)
 
 
-__all__ = ["available_backends", "declared_absent", "expected_backends", "installed_check", "require_backend",
-           "sigint_default"]
+__all__ = ["SLOWDOWN", "available_backends", "declared_absent", "expected_backends", "installed_check",
+           "require_backend", "sigint_default"]

@@ -130,6 +130,7 @@ def rss_mib() -> float:
         return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) / 1024
 
 
+@pytest.mark.rss
 def test_rss_mib_sees_memory_come_and_go():
     """What the tests below rely on: a touched allocation raises rss_mib() and freeing it lowers it again (a peak
     such as ru_maxrss would stay up)."""
@@ -141,6 +142,7 @@ def test_rss_mib_sees_memory_come_and_go():
     assert during - before > 80 and during - after > 80, (before, during, after)
 
 
+@pytest.mark.rss
 @pytest.mark.parametrize("backend", available_backends())
 def test_preparing_and_closing_plans_repeatedly_does_not_grow_memory(backend):
     """Each plan has 4 MiB of compute buffer and a 1 MiB weight; 200 of them leaked would be over 800 MiB."""
@@ -176,6 +178,7 @@ def leak_model(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.mark.rss
 @pytest.mark.parametrize("backend", available_backends())
 def test_loading_and_closing_a_model_repeatedly_does_not_grow_memory(leak_model, backend):
     """load -> eval -> generate -> close, 12 times: the process's RSS and the live Model objects stay flat."""

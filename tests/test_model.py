@@ -431,7 +431,8 @@ SMOLLM2_NEAR_TIE = 0.5
 def test_smollm2_greedy_is_llama_cpps_greedy(smollm2_runs, tmp_path):
     """Against llama.cpp's 32 greedy tokens, run now on the same file and prompt: on every backend, free-running
     greedy decoding gives llama.cpp's tokens up to its first near tie (the answer, " Paris", comes before it), and
-    fed llama.cpp's sequence, our argmax is llama.cpp's token at every step that is not a near tie."""
+    fed llama.cpp's sequence one decode step at a time, our argmax is llama.cpp's token at every step that is not a
+    near tie."""
     with load_model(n_ctx=64, backends=["numpy"]) as m:
         list(m.generate(PROMPT, 1, temperature=0.0, stop_at_eos=False))
         ids = list(m.prompt_tokens)  # what generate() fed the model for PROMPT
@@ -445,8 +446,9 @@ def test_smollm2_greedy_is_llama_cpps_greedy(smollm2_runs, tmp_path):
     for b, (toks, text, _) in smollm2_runs.items():
         assert len(toks) == 32, (b, text)
         assert toks[:upto] == ref[:upto], f"{b}: {text!r} vs llama.cpp's {ref_text!r} (first {upto} tokens)"
-        with load_model(backends=[b], n_threads=2, n_ctx=64) as m:
-            pred = m.eval(ids + ref[:-1])[len(ids) - 1:].argmax(-1).tolist()
+        with load_model(backends=[b], n_threads=2, n_ctx=64) as m:  # the decode path: one token per step
+            pred = [int(m.eval(ids, last_only=True)[-1].argmax())]
+            pred += [int(m.eval([t])[-1].argmax()) for t in ref[:-1]]
         wrong = [(i, pred[i], ref[i], round(margins[i], 2)) for i in clear if pred[i] != ref[i]]
         assert not wrong, f"{b}: (step, ours, llama.cpp's, its margin) on llama.cpp's sequence: {wrong}"
 
