@@ -154,8 +154,10 @@ struct Scratch {
     size_t per_thread = 0;
 };
 
-// Rows of activations at or above which MUL_MAT takes the tiled GEMM path.
-enum { GEMM_MIN_ROWS = 4 };
+// Rows of activations at or above which MUL_MAT takes the tiled F32 GEMM path (dequantizing the weights); below,
+// each row is an integer dot product against the weight chunk, which stays in cache for all the rows (a batched
+// decode step of a few sequences). GGML_PY_SIMD_GEMM_ROWS overrides it (read once).
+int64_t gemm_min_rows();
 
 // FLASH_ATTN_EXT of a decode step splits the keys into this many ranges at most, of ~128 keys each; a partial result
 // per head and range is FA_PART(Dv) floats (acc[Dv], M, pad, S as a double)
