@@ -327,7 +327,7 @@ smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2,
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?",
              "Write a haiku about the sea.", "Who wrote Hamlet?", "What is water made of?",
              "Say hello in Spanish.", "What is the largest planet?"]
-NEAR_TIE = 0.1  # top-2 logit gap: llama.cpp's near-tie rule; batched and single decode rows take the same integer kernel
+NEAR_TIE = 0.1  # top-2 logit gap (llama.cpp's near-tie rule): batched and single decode rows share the integer kernel
 
 
 @smollm2
