@@ -207,3 +207,18 @@ def test_supports_op_matches_kernels():
     t = ops.silu(x)
     t.op = "IM2COL"
     assert not b.supports_op(t)
+
+
+def test_kit_with_the_gemm_taking_every_product_of_four_rows_or_more():
+    """By default quantized products of up to 15 rows take the integer path; with the thresholds at 4 (GGML_PY_SIMD_GEMM_ROWS_X8, GGML_PY_SIMD_GEMM_ROWS) the kit's MUL_MAT cases run the F32 GEMM,
+    including its reading of Q4_1/Q8_0's 8-row records, which must pass too."""
+    code = ("import ggml_py_simd, ggml_py_numpy\n"
+            "from ggml_py.testing import cases, run_backend\n"
+            "assert ggml_py_simd._simd.GEMM_MIN_ROWS == 4\n"
+            "for level in ggml_py_simd.levels():\n"
+            "    r = run_backend(ggml_py_simd.register().create(level=level, n_threads=2), cases(op='MUL_MAT'),\n"
+            "                    reference=ggml_py_numpy.register().create())\n"
+            "    assert r.ok and not r.skipped, r.table(show=('failed', 'skipped'))\n")
+    env = {**os.environ, "GGML_PY_SIMD_GEMM_ROWS_X8": "4", "GGML_PY_SIMD_GEMM_ROWS": "4"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]

@@ -1,6 +1,6 @@
 // MUL_MAT: dst[M, N, b2, b3] = src1[K, N, b2, b3] . src0[K, M, b2/r2, b3/r3]^T (weights repeated as ggml).
 //
-// GEMV path (N < gemm_min_rows()): quantized weights use integer dot products against activations quantized once per
+// GEMV path (N < gemm_min_rows(type)): quantized weights use integer dot products against activations quantized once per
 // row in phase 0 (A32 blocks for the 32-element types, A256 = Q8_K granularity for the K-quants); float weights use
 // float dots. Work: chunks of weight rows, handed out by an atomic counter.
 // GEMM path: BLIS-style packed F32 GEMM (6x16 micro tiles, K blocked by 256); weights of any type are dequantized
@@ -255,7 +255,7 @@ static void micro(int64_t kc, const float* GP_RESTRICT A, const float* GP_RESTRI
 
 // ---------------------------------------------------------------------------------------------------------------
 
-GP_INLINE bool mm_gemv(const Node& n) { return n.src[1].ne[1] < gemm_min_rows(); }
+GP_INLINE bool mm_gemv(const Node& n) { return n.src[1].ne[1] < gemm_min_rows(n.src[0].type); }
 
 static void gemm_unit(const Node& n, int64_t b2, int64_t b3, int64_t m0, int64_t m1, float* scratch) {
     const Tensor& w = n.src[0];

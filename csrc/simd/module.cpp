@@ -106,7 +106,7 @@ PYBIND11_MODULE(_simd, m) {
     });
     m.def("physical_cores", &physical_cores);
 
-    m.attr("GEMM_MIN_ROWS") = (int)gemm_min_rows();
+    m.attr("GEMM_MIN_ROWS") = (int)gemm_min_rows(T_F32);
 
     m.def(
         "plan_info",

@@ -435,13 +435,15 @@ static bool fa_splits_keys(const Node& n) {
     return n.op == GGML_PY_OP_FLASH_ATTN_EXT && n.src[0].ne[1] * n.src[1].ne[2] * n.src[0].ne[3] < 8;
 }
 
-int64_t gemm_min_rows() {
-    static const int64_t v = [] {
-        const char* e = getenv("GGML_PY_SIMD_GEMM_ROWS");
-        const long long r = e ? atoll(e) : 16;
-        return (int64_t)(r < 1 ? 1 : r);
-    }();
-    return v;
+static int64_t env_rows(const char* name, long long dflt) {
+    const char* e = getenv(name);
+    const long long r = e ? atoll(e) : dflt;
+    return (int64_t)(r < 1 ? 1 : r);
+}
+
+int64_t gemm_min_rows(int type) {
+    static const int64_t x8 = env_rows("GGML_PY_SIMD_GEMM_ROWS_X8", 16), other = env_rows("GGML_PY_SIMD_GEMM_ROWS", 16);
+    return repack_serves_gemm(type) ? x8 : other;
 }
 
 static size_t pad64(size_t x) { return (x + 63) & ~(size_t)63; }
@@ -456,13 +458,14 @@ Scratch node_scratch(const Node& n) {
             const int64_t K = w.ne[0];
             const int64_t rows = x.ne[1] * x.ne[2] * x.ne[3];
             // the GEMV's quantized activation rows; a symbolic row count sized at its bound may still take the GEMV
-            // path at run time (fewer than gemm_min_rows() rows), so up to gemm_min_rows() - 1 rows are always planned
+            // path at run time (fewer than gemm_min_rows rows), so up to that many - 1 rows are always planned
+            const int64_t lim = gemm_min_rows(w.type);
             if (type_is_quant(w.type)) {
-                const int64_t qrows = (x.ne[1] < gemm_min_rows() ? x.ne[1] : gemm_min_rows() - 1) * x.ne[2] * x.ne[3];
+                const int64_t qrows = (x.ne[1] < lim ? x.ne[1] : lim - 1) * x.ne[2] * x.ne[3];
                 s.shared = (size_t)qrows * (weight_uses_a256(w.type) ? a256_row_size(K) : a32_row_size(K));
             }
             s.per_thread = pad64((size_t)K * 4 + 64);
-            if (x.ne[1] >= gemm_min_rows()) s.per_thread = pad64(s.per_thread > gemm_thread_scratch() ? s.per_thread : gemm_thread_scratch());
+            if (x.ne[1] >= lim) s.per_thread = pad64(s.per_thread > gemm_thread_scratch() ? s.per_thread : gemm_thread_scratch());
             break;
         }
         case GGML_PY_OP_FLASH_ATTN_EXT: {
@@ -533,7 +536,7 @@ bool node_is_small(const Node& n) {
 
 int node_phases(const Node& n, bool n_rows_symbolic) {
     if (n.op == GGML_PY_OP_MUL_MAT && type_is_quant(n.src[0].type)) {
-        if (n_rows_symbolic || n.src[1].ne[1] < gemm_min_rows()) return 2;
+        if (n_rows_symbolic || n.src[1].ne[1] < gemm_min_rows(n.src[0].type)) return 2;
     }
     if (fa_splits_keys(n)) return 2;  // ranges of keys, then their merge
     return 1;
@@ -651,7 +654,7 @@ Plan::Plan(const std::vector<NodeDesc>& descs, const std::vector<Range>& ranges,
         // constant weights of matrix-vector products (and of every product, for the types whose GEMM reads it):
         // interleave 8 rows once (shared by all plans)
         if (n.op == GGML_PY_OP_MUL_MAT && kt_->uses_repack && descs[i].src[0].const_id != 0 && !node_symbolic_src0(descs[i]) &&
-            (rows_sym || n.src[1].ne[1] < gemm_min_rows() || repack_serves_gemm(n.src[0].type)) &&
+            (rows_sym || n.src[1].ne[1] < gemm_min_rows(n.src[0].type) || repack_serves_gemm(n.src[0].type)) &&
             repack_supported(n.src[0].type)) {
             auto rp = get_repacked(descs[i].src[0].const_id, n.src[0]);
             if (rp) {
