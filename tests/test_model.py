@@ -72,8 +72,9 @@ def test_eval_matches_reference(tiny, backend, kv):
         logits = m.eval(ids)
         assert logits.shape == (len(ids), tm.n_vocab) and logits.dtype == np.float32
         err = nmse(logits, reference_logits(tm, ids))
-    # numpy dequantizes weights exactly; a SIMD backend may quantize activations for quantized weights
-    limit = 1e-5 if backend == "numpy" or name.startswith("f32") else 5e-4
+    # numpy dequantizes weights exactly; a SIMD backend quantizes activations to 8 bits for quantized weights (every
+    # product of fewer than 16 rows: here the Q8_0 embedding doubling as the head), so only all-float models are exact
+    limit = 1e-5 if backend == "numpy" or (name.startswith("f32") and "q8" not in name) else 5e-4
     assert err < limit, f"{name} on {backend} with {kv} cache: NMSE {err:.3e}"
 
 
@@ -457,12 +458,19 @@ def test_smollm2_greedy_is_llama_cpps_greedy(smollm2_runs, tmp_path):
 @declared_absent("simd")
 @declared_absent("numpy")
 def test_smollm2_backends_agree(smollm2_runs):
+    """The backends' greedy tokens agree up to the reference's first near tie (top-2 gap below SMOLLM2_NEAR_TIE: the
+    simd backend rounds activations to 8 bits as llama.cpp does, numpy does not), and their logits over that common
+    part agree (NMSE < 1e-3)."""
     names = list(smollm2_runs)
     ref_toks, _, ref_logits = smollm2_runs["numpy" if "numpy" in names else names[0]]
+    first = len(ref_logits) - len(ref_toks) + 1  # the row whose logits chose the first generated token
+    top2 = np.sort(ref_logits[first - 1:], axis=-1)[:, -2:]
+    upto = next((i for i, g in enumerate(top2[:, 1] - top2[:, 0]) if g < SMOLLM2_NEAR_TIE), len(ref_toks))
+    assert upto >= 4, top2[:, 1] - top2[:, 0]
     for b in names:
         toks, text, logits = smollm2_runs[b]
-        assert toks == ref_toks, (b, text)
-        err = nmse(logits, ref_logits)
+        assert toks[:upto] == ref_toks[:upto], (b, text)
+        err = nmse(logits[: first + upto], ref_logits[: first + upto])
         assert err < 1e-3, f"{b}: logits NMSE {err:.3e}"
 
 
