@@ -46,6 +46,19 @@ def run(worker: str, *args: Any) -> Any:
     return json.loads(out.stdout)
 
 
+# Runs next to llama_cpp: the logits of every prompt position (saved to `out` as .npy), on a small context.
+PROMPT_LOGITS_WORKER = """
+import numpy as np
+import llama_cpp
+
+
+def run(model, ids, out):
+    llm = llama_cpp.Llama(model_path=model, n_ctx=128, logits_all=True, verbose=False, n_threads=2)
+    llm.eval(ids)
+    np.save(out, np.array(llm.scores[: len(ids)], dtype=np.float32))
+    return 0
+"""
+
 # Runs next to llama_cpp: logits of every prompt position (saved to `out` as .npy), then `n_gen` greedy tokens with
 # the margin between the best and the second-best logit at each step.
 GREEDY_WORKER = """

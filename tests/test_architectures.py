@@ -30,22 +30,11 @@ SHAPES = {"gemma3": dict(head_dim=128, n_swa=8, swa_pattern=2, rope_base=1e6, ro
 # quantized types <= 2.2e-4 (llama.cpp rounds the activations of quantized products to 8 bits; we may not).
 WEIGHTS = {QT.F32: 5e-4, QT.F16: 5e-4, QT.Q4_0: 5e-3, QT.Q8_0: 5e-3, QT.Q4_K: 5e-3, QT.Q6_K: 5e-3}
 
-_WORKER = """
-import numpy as np
-import llama_cpp
-
-
-def run(model, ids, out):
-    llm = llama_cpp.Llama(model_path=model, n_ctx=128, logits_all=True, verbose=False, n_threads=2)
-    llm.eval(ids)
-    np.save(out, np.array(llm.scores[: len(ids)], dtype=np.float32))
-    return 0
-"""
 
 
 def _llama_cpp_logits(path: str, ids: list[int], tmp_path) -> np.ndarray:
     out = tmp_path / "llama_cpp_logits.npy"
-    llamacpp_peer.run(_WORKER, path, ids, str(out))
+    llamacpp_peer.run(llamacpp_peer.PROMPT_LOGITS_WORKER, path, ids, str(out))
     return np.load(out)
 
 

@@ -40,17 +40,6 @@ MAX_NMSE = 1e-6
 # global layer has rope base 1e6: scaling it moves the logits least, NMSE ~4e-4)
 MIN_EFFECT = 100 * MAX_NMSE
 
-_WORKER = """
-import numpy as np
-import llama_cpp
-
-
-def run(model, ids, out):
-    llm = llama_cpp.Llama(model_path=model, n_ctx=128, logits_all=True, verbose=False, n_threads=2)
-    llm.eval(ids)
-    np.save(out, np.array(llm.scores[: len(ids)], dtype=np.float32))
-    return 0
-"""
 
 
 def _ours(path: str, backend: str, ids: list[int] | None = None) -> tuple[np.ndarray, list[int]]:
@@ -65,7 +54,7 @@ def test_feature_logits_match_llama_cpp(name, tmp_path):
     path = write_tiny(tmp_path / f"{name}.gguf", arch, seed=4, **common, **feature)
     _, ids = _ours(path, "numpy")
     out = tmp_path / "llama_cpp.npy"
-    llamacpp_peer.run(_WORKER, path, ids, str(out))
+    llamacpp_peer.run(llamacpp_peer.PROMPT_LOGITS_WORKER, path, ids, str(out))
     ref = np.load(out)
     for b in BACKENDS:
         ours, _ = _ours(path, b, ids)
