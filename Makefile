@@ -66,12 +66,21 @@ SAN_JOBS ?= 2
 # the numpy backend is pure Python: under ASan only the native backend's half of the per-backend tests is worth the
 # time (numpy's are declared absent there; the numpy backend still serves as the reference where a test asks for it)
 ASAN_EXPECT_BACKENDS ?= simd
-ASAN_TESTS ?= $(sort $(wildcard tests/test_*.py))
+# Left out: files of pure-Python code (GGUF parsing, tokenizer, samplers, numpy quantizers, the docs' Python plugin),
+# which under ASan run the same Python several times slower (its allocator serves every malloc) and reach no native
+# code; and test_quantize_cmd, whose Python quantizer takes minutes there and whose models run the kernels that
+# test_vs_llamacpp runs on every weight type.
+ASAN_SKIP ?= tests/test_gguf.py tests/test_gguf_fuzz.py tests/test_quants.py tests/test_sampling.py \
+	tests/test_sampling_vs_llamacpp.py tests/test_tokenizer.py tests/test_docs_walkthrough.py tests/test_quantize_cmd.py
+# the longest first, so that the jobs end together
+ASAN_FIRST := tests/test_hostile_inputs.py tests/test_native_plugin.py tests/test_architectures.py \
+	tests/test_serve.py tests/test_gemma3.py tests/test_vs_llamacpp.py tests/test_model.py
+ASAN_TESTS ?= $(ASAN_FIRST) $(filter-out $(ASAN_FIRST) $(ASAN_SKIP),$(sort $(wildcard tests/test_*.py)))
 test-asan: models
-	GGML_PY_SANITIZE=address,undefined $(PIP) install ".[test]" --config-settings=build-dir=build/asan
+	GGML_PY_SANITIZE=address,undefined $(PIP) install ".[test,server]" --config-settings=build-dir=build/asan
 	$(TEST_ENV) GGML_PY_EXPECT_BACKENDS=$(ASAN_EXPECT_BACKENDS) GGML_PY_SANITIZE=address,undefined \
 		$(PY) tests/lsan_check.py run --jobs $(SAN_JOBS) $(CURDIR)/build/asan \
-		$(or $(PYTEST_ARGS),$(ASAN_TESTS)); rc=$$?; $(PIP) install ".[test]"; exit $$rc
+		$(or $(PYTEST_ARGS),$(ASAN_TESTS)); rc=$$?; $(PIP) install ".[test,server]"; exit $$rc
 
 # The thread tests under ThreadSanitizer: the SIMD extension rebuilt with -fsanitize=thread, tests/tsan_check.py runs
 # each target in a process of its own and fails on any ThreadSanitizer report (races, lock inversions) or test failure.
@@ -82,9 +91,9 @@ TSAN_TESTS ?= tests/test_concurrency.py tests/test_interrupt.py \
 	tests/test_simd_kernels.py::test_many_nodes_one_call_threads tests/test_simd_kernels.py::test_compute_from_threads_serialises \
 	tests/test_simd_conformance.py::test_conformance_kit_one_thread_and_three
 test-tsan: models
-	GGML_PY_SANITIZE=thread $(PIP) install ".[test]" --config-settings=build-dir=build/tsan
+	GGML_PY_SANITIZE=thread $(PIP) install ".[test,server]" --config-settings=build-dir=build/tsan
 	$(TEST_ENV) $(PY) tests/tsan_check.py $(CURDIR)/build/tsan $(or $(PYTEST_ARGS),$(TSAN_TESTS)); rc=$$?; \
-		$(PIP) install ".[test]"; exit $$rc
+		$(PIP) install ".[test,server]"; exit $$rc
 
 bench: install
 	$(VENV)/bin/ggml-py bench reuse

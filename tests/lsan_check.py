@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -145,6 +146,7 @@ def run_file(log_dir: str, path: str, quiet: bool = False) -> int:
         # RSS tests are meaningless under ASan's allocator (freed memory stays in quarantine): LSan checks leaks here
         cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not rss", path]
         env = sanitizer_env(prefix, verbose=attempt > 1)
+        t0 = time.monotonic()
         if quiet:
             r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             print(f"lsan: {path}:\n{(r.stdout or '').strip()[-6000:]}")
@@ -152,7 +154,7 @@ def run_file(log_dir: str, path: str, quiet: bool = False) -> int:
             r = subprocess.run(cmd, env=env)
         rc = r.returncode
         logs = Logs.read(prefix)
-        bad = logs.report(f"{path} (attempt {attempt}, pytest exit {rc}): ")
+        bad = logs.report(f"{path} (attempt {attempt}, pytest exit {rc}, {time.monotonic() - t0:.0f} s): ")
         if logs.tool_failures and not bad and attempt < ATTEMPTS:
             print(f"lsan: LeakSanitizer itself failed in {len(logs.tool_failures)} process(es); retrying")
             continue

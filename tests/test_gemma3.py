@@ -183,6 +183,7 @@ print(peak_rss_bytes())
 """
 
 
+@pytest.mark.rss
 def test_numpy_backend_streams_the_head_instead_of_an_f32_copy(model, gemma_path, tmp_path):
     """The reference backend keeps F32 copies of weights, but not of the 640 MiB (as F32) tied head: it is
     dequantized by blocks of rows per use. Its logits agree with simd's; peak RSS (in a process of its own) stays

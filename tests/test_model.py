@@ -460,7 +460,8 @@ def test_smollm2_greedy_is_llama_cpps_greedy(smollm2_runs, tmp_path):
 def test_smollm2_backends_agree(smollm2_runs):
     """The backends' greedy tokens agree up to the reference's first near tie (top-2 gap below SMOLLM2_NEAR_TIE: the
     simd backend rounds activations to 8 bits as llama.cpp does, numpy does not), and their logits over that common
-    part agree (NMSE < 1e-3)."""
+    part agree (NMSE < 2e-3: measured 1.0e-3 with simd's Q4_1/Q8_0 products all on the integer path, prompt rows
+    included)."""
     names = list(smollm2_runs)
     ref_toks, _, ref_logits = smollm2_runs["numpy" if "numpy" in names else names[0]]
     first = len(ref_logits) - len(ref_toks) + 1  # the row whose logits chose the first generated token
@@ -471,7 +472,7 @@ def test_smollm2_backends_agree(smollm2_runs):
         toks, text, logits = smollm2_runs[b]
         assert toks[:upto] == ref_toks[:upto], (b, text)
         err = nmse(logits[: first + upto], ref_logits[: first + upto])
-        assert err < 1e-3, f"{b}: logits NMSE {err:.3e}"
+        assert err < 2e-3, f"{b}: logits NMSE {err:.3e}"
 
 
 @smollm2
@@ -562,6 +563,7 @@ with load_model(default_model_path(), backends=["simd"], n_ctx=256, n_threads=2,
 
 
 @smollm2
+@pytest.mark.rss
 @pytest.mark.skipif("simd" not in BACKENDS or not os.path.exists("/proc/self/status"), reason="simd on Linux")
 def test_simd_repacked_weights_replace_the_mapped_file(tmp_path):
     """SmolLM2's Q4_1/Q8_0 matrices are read only in simd's repacked layout (decode and prefill), so the pages of

@@ -368,7 +368,10 @@ def test_smollm2_served_concurrently():
         alone = [ask(q) for q in QUESTIONS[:2]]  # one at a time
         with ThreadPoolExecutor(8) as ex:
             together = list(ex.map(ask, QUESTIONS))  # eight at a time: batched steps
-        assert "Paris" in alone[0] and "Paris" in together[0]
+        # SmolLM2's products (Q4_1, Q8_0) all take the integer path, where a row's result does not depend on the
+        # other rows of its step: batched answers equal the one-at-a-time ones (only attention's summation order
+        # differs, by rounding, which flips a greedy token only at a top-2 gap ~1e-6)
+        assert together[:2] == alone
         assert all(t for t in together)
         assert s.metrics()["plans_prepared"] == 1
     finally:

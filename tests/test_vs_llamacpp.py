@@ -71,7 +71,7 @@ def test_smollm2_greedy_tokens_and_logits_match_llama_cpp(tmp_path):
         pred = m.eval(ids + ref_gen[:-1])[len(ids) - 1:].argmax(-1).tolist()
         gen = [t.id for t in m.generate(ids, n_gen, temperature=0, stop_at_eos=False)]
     err = nmse(ours, ref)
-    assert err < 2e-3, f"prompt logits NMSE {err:.2e} against llama.cpp"  # measured 9.9e-4 (Q8 activations)
+    assert err < 2e-3, f"prompt logits NMSE {err:.2e} against llama.cpp"  # measured 4.5e-4 (F32 GEMM: 5.2e-4)
     clear = [i for i in range(n_gen) if margins[i] >= NEAR_TIE]
     assert len(clear) >= 0.8 * n_gen
     wrong = [(i, pred[i], ref_gen[i], round(margins[i], 3)) for i in clear if pred[i] != ref_gen[i]]

@@ -442,7 +442,8 @@ static int64_t env_rows(const char* name, long long dflt) {
 }
 
 int64_t gemm_min_rows(int type) {
-    static const int64_t x8 = env_rows("GGML_PY_SIMD_GEMM_ROWS_X8", 16), other = env_rows("GGML_PY_SIMD_GEMM_ROWS", 16);
+    static const int64_t x8 = env_rows("GGML_PY_SIMD_GEMM_ROWS_X8", INT64_C(1) << 40),
+                         other = env_rows("GGML_PY_SIMD_GEMM_ROWS", 16);
     return repack_serves_gemm(type) ? x8 : other;
 }
 
