@@ -420,23 +420,63 @@ class Plan:
             return view.copy()
         if not (t.flags & (OUTPUT | INPUT | STATE | PARAM) or _root(t).flags & (STATE | PARAM)):
             raise PlanError(f"{t.name!r} is an intermediate whose memory may be reused; mark it as an output")
-        b = getattr(self, "bindings", {})
+        view, is_host = self._view(t, getattr(self, "bindings", {}))
+        if is_host and self._is_concrete(t):
+            self._out_views[t.id] = view  # the same memory at every compute
+        return np.array(view)
+
+    def _view(self, t: Tensor, b: Mapping[str, int]) -> tuple[np.ndarray, bool]:
+        """A tensor's values at bindings `b` as an array over its memory (a copy if it is not in host memory), and
+        whether it is in host memory."""
         shape = tuple(evaluate(d, b) for d in t.shape)
         strides = tuple(evaluate(s, b) for s in t.strides)
         buf, off = self._location(t)
         off += evaluate(t.view_offs, b)
         span = nbytes_upper(shape, strides, t.dtype)  # concrete shape: the bytes it spans
-        raw = buf.host_view()[off: off + span] if buf.buffer_type.is_host else buf.get_tensor(off, span)
+        is_host = buf.buffer_type.is_host
+        raw = buf.host_view()[off: off + span] if is_host else buf.get_tensor(off, span)
         if t.dtype.is_quantized:
-            view = np.lib.stride_tricks.as_strided(raw, (*shape[:-1], t.dtype.row_size(shape[-1])),
-                                                   (*strides[:-1], 1))
-        else:
-            npd = t.dtype.np_dtype
-            view = np.lib.stride_tricks.as_strided(raw.view(npd) if span % npd.itemsize == 0 and raw.nbytes else raw,
-                                                   shape, strides)
-        if buf.buffer_type.is_host and self._is_concrete(t):
-            self._out_views[t.id] = view  # the same memory at every compute
-        return np.array(view)
+            return np.lib.stride_tricks.as_strided(raw, (*shape[:-1], t.dtype.row_size(shape[-1])),
+                                                   (*strides[:-1], 1)), is_host
+        npd = t.dtype.np_dtype
+        return np.lib.stride_tricks.as_strided(raw.view(npd) if span % npd.itemsize == 0 and raw.nbytes else raw,
+                                               shape, strides), is_host
+
+    def input_array(self, key: str | Tensor, **symbols: int) -> np.ndarray:
+        """A writable array over an input's memory, for a loop that writes the same inputs before every compute (a
+        decode step): what is written there is what the next compute reads, without set_input's conversion, checks
+        and binding (bind the symbols with compute(...)). The array has the input's type and its shape at `symbols`
+        (needed when the shape is symbolic). Inputs in host memory only (PlanError otherwise: use set_input); the
+        array is valid while the plan is open."""
+        self._enter("input_array")
+        with self._lock:
+            t = self._tensor(key, INPUT)
+            if not t.flags & INPUT or t.dtype.np_dtype is None or t.dtype.name == "BF16":
+                raise PlanError(f"{t.name!r} is not an input of a numpy type (use set_input)")
+            missing = {x.name for d in (*t.shape, *t.strides, t.view_offs) if isinstance(d, Expr)
+                       for x, _ in d.terms} - set(symbols)
+            if missing:
+                raise PlanError(f"input {t.name!r} has a symbolic shape: give {sorted(missing)} as keywords")
+            self._check_bindings(symbols)
+            view, is_host = self._view(t, symbols)
+            if not is_host:
+                raise PlanError(f"input {t.name!r} is not in host memory (use set_input)")
+            return view
+
+    def output_array(self, key: str | Tensor) -> np.ndarray:
+        """A read-only array over an output's memory: the values of the last compute, overwritten by the next (copy
+        what must outlive it). For a loop that reads the same outputs after every compute without get_output's
+        checks; outputs of a concrete shape in host memory only (PlanError otherwise: use get_output)."""
+        self._enter("output_array")
+        with self._lock:
+            t = self._tensor(key, OUTPUT)
+            if not t.flags & OUTPUT or not self._is_concrete(t):
+                raise PlanError(f"{t.name!r} is not an output of a concrete shape (use get_output)")
+            view, is_host = self._view(t, {})
+            if not is_host:
+                raise PlanError(f"output {t.name!r} is not in host memory (use get_output)")
+            view.flags.writeable = False
+            return view
 
     def profile(self, computes: int = 1, **bindings: int) -> dict[str, Any]:
         """Compute `computes` times and say where the time went: per split (with its copies), per backend, per op

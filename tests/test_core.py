@@ -185,6 +185,44 @@ def test_set_input_errors():
         plan.set_input("nope", np.zeros(3))
 
 
+@pytest.mark.parametrize("backend", expected_backends())
+def test_input_and_output_arrays_are_the_plans_memory(backend):
+    """Plan.input_array: an array over an input's memory; writing it then computing equals set_input + compute, for
+    a concrete input and a symbolic one (given its symbol), across compute calls. Plan.output_array: a read-only
+    array over an output's memory, holding each compute's values. Refusals are PlanError."""
+    n = gp.sym("n", 6)
+    x = gp.input((3,), "I32", name="x")
+    m = gp.input((n,), name="m")
+    table = gp.weight(np.arange(40, dtype=np.float32).reshape(10, 4))
+    y = ops.get_rows(table, x)
+    z = ops.scale(m, 2.0)
+    plan = gp.prepare([y, z], backends=backend)
+    xs = plan.input_array("x")
+    assert xs.dtype == np.int32 and xs.shape == (3,)
+    ms = plan.input_array(m, n=6)
+    assert ms.shape == (6,)
+    ms[...] = np.arange(6)  # once, at the bound: every n reads its first n values
+    ys = plan.output_array(y)
+    assert not ys.flags.writeable
+    for ids, k in (([1, 2, 9], 4), ([0, 0, 5], 6)):
+        xs[...] = ids
+        plan.compute(n=k)
+        np.testing.assert_array_equal(plan.get_output(y), np.arange(40).reshape(10, 4)[ids])
+        np.testing.assert_array_equal(ys, np.arange(40).reshape(10, 4)[ids])
+        np.testing.assert_array_equal(plan.get_output(z), 2 * np.arange(k))
+    with pytest.raises(PlanError, match="not an output of a concrete shape"):
+        plan.output_array(z)
+    with pytest.raises(PlanError, match="symbolic shape: give \\['n'\\]"):
+        plan.input_array(m)
+    with pytest.raises(PlanError, match="outside 1..6"):
+        plan.input_array(m, n=7)
+    with pytest.raises(PlanError, match="not an input"):
+        plan.input_array(y)
+    plan.close()
+    with pytest.raises(PlanError, match="closed plan"):
+        plan.input_array("x")
+
+
 def test_unknown_backend_and_unsupported_op():
     x = gp.input((4,), name="x")
     with pytest.raises(BackendError, match="unknown backend 'nosuch'; available: .*numpy"):

@@ -330,6 +330,21 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Wh
 NEAR_TIE = 0.1  # top-2 logit gap (llama.cpp's near-tie rule): batched and single decode rows share the integer kernel
 
 
+def _assert_same_up_to_a_near_tie(m, prompt, ref, other):
+    """`other` (greedy tokens) equals `ref` (the single-sequence run's) or first differs from it at a near tie of the
+    single run: its top-2 logits within NEAR_TIE there, and `other`'s token one of the two."""
+    if other == ref:
+        return
+    k = next((j for j, (a, b) in enumerate(zip(ref, other)) if a != b), min(len(ref), len(other)))
+    assert k < min(len(ref), len(other)), (ref, other)  # one stopped early where the other did not
+    m.reset()  # the single run's own logits at the split: its prompt step, then its decode steps
+    logits = m.eval(prompt, last_only=True)[-1]
+    for t in ref[:k]:
+        logits = m.eval([t])[-1]
+    top = np.sort(logits)[-2:]
+    assert top[1] - top[0] < NEAR_TIE and other[k] in np.argsort(logits)[-2:], (k, top)
+
+
 @smollm2
 def test_smollm2_batch_equals_single_up_to_near_ties():
     from ggml_py.models import load_model as load
@@ -340,15 +355,7 @@ def test_smollm2_batch_equals_single_up_to_near_ties():
         refs = [_single(m, i, 24) for i in ids]
         out = m.batch(ids, 24, temperature=0, stop_at_eos=False)
         for i, r, c in zip(ids, refs, out):
-            if c.tokens == r:
-                continue
-            k = next(j for j, (a, b) in enumerate(zip(r, c.tokens)) if a != b)
-            m.reset()  # the single run's own logits at the split: its prompt step, then its decode steps
-            logits = m.eval(i, last_only=True)[-1]
-            for t in r[:k]:
-                logits = m.eval([t])[-1]
-            top = np.sort(logits)[-2:]
-            assert top[1] - top[0] < NEAR_TIE and c.tokens[k] in np.argsort(logits)[-2:], (k, top)
+            _assert_same_up_to_a_near_tie(m, i, r, c.tokens)
 
 
 @needs_server
@@ -368,11 +375,17 @@ def test_smollm2_served_concurrently():
         alone = [ask(q) for q in QUESTIONS[:2]]  # one at a time
         with ThreadPoolExecutor(8) as ex:
             together = list(ex.map(ask, QUESTIONS))  # eight at a time: batched steps
-        # SmolLM2's products (Q4_1, Q8_0) all take the integer path, where a row's result does not depend on the
-        # other rows of its step: batched answers equal the one-at-a-time ones (only attention's summation order
-        # differs, by rounding, which flips a greedy token only at a top-2 gap ~1e-6)
-        assert together[:2] == alone
         assert all(t for t in together)
         assert s.metrics()["plans_prepared"] == 1
     finally:
         s.stop()
+    # every answer, alone or batched, is the single-sequence greedy answer up to a near tie (the batched steps'
+    # attention sums in another order, so logits differ by rounding)
+    from ggml_py.models import load_model as load
+
+    with load(n_threads=2, progress=False) as m:
+        for q, text in [*zip(QUESTIONS, alone), *zip(QUESTIONS, together)]:
+            ids = m.tokenize(m.apply_chat_template([{"role": "user", "content": q}]), add_special=False)
+            ref = [t.id for t in m.generate(ids, 24, temperature=0)]
+            if m.detokenize(ref, special=False) != text:
+                _assert_same_up_to_a_near_tie(m, ids, ref, m.tokenize(text, add_special=False))

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import dtypes
-from ..errors import ModelError
+from ..errors import ModelError, PlanError
 from ..sched import Plan, _place_static, prepare
 from ..symbolic import sym
 from ..tensor import PARAM
@@ -47,6 +47,19 @@ class Token(NamedTuple):
 class _Prepared:
     graph: StepGraph
     plan: Plan
+    # a one-token plan's inputs and outputs as arrays over its memory (Plan.input_array / output_array), its causal
+    # mask zeroed once (a one-token step sees every cached row): a decode step writes two integers and copies its
+    # outputs with no per-call checks. False when they are not in host memory; None until the first step.
+    one_token: _OneTokenIO | bool | None = None
+
+
+class _OneTokenIO(NamedTuple):
+    tokens: np.ndarray
+    pos: np.ndarray
+    kv_idx: np.ndarray
+    logits: np.ndarray
+    top_ids: np.ndarray | None
+    top_logits: np.ndarray | None
 
 
 def batch_sizes(n: int, max_batch: int = MAX_BATCH) -> list[int]:
@@ -285,20 +298,33 @@ class Model:
         prep, _ = self._get(n, last, n_kv)
         g, plan = prep.graph, prep.plan
         try:
-            pos = np.arange(p0, n_kv, dtype=np.int32)
-            plan.set_input(g.tokens, ids)
-            plan.set_input(g.pos, pos)
-            plan.set_input(g.kv_idx, pos)  # cache row = position (one sequence)
-            for mask, values in g.masks(pos, n_kv, self._zeros):  # causal, and sliding-window if any layer slides
-                plan.set_input(mask, values)
+            io = self._one_token_io(prep) if n == 1 and self.graph_reuse else False
+            if io:
+                io.tokens[0] = ids[0]
+                io.pos[0] = io.kv_idx[0] = p0
+                if g.mask_swa is not None:  # a sliding window's mask changes with the position
+                    for mask, values in g.masks(np.array([p0]), n_kv, self._zeros):
+                        if mask is g.mask_swa:
+                            plan.set_input(mask, values)
+            else:
+                pos = np.arange(p0, n_kv, dtype=np.int32)
+                plan.set_input(g.tokens, ids)
+                plan.set_input(g.pos, pos)
+                plan.set_input(g.kv_idx, pos)  # cache row = position (one sequence)
+                for mask, values in g.masks(pos, n_kv, self._zeros):  # causal, and sliding-window if any slides
+                    plan.set_input(mask, values)
             t0 = time.perf_counter()
             if self.graph_reuse:
                 plan.compute(n_kv=n_kv)
             else:
                 plan.compute()
             compute = time.perf_counter() - t0
-            if read == "top":
-                logits: Any = (plan.get_output(g.top_ids), plan.get_output(g.top_logits))
+            if io and read == "top" and io.top_ids is not None:
+                logits: Any = (io.top_ids.copy(), io.top_logits.copy())
+            elif io and read:
+                logits = io.logits.copy()
+            elif read == "top":
+                logits = (plan.get_output(g.top_ids), plan.get_output(g.top_logits))
             else:
                 logits = plan.get_output(g.logits) if read else None
         finally:
@@ -306,6 +332,20 @@ class Model:
                 plan.close()
         self.n_past = n_kv
         return logits, compute
+
+    def _one_token_io(self, prep: _Prepared) -> _OneTokenIO | bool:
+        if prep.one_token is None:
+            g, plan = prep.graph, prep.plan
+            try:
+                out = [None if t is None else plan.output_array(t) for t in (g.logits, g.top_ids, g.top_logits)]
+                io = _OneTokenIO(*(plan.input_array(t) for t in (g.tokens, g.pos, g.kv_idx)), *out)
+                if g.mask is not None:
+                    plan.input_array(g.mask, n_kv=self.n_ctx)[...] = 0.0
+            except PlanError:
+                prep.one_token = False
+            else:
+                prep.one_token = io
+        return prep.one_token
 
     # -- generation ------------------------------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, *, temperature: float = 0.8,
