@@ -63,6 +63,9 @@ lint: $(VENV)/bin/activate
 # allocated by our native code (CPython's own exit-time leaks are expected and counted, not failed). The C plugins the
 # tests build are instrumented too (GGML_PY_SANITIZE). The normal build is reinstalled afterwards.
 SAN_JOBS ?= 2
+# the normal build reinstalled after a sanitizer run (CI, which ends there, sets SAN_KEEP=1 to skip it)
+SAN_KEEP ?=
+SAN_RESTORE = $(if $(SAN_KEEP),true,$(PIP) install ".[test,server]")
 # the numpy backend is pure Python: under ASan only the native backend's half of the per-backend tests is worth the
 # time (numpy's are declared absent there; the numpy backend still serves as the reference where a test asks for it)
 ASAN_EXPECT_BACKENDS ?= simd
@@ -80,7 +83,7 @@ test-asan: models
 	GGML_PY_SANITIZE=address,undefined $(PIP) install ".[test,server]" --config-settings=build-dir=build/asan
 	$(TEST_ENV) GGML_PY_EXPECT_BACKENDS=$(ASAN_EXPECT_BACKENDS) GGML_PY_SANITIZE=address,undefined \
 		$(PY) tests/lsan_check.py run --jobs $(SAN_JOBS) $(CURDIR)/build/asan \
-		$(or $(PYTEST_ARGS),$(ASAN_TESTS)); rc=$$?; $(PIP) install ".[test,server]"; exit $$rc
+		$(or $(PYTEST_ARGS),$(ASAN_TESTS)); rc=$$?; $(SAN_RESTORE); exit $$rc
 
 # The thread tests under ThreadSanitizer: the SIMD extension rebuilt with -fsanitize=thread, tests/tsan_check.py runs
 # each target in a process of its own and fails on any ThreadSanitizer report (races, lock inversions) or test failure.
@@ -93,7 +96,7 @@ TSAN_TESTS ?= tests/test_concurrency.py tests/test_interrupt.py \
 test-tsan: models
 	GGML_PY_SANITIZE=thread $(PIP) install ".[test,server]" --config-settings=build-dir=build/tsan
 	$(TEST_ENV) $(PY) tests/tsan_check.py $(CURDIR)/build/tsan $(or $(PYTEST_ARGS),$(TSAN_TESTS)); rc=$$?; \
-		$(PIP) install ".[test,server]"; exit $$rc
+		$(SAN_RESTORE); exit $$rc
 
 bench: install
 	$(VENV)/bin/ggml-py bench reuse

@@ -60,7 +60,7 @@ def run(model, ids, out):
 """
 
 # Runs next to llama_cpp: logits of every prompt position (saved to `out` as .npy), then `n_gen` greedy tokens with
-# the margin between the best and the second-best logit at each step.
+# the margin between the best and the second-best logit at each step (each step's logits saved to `out`.steps.npy).
 GREEDY_WORKER = """
 import numpy as np
 import llama_cpp
@@ -70,13 +70,15 @@ def run(model, ids, out, n_gen):
     llm = llama_cpp.Llama(model_path=model, n_ctx=256, logits_all=True, verbose=False, n_threads=2)
     llm.eval(ids)
     np.save(out, np.array(llm.scores[: len(ids)], dtype=np.float32))
-    gen, margins = [], []
+    gen, margins, steps = [], [], []
     for _ in range(n_gen):
         s = np.array(llm.scores[llm.n_tokens - 1])
         top2 = np.sort(s)[-2:]
         gen.append(int(np.argmax(s)))
         margins.append(float(top2[1] - top2[0]))
+        steps.append(s)
         llm.eval([gen[-1]])
+    np.save(out[:-4] + ".steps.npy", np.array(steps, dtype=np.float32).reshape(len(steps), -1))
     return gen, margins
 """
 
@@ -92,6 +94,12 @@ def greedy(model: str, ids: list[int], n_gen: int, out: str | Path) -> tuple[np.
         raise RuntimeError(NOT_AVAILABLE)
     gen, margins = res
     return np.load(out), gen, margins
+
+
+def greedy_step_logits(out: str | Path) -> np.ndarray:
+    """The logits llama.cpp chose each greedy token from, (n_gen, n_vocab): step 0's are the prompt's last row, the
+    others come from its one-token decode steps."""
+    return np.load(str(out)[:-4] + ".steps.npy")
 
 
 def first_near_tie(margins: list[float]) -> int:
