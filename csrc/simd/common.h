@@ -157,10 +157,10 @@ struct Scratch {
 // Rows of activations at or above which MUL_MAT of weights of `type` takes the tiled F32 GEMM path (dequantizing the
 // weights); below, each row is an integer dot product against the weight chunk, which stays in cache for all the
 // rows (activations rounded to 8 bits per row, as llama.cpp does at every size). 16 by default
-// (GGML_PY_SIMD_GEMM_ROWS); Q4_1/Q8_0, whose repacked 8-row records the integer path reads, take it at every row count
-// (GGML_PY_SIMD_GEMM_ROWS_X8 sets a threshold). Measured on SmolLM2 Q4_1 (2 threads), integer vs GEMM: 16 tokens 735
-// vs 372 tok/s, 128: ~720 vs ~570, 512: 564 vs 510; Q5_0 (then not repacked) at 128 tokens: 234 vs 565. Q4_0, Q5_0
-// and Q5_1 are repacked like Q4_1 and take the integer path at every row count too. Read once.
+// (GGML_PY_SIMD_GEMM_ROWS); the repacked 32-element types (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0: repack_serves_gemm), whose 8-row
+// records the integer path reads, take it at every row count (GGML_PY_SIMD_GEMM_ROWS_X8 sets a threshold). Measured on
+// SmolLM2 Q4_1 (2 threads), integer vs GEMM: 16 tokens 735 vs 372 tok/s, 128: ~720 vs ~570, 512: 564 vs 510; Q5_0
+// (then not repacked) at 128 tokens: 234 vs 565. Read once.
 int64_t gemm_min_rows(int type);
 
 // FLASH_ATTN_EXT of a decode step splits the keys into this many ranges at most, of ~128 keys each; a partial result
