@@ -518,6 +518,27 @@ def test_mul_mat_repacked_q45_01(arena, t, m, k, n, rng):
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-4, atol=1e-4 * float(np.abs(outs[0]).max()))
 
 
+@pytest.mark.skipif("avx2" not in LEVELS, reason="no avx2 on this CPU")
+@pytest.mark.parametrize("t", [Q4_0, Q4_1, Q5_0, Q5_1])
+def test_mul_mat_repacked_extreme_products(arena, t):
+    """Every quant at its top (15, Q5: 31) against activations that quantize to +-127: the largest 16-bit sums the
+    x8 kernels accumulate (Q5's must be split in two), repacked (const id) and not."""
+    M, K = 16, 288
+    raw = np.full((M, K // 32 * QBLOCK[t][1]), 0xFF, np.uint8)
+    blocks = raw.reshape(-1, QBLOCK[t][1])
+    blocks[:, 0:2] = np.array([0.01], np.float16).view(np.uint8)
+    if t in (Q4_1, Q5_1):
+        blocks[:, 2:4] = np.array([-0.2], np.float16).view(np.uint8)
+    W = arena.put(raw)
+    wref = dequantize(raw, t).reshape(M, K)
+    x = np.where(np.arange(K) < K - 64, 1.0, -1.0).astype(np.float32)[None, :]
+    X = arena.put(x)
+    for cid in (0, 9000 + t):
+        D = arena.empty((1, M), np.float32)
+        run(arena, "MUL_MAT", desc(arena, D), [(*desc(arena, W, t, ne0=K), cid), desc(arena, X)], level="avx2")
+        assert nmse(x.astype(np.float64) @ wref.astype(np.float64).T, D) < 1e-10, cid
+
+
 @pytest.mark.parametrize("t", REPACKED_TYPES)
 def test_repacked_nbytes(t):
     """The interleaved copy covers the full groups of 8 rows (Q4_K: +3%, Q5_K: +2%, the others: the weight's own
