@@ -469,7 +469,7 @@ def test_mul_mat_broadcast_and_strides(level, arena, t, n, rng):
     assert nmse(ref, D) < 5e-4
 
 
-REPACKED_TYPES = [Q4_1, Q8_0, Q4_K, Q5_K, Q6_K]
+REPACKED_TYPES = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K]
 
 
 @pytest.mark.parametrize("t", REPACKED_TYPES)
@@ -491,6 +491,52 @@ def test_mul_mat_repacked_weights(level, arena, t, m, n, rng):
     for o in outs:
         assert nmse(ref, o) < 5e-4
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.skipif("avx2" not in LEVELS, reason="no avx2 on this CPU")
+@pytest.mark.parametrize("t", [Q4_0, Q5_0, Q5_1])
+@pytest.mark.parametrize("m", [8, 20])
+@pytest.mark.parametrize("k", [32, 224, 576, 4096])
+@pytest.mark.parametrize("n", [1, 3, 17, 64])
+def test_mul_mat_repacked_q45_01(arena, t, m, k, n, rng):
+    """Q4_0 / Q5_0 / Q5_1 weights repacked 8 rows at a time (x8, avx2), with a remainder of rows read as stored (20),
+    against numpy and against the row kernels (no const id: not repacked), at every activation row count (the integer
+    path serves them all). Weights shifted off zero so the offsets (-8, -16, m) matter."""
+    w = (rng.standard_normal((m, k)) + 0.5 * rng.standard_normal((m, 1))).astype(np.float32)
+    wd, wref = _weight(arena, w, t)
+    x = (rng.standard_normal((n, k)) + 0.3).astype(np.float32)
+    X = arena.put(x)
+    outs = []
+    for cid in (0, 7000 + 97 * t + 13 * m + k):
+        D = arena.empty((n, m), np.float32)
+        run(arena, "MUL_MAT", desc(arena, D), [(*wd, cid), desc(arena, X)], level="avx2", n_threads=2)
+        outs.append(np.array(D))
+    ref = x.astype(np.float64) @ wref.astype(np.float64).T
+    for o in outs:
+        assert nmse(ref, o) < 5e-4
+    # the same integer dot products, summed in another order
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-4, atol=1e-4 * float(np.abs(outs[0]).max()))
+
+
+@pytest.mark.skipif("avx2" not in LEVELS, reason="no avx2 on this CPU")
+@pytest.mark.parametrize("t", [Q4_0, Q4_1, Q5_0, Q5_1])
+def test_mul_mat_repacked_extreme_products(arena, t):
+    """Every quant at its top (15, Q5: 31) against activations that quantize to +-127: the largest 16-bit sums the
+    x8 kernels accumulate (Q5's must be split in two), repacked (const id) and not."""
+    M, K = 16, 288
+    raw = np.full((M, K // 32 * QBLOCK[t][1]), 0xFF, np.uint8)
+    blocks = raw.reshape(-1, QBLOCK[t][1])
+    blocks[:, 0:2] = np.array([0.01], np.float16).view(np.uint8)
+    if t in (Q4_1, Q5_1):
+        blocks[:, 2:4] = np.array([-0.2], np.float16).view(np.uint8)
+    W = arena.put(raw)
+    wref = dequantize(raw, t).reshape(M, K)
+    x = np.where(np.arange(K) < K - 64, 1.0, -1.0).astype(np.float32)[None, :]
+    X = arena.put(x)
+    for cid in (0, 9000 + t):
+        D = arena.empty((1, M), np.float32)
+        run(arena, "MUL_MAT", desc(arena, D), [(*desc(arena, W, t, ne0=K), cid), desc(arena, X)], level="avx2")
+        assert nmse(x.astype(np.float64) @ wref.astype(np.float64).T, D) < 1e-10, cid
 
 
 @pytest.mark.parametrize("t", REPACKED_TYPES)

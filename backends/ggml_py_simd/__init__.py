@@ -87,8 +87,8 @@ class SimdBackend(native.NativeBackend):
         return dict(_require().plan_info(int(native.ffi().cast("uintptr_t", plan.handle))))
 
     def weight_cache_bytes(self, weights: Sequence[Tensor]) -> int:
-        """The interleaved copies made for matrix-vector products (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K matrices, at AVX2 and
-        up): an upper bound, as a matrix only used by GET_ROWS (an untied embedding) is never repacked."""
+        """The interleaved copies made for matrix products (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K matrices,
+        at AVX2 and up): an upper bound, as a matrix only used by GET_ROWS (an untied embedding) is never repacked."""
         simd = _require()
         return sum(simd.repacked_nbytes(t.dtype.ggml_id, t.shape[1], t.shape[0], self.level)
                    for t in weights if t.ndim == 2)

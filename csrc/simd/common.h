@@ -157,9 +157,10 @@ struct Scratch {
 // Rows of activations at or above which MUL_MAT of weights of `type` takes the tiled F32 GEMM path (dequantizing the
 // weights); below, each row is an integer dot product against the weight chunk, which stays in cache for all the
 // rows (activations rounded to 8 bits per row, as llama.cpp does at every size). 16 by default
-// (GGML_PY_SIMD_GEMM_ROWS); Q4_1/Q8_0, whose repacked 8-row records the integer path reads, take it at every row count
-// (GGML_PY_SIMD_GEMM_ROWS_X8 sets a threshold). Measured on SmolLM2 Q4_1 (2 threads), integer vs GEMM: 16 tokens 735
-// vs 372 tok/s, 128: ~720 vs ~570, 512: 564 vs 510; Q5_0 (not repacked) at 128 tokens: 234 vs 565. Read once.
+// (GGML_PY_SIMD_GEMM_ROWS); the repacked 32-element types (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0: repack_serves_gemm), whose 8-row
+// records the integer path reads, take it at every row count (GGML_PY_SIMD_GEMM_ROWS_X8 sets a threshold). Measured on
+// SmolLM2 Q4_1 (2 threads), integer vs GEMM: 16 tokens 735 vs 372 tok/s, 128: ~720 vs ~570, 512: 564 vs 510; Q5_0
+// (then not repacked) at 128 tokens: 234 vs 565. Read once.
 int64_t gemm_min_rows(int type);
 
 // FLASH_ATTN_EXT of a decode step splits the keys into this many ranges at most, of ~128 keys each; a partial result
@@ -171,10 +172,16 @@ static inline int64_t fa_key_chunks(int64_t nkv) {
 }
 static inline int64_t FA_PART(int64_t dv) { return dv + 4; }
 
-// Interleaved weight layout "x8" (GEMV of constant Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights): groups of 8 rows; per group
-// and 32-column block b a record of 8 * type_size bytes:
+// Interleaved weight layout "x8" (GEMV of constant Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights): groups
+// of 8 rows; per group and 32-column block b a record of 8 * type_size bytes (the weight's own size):
 //   Q4_1: qs[128] then d[8] (f16) then m[8] (f16). Byte 32c + 4r + i holds row r's elements 8c+i (low nibble) and
 //         8c+4+i (high nibble), c = 0..3, i = 0..3: a 32-byte load, masked, gives 8 lanes (rows) x 4 elements.
+//   Q4_0: qs[128] as Q4_1's, then d[8] (f16) at 128 (144 bytes). The -8 offset goes through the activations' block
+//         sums (A32's s).
+//   Q5_0: Q4_1's qs[128] (the low 4 bits), then qh[32] at 128 (byte 4r + i: the fifth bits of row r's elements 8c+i
+//         at bit 2c and 8c+4+i at bit 2c+1, c = 0..3, as Q5_K's qh for one sub-block), then d[8] (f16) at 160 (176
+//         bytes). The -16 offset goes through the block sums.
+//   Q5_1: Q5_0's qs and qh, then d[8] (f16) at 160 and m[8] (f16) at 176 (192 bytes).
 //   Q8_0: qs[256] then d[8] (f16). Byte 32k + 4r + i holds row r's element 4k+i, k = 0..7.
 //   Q4_K: per group and 256-column super-block a record of 1184 bytes: qs[1024] (sub-block j = 0..7 at 128j, laid
 //         out as Q4_1's qs), sc[64] (6-bit scale of row r, sub-block j at 8j + r), m[64] (mins, same order),
@@ -190,17 +197,19 @@ static inline int64_t FA_PART(int64_t dv) { return dv + 4; }
 //         then d[8] (f16) at 1664.
 // Rows beyond the last full group stay in the original layout.
 static inline bool repack_supported(int t) {
-    return t == T_Q4_1 || t == T_Q8_0 || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
+    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0 || t == T_Q4_K || t == T_Q5_K ||
+           t == T_Q6_K;
 }
 // Types whose GEMM (prefill) also reads the repacked copy: for them the repacked copy replaces the original (whose
 // memory, usually mapped from the GGUF file, is handed back to the OS once repacked; see get_repacked). The K-quants
 // are repacked for the GEMV kernels only, and keep both.
-static inline bool repack_serves_gemm(int t) { return t == T_Q4_1 || t == T_Q8_0; }
+static inline bool repack_serves_gemm(int t) {
+    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0;
+}
 // bytes per repacked row (a group of 8 rows takes 8 times this)
 static inline int64_t repack_row_bytes(int t, int64_t k) {
     switch (t) {
-        case T_Q4_1: return k / 32 * 20;
-        case T_Q8_0: return k / 32 * 34;
+        case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: return k / 32 * type_size(t);
         case T_Q4_K: return k / 256 * 148;
         case T_Q5_K: return k / 256 * 180;
         case T_Q6_K: return k / 256 * 210;

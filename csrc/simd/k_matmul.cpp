@@ -55,28 +55,14 @@ static void pack_w_panel(const float* const* rows, int nr, int64_t kc, float* ou
 }
 
 #if GP_AVX2
-// Row r (0..7) of an 8-row group of a repacked Q4_1 / Q8_0 weight, columns [pc, pc + kc) (multiples of 32), as
-// floats: the records of the group's blocks hold row r's quants as 4-byte pieces at 32c + 4r (see repack.cpp).
-static void dequant_x8_row(int type, const uint8_t* group, int64_t nb, int r, int64_t pc, int64_t kc, float* out) {
-    (void)nb;
+// Row r (0..7) of an 8-row group of a repacked Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weight, columns [pc, pc + kc)
+// (multiples of 32), as floats: the records of the group's blocks hold row r's quants as 4-byte pieces at 32c + 4r
+// (see common.h).
+static void dequant_x8_row(int type, const uint8_t* group, int r, int64_t pc, int64_t kc, float* out) {
+    const int64_t size = 8 * (int64_t)type_size(type);
     for (int64_t b = pc / 32; b < (pc + kc) / 32; ++b, out += 32) {
-        if (type == T_Q4_1) {
-            const uint8_t* rec = group + b * 160;
-            const float d = fp16_to_fp32(((const uint16_t*)(rec + 128))[r]);
-            const float m = fp16_to_fp32(((const uint16_t*)(rec + 144))[r]);
-            uint32_t piece[4];
-            for (int c = 0; c < 4; ++c) memcpy(&piece[c], rec + 32 * c + 4 * r, 4);
-            const __m128i v = _mm_loadu_si128((const __m128i*)piece);
-            const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0f));
-            const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0f));
-            // piece c: elements 8c..8c+3 in the low nibbles, 8c+4..8c+7 in the high ones
-            const __m128i e01 = _mm_unpacklo_epi32(lo, hi), e23 = _mm_unpackhi_epi32(lo, hi);
-            const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
-            const __m128i parts[4] = {e01, _mm_srli_si128(e01, 8), e23, _mm_srli_si128(e23, 8)};
-            for (int c = 0; c < 4; ++c)
-                _mm256_storeu_ps(out + 8 * c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[c])), vd, vm));
-        } else {  // Q8_0
-            const uint8_t* rec = group + b * 272;
+        const uint8_t* rec = group + b * size;
+        if (type == T_Q8_0) {
             const __m256 vd = _mm256_set1_ps(fp16_to_fp32(((const uint16_t*)(rec + 256))[r]));
             for (int h = 0; h < 4; ++h) {  // pieces 2h and 2h+1: elements 8h..8h+7
                 uint32_t piece[2];
@@ -85,19 +71,44 @@ static void dequant_x8_row(int type, const uint8_t* group, int64_t nb, int r, in
                 const __m128i v = _mm_loadl_epi64((const __m128i*)piece);
                 _mm256_storeu_ps(out + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), vd));
             }
+            continue;
         }
+        const bool five = type == T_Q5_0 || type == T_Q5_1;
+        const int64_t doff = five ? 160 : 128;
+        const float d = fp16_to_fp32(((const uint16_t*)(rec + doff))[r]);
+        float m;  // w = d q + m
+        if (type == T_Q4_1 || type == T_Q5_1) m = fp16_to_fp32(((const uint16_t*)(rec + doff + 16))[r]);
+        else m = (five ? -16.0f : -8.0f) * d;
+        uint32_t piece[4];
+        for (int c = 0; c < 4; ++c) memcpy(&piece[c], rec + 32 * c + 4 * r, 4);
+        const __m128i v = _mm_loadu_si128((const __m128i*)piece);
+        __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0f));
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0f));
+        if (five) {  // piece c's fifth bits: bits 2c (low nibbles' elements) and 2c+1 (high) of row r's qh word
+            uint32_t qh;
+            memcpy(&qh, rec + 128 + 4 * r, 4);
+            const __m128i hq = _mm_srlv_epi32(_mm_set1_epi32((int)qh), _mm_setr_epi32(0, 2, 4, 6));
+            lo = _mm_or_si128(lo, _mm_and_si128(_mm_slli_epi16(hq, 4), _mm_set1_epi8(0x10)));
+            hi = _mm_or_si128(hi, _mm_and_si128(_mm_slli_epi16(hq, 3), _mm_set1_epi8(0x10)));
+        }
+        // piece c: elements 8c..8c+3 in lo, 8c+4..8c+7 in hi
+        const __m128i e01 = _mm_unpacklo_epi32(lo, hi), e23 = _mm_unpackhi_epi32(lo, hi);
+        const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+        const __m128i parts[4] = {e01, _mm_srli_si128(e01, 8), e23, _mm_srli_si128(e23, 8)};
+        for (int c = 0; c < 4; ++c)
+            _mm256_storeu_ps(out + 8 * c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[c])), vd, vm));
     }
 }
 #endif
 
 // Pack weight rows [m0, m0+mc) x cols [pc, pc+kc) into 16-row panels (dequantizing). tmp: 16*kc floats. With a
-// repacked weight (x8, non-null for Q4_1 / Q8_0), its whole 8-row groups are read from there: the file's copy of
-// the weight is then never read again and its memory can be given back (get_repacked).
+// repacked weight (x8, non-null for the types of repack_serves_gemm), its whole 8-row groups are read from there: the
+// file's copy of the weight is then never read again and its memory can be given back (get_repacked).
 static void pack_weights(const Tensor& w, const uint8_t* wbase, const uint8_t* x8, int64_t m0, int64_t mc,
                          int64_t pc, int64_t kc, float* wp, float* tmp) {
     const int64_t col_off = row_bytes(w.type, pc);
     const int64_t full = x8 ? (w.ne[1] / 8) * 8 : 0, nb = w.ne[0] / 32;
-    const int64_t rec = w.type == T_Q4_1 ? 160 : 272;
+    const int64_t rec = 8 * (int64_t)type_size(w.type);
     for (int64_t p = 0; p < mc; p += 16) {
         const int nr = (int)imin(16, mc - p);
         const float* rows[16];
@@ -105,7 +116,7 @@ static void pack_weights(const Tensor& w, const uint8_t* wbase, const uint8_t* x
 #if GP_AVX2
             const int64_t row = m0 + p + r;
             if (row < full) {
-                dequant_x8_row(w.type, x8 + (row / 8) * nb * rec, nb, (int)(row % 8), pc, kc, tmp + r * kc);
+                dequant_x8_row(w.type, x8 + (row / 8) * nb * rec, (int)(row % 8), pc, kc, tmp + r * kc);
                 rows[r] = tmp + r * kc;
                 continue;
             }

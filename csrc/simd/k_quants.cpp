@@ -1297,32 +1297,55 @@ static void gemv_x8_q6_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act
     }
 }
 
-static void gemv_x8_q4_1(const uint8_t* rec, int64_t ngroups, const uint8_t* act, int64_t k, float* out) {
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 x8 (common.h): the unsigned quants (Q5: the fifth bit ORed in as bit 4) against the
+// activations; the offset (Q4_1/Q5_1: m, Q4_0: -8 d, Q5_0: -16 d) is applied through the activations' block sums.
+// Q5's quants are 0..31, so one 16-bit sum holds two of the four chunks (4 x 2 x 31 x 127 < 2^15); Q4's hold all
+// four (8 x 2 x 15 x 127).
+template <int T>
+static void gemv_x8_q45_01(const uint8_t* rec, int64_t ngroups, const uint8_t* act, int64_t k, float* out) {
+    constexpr bool five = T == T_Q5_0 || T == T_Q5_1, has_m = T == T_Q4_1 || T == T_Q5_1;
+    constexpr int64_t size = 8 * Blk<T>::size, doff = five ? 160 : 128;
+    constexpr float offset = T == T_Q4_0 ? -8.0f : -16.0f;  // unused by Q4_1 / Q5_1
     const int64_t nb = k / 32;
     const auto [aq, ad, as] = a32_parts(act, k);
     const __m256i m4 = _mm256_set1_epi8(0x0f);
+    [[maybe_unused]] const __m256i bit4 = _mm256_set1_epi8(0x10);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t g = 0; g < ngroups; ++g) {
-        const uint8_t* p = rec + g * nb * 160;
+        const uint8_t* p = rec + g * nb * size;
         __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b, p += 160) {
-            _mm_prefetch((const char*)(p + 1280), _MM_HINT_T0);
-            _mm_prefetch((const char*)(p + 1280 + 64), _MM_HINT_T0);
-            _mm_prefetch((const char*)(p + 1280 + 128), _MM_HINT_T0);
+        for (int64_t b = 0; b < nb; ++b, p += size) {
+            _mm_prefetch((const char*)(p + 8 * size), _MM_HINT_T0);
+            _mm_prefetch((const char*)(p + 8 * size + 64), _MM_HINT_T0);
+            _mm_prefetch((const char*)(p + 8 * size + 128), _MM_HINT_T0);
             const int32_t* a32 = (const int32_t*)(aq + 32 * b);
-            __m256i s16 = _mm256_setzero_si256();
+            __m256i h = five ? _mm256_loadu_si256((const __m256i*)(p + 128)) : _mm256_setzero_si256();
+            __m256i s16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
             for (int c = 0; c < 4; ++c) {
                 const __m256i L = _mm256_loadu_si256((const __m256i*)(p + 32 * c));
-                const __m256i lo = _mm256_and_si256(L, m4);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(L, 4), m4);
-                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a32[2 * c])));
-                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a32[2 * c + 1])));
+                __m256i lo = _mm256_and_si256(L, m4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(L, 4), m4);
+                if constexpr (five) {  // bits 2c and 2c+1 of h (shifted down by 2c) to bit 4
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
+                    h = _mm256_srli_epi16(h, 2);
+                }
+                __m256i& t = s16[five ? c / 2 : 0];
+                t = _mm256_add_epi16(t, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a32[2 * c])));
+                t = _mm256_add_epi16(t, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a32[2 * c + 1])));
             }
-            const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 128)));
-            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 144)));
-            acc = _mm256_fmadd_ps(s, _mm256_mul_ps(dw, _mm256_set1_ps(ad[b])), acc);
-            accm = _mm256_fmadd_ps(mw, _mm256_set1_ps(as[b]), accm);
+            __m256i s32 = _mm256_madd_epi16(s16[0], ones);
+            if constexpr (five) s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(s16[1], ones));
+            const __m256 s = _mm256_cvtepi32_ps(s32);
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + doff)));
+            if constexpr (has_m) {
+                const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + doff + 16)));
+                acc = _mm256_fmadd_ps(s, _mm256_mul_ps(dw, _mm256_set1_ps(ad[b])), acc);
+                accm = _mm256_fmadd_ps(mw, _mm256_set1_ps(as[b]), accm);
+            } else {  // d (ad s + offset as)
+                const __m256 t = _mm256_fmadd_ps(s, _mm256_set1_ps(ad[b]), _mm256_set1_ps(offset * as[b]));
+                acc = _mm256_fmadd_ps(t, dw, acc);
+            }
         }
         _mm256_storeu_ps(out + 8 * g, _mm256_add_ps(acc, accm));
     }
@@ -1357,7 +1380,10 @@ static void gemv_x8_q8_0(const uint8_t* rec, int64_t ngroups, const uint8_t* act
 
 void gemv_x8(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, int64_t k, float* out) {
     switch (type) {
-        case T_Q4_1: gemv_x8_q4_1(rec, ngroups, act, k, out); break;
+        case T_Q4_0: gemv_x8_q45_01<T_Q4_0>(rec, ngroups, act, k, out); break;
+        case T_Q4_1: gemv_x8_q45_01<T_Q4_1>(rec, ngroups, act, k, out); break;
+        case T_Q5_0: gemv_x8_q45_01<T_Q5_0>(rec, ngroups, act, k, out); break;
+        case T_Q5_1: gemv_x8_q45_01<T_Q5_1>(rec, ngroups, act, k, out); break;
         case T_Q8_0: gemv_x8_q8_0(rec, ngroups, act, k, out); break;
         case T_Q4_K: gemv_x8_q45_K<false>(rec, ngroups, act, k, out); break;
         case T_Q5_K: gemv_x8_q45_K<true>(rec, ngroups, act, k, out); break;

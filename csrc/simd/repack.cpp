@@ -1,5 +1,6 @@
-// Interleaved ("x8") layouts of constant Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights for the GEMV kernels (see common.h),
-// made once per weight and shared by every plan through a cache keyed by the weight's unique id, address and shape.
+// Interleaved ("x8") layouts of constant Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights for the GEMV
+// kernels (see common.h), made once per weight and shared by every plan through a cache keyed by the weight's unique
+// id, address and shape.
 #include <cstdlib>
 #include <cstring>
 #if defined(__linux__)
@@ -18,24 +19,40 @@ namespace gp {
 
 RepackBuf::~RepackBuf() { free(data); }
 
-static void repack_q4_1(const Tensor& w, uint8_t* out, int64_t g0, int64_t g1) {
+// Q4_0 / Q4_1 / Q5_0 / Q5_1: the nibbles as Q4_1's qs[128], Q5's fifth bits in qh[32] after them, then d[8] and
+// (Q4_1, Q5_1) m[8] (see common.h)
+template <typename Block>
+static void repack_q45_01(const Tensor& w, uint8_t* out, int64_t g0, int64_t g1) {
+    constexpr bool five = std::is_same_v<Block, blk_q5_0> || std::is_same_v<Block, blk_q5_1>;
+    constexpr bool has_m = std::is_same_v<Block, blk_q4_1> || std::is_same_v<Block, blk_q5_1>;
+    constexpr int64_t size = 8 * (int64_t)sizeof(Block), doff = five ? 160 : 128;
     const int64_t K = w.ne[0], nb = K / 32;
     for (int64_t g = g0; g < g1; ++g) {
         for (int64_t b = 0; b < nb; ++b) {
-            uint8_t* rec = out + (g * nb + b) * 160;
-            uint16_t* dd = (uint16_t*)(rec + 128);
-            uint16_t* mm = (uint16_t*)(rec + 144);
+            uint8_t* rec = out + (g * nb + b) * size;
             for (int r = 0; r < 8; ++r) {
-                const blk_q4_1* x = (const blk_q4_1*)(w.data + (8 * g + r) * w.nb[1]) + b;
-                uint8_t q[32];
+                const Block* x = (const Block*)(w.data + (8 * g + r) * w.nb[1]) + b;
+                uint8_t q[32], h[32] = {};
                 for (int j = 0; j < 16; ++j) {
                     q[j] = x->qs[j] & 0x0f;
                     q[j + 16] = x->qs[j] >> 4;
                 }
+                if constexpr (five) {  // element l's fifth bit is bit l of qh
+                    uint32_t qh;
+                    memcpy(&qh, x->qh, 4);
+                    for (int l = 0; l < 32; ++l) h[l] = (uint8_t)((qh >> l) & 1);
+                }
                 for (int c = 0; c < 4; ++c)
-                    for (int i = 0; i < 4; ++i) rec[32 * c + 4 * r + i] = (uint8_t)(q[8 * c + i] | (q[8 * c + 4 + i] << 4));
-                memcpy(&dd[r], &x->d, 2);
-                memcpy(&mm[r], &x->m, 2);
+                    for (int i = 0; i < 4; ++i) {
+                        rec[32 * c + 4 * r + i] = (uint8_t)(q[8 * c + i] | (q[8 * c + 4 + i] << 4));
+                        if constexpr (five) {
+                            uint8_t& hb = rec[128 + 4 * r + i];
+                            if (c == 0) hb = 0;
+                            hb |= (uint8_t)((h[8 * c + i] << (2 * c)) | (h[8 * c + 4 + i] << (2 * c + 1)));
+                        }
+                    }
+                memcpy(rec + doff + 2 * r, &x->d, 2);
+                if constexpr (has_m) memcpy(rec + doff + 16 + 2 * r, &x->m, 2);
             }
         }
     }
@@ -175,7 +192,10 @@ std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w) {
     const int64_t groups = w.ne[1] / 8, slice = 128;
     for (int64_t g0 = 0; g0 < groups; g0 += slice) {
         const int64_t g1 = g0 + slice < groups ? g0 + slice : groups;
-        if (w.type == T_Q4_1) repack_q4_1(w, buf->data, g0, g1);
+        if (w.type == T_Q4_0) repack_q45_01<blk_q4_0>(w, buf->data, g0, g1);
+        else if (w.type == T_Q4_1) repack_q45_01<blk_q4_1>(w, buf->data, g0, g1);
+        else if (w.type == T_Q5_0) repack_q45_01<blk_q5_0>(w, buf->data, g0, g1);
+        else if (w.type == T_Q5_1) repack_q45_01<blk_q5_1>(w, buf->data, g0, g1);
         else if (w.type == T_Q8_0) repack_q8_0(w, buf->data, g0, g1);
         else if (w.type == T_Q4_K) repack_q45_K<blk_q4_K>(w, buf->data, g0, g1);
         else if (w.type == T_Q5_K) repack_q45_K<blk_q5_K>(w, buf->data, g0, g1);
