@@ -48,6 +48,22 @@ def test_cells_mask_is_causal_per_sequence():
     assert c.n_used == 6  # a refused allocation takes nothing
 
 
+def test_cells_keep_each_sequence_in_blocks_of_its_own():
+    """Sequences decoding side by side get cells in blocks of their own (attention then skips other sequences'
+    tiles); a freed sequence's blocks serve the next one; with no free block left, any free cell serves."""
+    c = KVCells(128, 4, block=32)
+    steps = [c.alloc(np.array([0, 1, 2], np.int32), np.full(3, p, np.int32)).tolist() for p in range(3)]
+    assert steps == [[0, 32, 64], [1, 33, 65], [2, 34, 66]] and c.n_kv == 67
+    assert c.free(1) == 3
+    got = c.alloc(np.full(40, 3, np.int32), np.arange(40, dtype=np.int32))
+    assert got.tolist() == list(range(32, 64)) + list(range(96, 104))  # block 1 (freed), then block 3
+    rest = c.alloc(np.full(12, 0, np.int32), np.arange(3, 15, dtype=np.int32))
+    assert rest.tolist() == list(range(3, 15))  # its own block first
+    full = c.alloc(np.full(40, 2, np.int32), np.arange(3, 43, dtype=np.int32))
+    assert sorted(set(full.tolist()) & set(range(64, 96))) == list(range(67, 96))  # its block, then any free cell
+    assert c.n_used == c.n_cells - int((c.seq < 0).sum()) and len(set(full.tolist())) == 40
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mixed_steps_equal_single_sequence_runs(tiny, backend):
     with load_model(tiny, backends=[backend], n_ctx=64, progress=False) as m:
@@ -70,12 +86,14 @@ def test_mixed_steps_equal_single_sequence_runs(tiny, backend):
         out = dec.decode([(s[0], [8], True), (s[1], [7], True), (s[2], [7, 8], True)])
         got += [(out[0], refs[0][6]), (out[1], refs[1][9]), (out[2], refs[2][4])]
         # a sequence leaves, a new one joins in its freed cells, beside another's step
+        freed = np.flatnonzero(dec.cells.seq == s[1])
         dec.free_sequence(s[1])
-        n_used = dec.cells.n_used
+        n_used, n_kv = dec.cells.n_used, dec.cells.n_kv
         s3 = dec.new_sequence()
         out = dec.decode([(s3, prompts[1] + [7], True), (s[0], [9], False)])
         got.append((out[0], refs[1][9]))
-        assert dec.cells.n_used == n_used + 11 and dec.cells.n_kv <= 23 + 1
+        assert dec.cells.n_used == n_used + 11 and dec.cells.n_kv == max(n_kv, int(freed.max()) + 1)
+        assert np.flatnonzero(dec.cells.seq == s3).tolist() == freed.tolist()
         for a, ref in got:
             assert nmse(a, ref) < 1e-6
         assert dec.plans_prepared == 1  # every step above on one plan

@@ -327,7 +327,11 @@ smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2,
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?",
              "Write a haiku about the sea.", "Who wrote Hamlet?", "What is water made of?",
              "Say hello in Spanish.", "What is the largest planet?"]
-NEAR_TIE = 0.1  # top-2 logit gap (llama.cpp's near-tie rule): batched and single decode rows share the integer kernel
+# top-2 logit gap below which either token is right: the rule of the llama.cpp comparisons (llamacpp_peer.NEAR_TIE).
+# Batched and single steps round activations to 8 bits alike, but attention sums in another order, and an input that
+# lands on the other side of a rounding boundary moves logits: SmolLM2 chat prompts, batched vs alone, top logit
+# moved by up to 0.36 (prompt logits NMSE <= 7.9e-4; a masking or cell bug gives garbage, see test_batch.py).
+NEAR_TIE = 0.25
 
 
 def _assert_same_up_to_a_near_tie(m, prompt, ref, other):

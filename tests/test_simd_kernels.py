@@ -519,6 +519,24 @@ def test_mul_mat_repacked_q45_01(arena, t, m, k, n, rng):
 
 
 @pytest.mark.skipif("avx2" not in LEVELS, reason="no avx2 on this CPU")
+@pytest.mark.parametrize("t", [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0])
+@pytest.mark.parametrize("n", [2, 4, 7])
+def test_mul_mat_repacked_rows_together_equal_rows_alone(arena, t, n, rng):
+    """The x8 kernels take up to 4 activation rows per pass over the weights; each row's result is bit-identical to
+    the row computed alone (what makes a batched decode step equal single steps), at 2 threads."""
+    m, k = 40, 576
+    wd, _ = _weight(arena, rng.standard_normal((m, k)).astype(np.float32), t)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    D = arena.empty((n, m), np.float32)
+    run(arena, "MUL_MAT", desc(arena, D), [(*wd, 8000 + t), desc(arena, arena.put(x))], level="avx2", n_threads=2)
+    for i in range(n):
+        D1 = arena.empty((1, m), np.float32)
+        run(arena, "MUL_MAT", desc(arena, D1), [(*wd, 8000 + t), desc(arena, arena.put(x[i:i + 1]))], level="avx2",
+            n_threads=2)
+        np.testing.assert_array_equal(np.array(D)[i], np.array(D1)[0])
+
+
+@pytest.mark.skipif("avx2" not in LEVELS, reason="no avx2 on this CPU")
 @pytest.mark.parametrize("t", [Q4_0, Q4_1, Q5_0, Q5_1])
 def test_mul_mat_repacked_extreme_products(arena, t):
     """Every quant at its top (15, Q5: 31) against activations that quantize to +-127: the largest 16-bit sums the

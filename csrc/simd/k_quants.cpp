@@ -1301,27 +1301,30 @@ static void gemv_x8_q6_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act
 // activations; the offset (Q4_1/Q5_1: m, Q4_0: -8 d, Q5_0: -16 d) is applied through the activations' block sums.
 // Q5's quants are 0..31, so one 16-bit sum holds two of the four chunks (4 x 2 x 31 x 127 < 2^15); Q4's hold all
 // four (8 x 2 x 15 x 127).
-template <int T>
-static void gemv_x8_q45_01(const uint8_t* rec, int64_t ngroups, const uint8_t* act, int64_t k, float* out) {
+template <int T, int R>
+static void gemv_x8_q45_01(const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int64_t k,
+                           float* out, size_t ostride) {
     constexpr bool five = T == T_Q5_0 || T == T_Q5_1, has_m = T == T_Q4_1 || T == T_Q5_1;
     constexpr int64_t size = 8 * Blk<T>::size, doff = five ? 160 : 128;
     constexpr float offset = T == T_Q4_0 ? -8.0f : -16.0f;  // unused by Q4_1 / Q5_1
     const int64_t nb = k / 32;
-    const auto [aq, ad, as] = a32_parts(act, k);
+    A32Parts a[R];
+    for (int r = 0; r < R; ++r) a[r] = a32_parts(act + r * astride, k);
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     [[maybe_unused]] const __m256i bit4 = _mm256_set1_epi8(0x10);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t g = 0; g < ngroups; ++g) {
         const uint8_t* p = rec + g * nb * size;
-        __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+        __m256 acc[R], accm[R];
+        for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; ++b, p += size) {
             _mm_prefetch((const char*)(p + 8 * size), _MM_HINT_T0);
             _mm_prefetch((const char*)(p + 8 * size + 64), _MM_HINT_T0);
             _mm_prefetch((const char*)(p + 8 * size + 128), _MM_HINT_T0);
-            const int32_t* a32 = (const int32_t*)(aq + 32 * b);
             __m256i h = five ? _mm256_loadu_si256((const __m256i*)(p + 128)) : _mm256_setzero_si256();
-            __m256i s16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-            for (int c = 0; c < 4; ++c) {
+            __m256i s16[R][2];
+            for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+            for (int c = 0; c < 4; ++c) {  // the weights' quants unpacked once for the R activation rows
                 const __m256i L = _mm256_loadu_si256((const __m256i*)(p + 32 * c));
                 __m256i lo = _mm256_and_si256(L, m4);
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(L, 4), m4);
@@ -1330,65 +1333,103 @@ static void gemv_x8_q45_01(const uint8_t* rec, int64_t ngroups, const uint8_t* a
                     hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
                     h = _mm256_srli_epi16(h, 2);
                 }
-                __m256i& t = s16[five ? c / 2 : 0];
-                t = _mm256_add_epi16(t, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a32[2 * c])));
-                t = _mm256_add_epi16(t, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a32[2 * c + 1])));
+                for (int r = 0; r < R; ++r) {
+                    const int32_t* a32 = (const int32_t*)(a[r].qs + 32 * b);
+                    __m256i& t = s16[r][five ? c / 2 : 0];
+                    t = _mm256_add_epi16(t, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a32[2 * c])));
+                    t = _mm256_add_epi16(t, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a32[2 * c + 1])));
+                }
             }
-            __m256i s32 = _mm256_madd_epi16(s16[0], ones);
-            if constexpr (five) s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(s16[1], ones));
-            const __m256 s = _mm256_cvtepi32_ps(s32);
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + doff)));
-            if constexpr (has_m) {
-                const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + doff + 16)));
-                acc = _mm256_fmadd_ps(s, _mm256_mul_ps(dw, _mm256_set1_ps(ad[b])), acc);
-                accm = _mm256_fmadd_ps(mw, _mm256_set1_ps(as[b]), accm);
-            } else {  // d (ad s + offset as)
-                const __m256 t = _mm256_fmadd_ps(s, _mm256_set1_ps(ad[b]), _mm256_set1_ps(offset * as[b]));
-                acc = _mm256_fmadd_ps(t, dw, acc);
+            [[maybe_unused]] const __m256 mw =
+                has_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + doff + 16))) : _mm256_setzero_ps();
+            for (int r = 0; r < R; ++r) {  // per row, the same operations in the same order whatever R
+                __m256i s32 = _mm256_madd_epi16(s16[r][0], ones);
+                if constexpr (five) s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(s16[r][1], ones));
+                const __m256 sf = _mm256_cvtepi32_ps(s32);
+                if constexpr (has_m) {
+                    acc[r] = _mm256_fmadd_ps(sf, _mm256_mul_ps(dw, _mm256_set1_ps(a[r].d[b])), acc[r]);
+                    accm[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a[r].s[b]), accm[r]);
+                } else {  // d (ad s + offset as)
+                    const __m256 t = _mm256_fmadd_ps(sf, _mm256_set1_ps(a[r].d[b]), _mm256_set1_ps(offset * a[r].s[b]));
+                    acc[r] = _mm256_fmadd_ps(t, dw, acc[r]);
+                }
             }
         }
-        _mm256_storeu_ps(out + 8 * g, _mm256_add_ps(acc, accm));
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ostride + 8 * g, _mm256_add_ps(acc[r], accm[r]));
     }
 }
 
-static void gemv_x8_q8_0(const uint8_t* rec, int64_t ngroups, const uint8_t* act, int64_t k, float* out) {
+template <int R>
+static void gemv_x8_q8_0(const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int64_t k,
+                         float* out, size_t ostride) {
     const int64_t nb = k / 32;
-    [[maybe_unused]] const auto [aq, ad, as] = a32_parts(act, k);
+    A32Parts a[R];
+    for (int r = 0; r < R; ++r) a[r] = a32_parts(act + r * astride, k);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t g = 0; g < ngroups; ++g) {
         const uint8_t* p = rec + g * nb * 272;
-        __m256 acc = _mm256_setzero_ps();
+        __m256 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; ++b, p += 272) {
             _mm_prefetch((const char*)(p + 2176), _MM_HINT_T0);
             _mm_prefetch((const char*)(p + 2176 + 64), _MM_HINT_T0);
             _mm_prefetch((const char*)(p + 2176 + 128), _MM_HINT_T0);
             _mm_prefetch((const char*)(p + 2176 + 192), _MM_HINT_T0);
-            const int32_t* a32 = (const int32_t*)(aq + 32 * b);
-            __m256i s32 = _mm256_setzero_si256();
+            __m256i s32[R];
+            for (int r = 0; r < R; ++r) s32[r] = _mm256_setzero_si256();
             for (int kk = 0; kk < 8; ++kk) {
                 const __m256i w = _mm256_loadu_si256((const __m256i*)(p + 32 * kk));
-                const __m256i av = _mm256_set1_epi32(a32[kk]);
-                const __m256i pr = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(av, w));
-                s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(pr, ones));
+                const __m256i aw = _mm256_sign_epi8(w, w);  // |w|, shared by the R rows
+                for (int r = 0; r < R; ++r) {
+                    const __m256i av = _mm256_set1_epi32(((const int32_t*)(a[r].qs + 32 * b))[kk]);
+                    const __m256i pr = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(av, w));
+                    s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(pr, ones));
+                }
             }
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 256)));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(dw, _mm256_set1_ps(ad[b])), acc);
+            for (int r = 0; r < R; ++r)
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(dw, _mm256_set1_ps(a[r].d[b])), acc[r]);
         }
-        _mm256_storeu_ps(out + 8 * g, acc);
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ostride + 8 * g, acc[r]);
     }
 }
 
-void gemv_x8(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, int64_t k, float* out) {
+// R activation rows at once (consecutive rows `astride` bytes apart; outputs `ostride` floats apart): the 32-element
+// types read and unpack each weight record once for all of them; each row's result is bit-identical to a lone row's.
+template <int R>
+static bool gemv_x8_r(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int64_t k,
+                      float* out, size_t ostride) {
     switch (type) {
-        case T_Q4_0: gemv_x8_q45_01<T_Q4_0>(rec, ngroups, act, k, out); break;
-        case T_Q4_1: gemv_x8_q45_01<T_Q4_1>(rec, ngroups, act, k, out); break;
-        case T_Q5_0: gemv_x8_q45_01<T_Q5_0>(rec, ngroups, act, k, out); break;
-        case T_Q5_1: gemv_x8_q45_01<T_Q5_1>(rec, ngroups, act, k, out); break;
-        case T_Q8_0: gemv_x8_q8_0(rec, ngroups, act, k, out); break;
-        case T_Q4_K: gemv_x8_q45_K<false>(rec, ngroups, act, k, out); break;
-        case T_Q5_K: gemv_x8_q45_K<true>(rec, ngroups, act, k, out); break;
-        case T_Q6_K: gemv_x8_q6_K(rec, ngroups, act, k, out); break;
-        default: break;
+        case T_Q4_0: gemv_x8_q45_01<T_Q4_0, R>(rec, ngroups, act, astride, k, out, ostride); return true;
+        case T_Q4_1: gemv_x8_q45_01<T_Q4_1, R>(rec, ngroups, act, astride, k, out, ostride); return true;
+        case T_Q5_0: gemv_x8_q45_01<T_Q5_0, R>(rec, ngroups, act, astride, k, out, ostride); return true;
+        case T_Q5_1: gemv_x8_q45_01<T_Q5_1, R>(rec, ngroups, act, astride, k, out, ostride); return true;
+        case T_Q8_0: gemv_x8_q8_0<R>(rec, ngroups, act, astride, k, out, ostride); return true;
+        default: return false;
+    }
+}
+
+void gemv_x8(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int nrows, int64_t k,
+             float* out, size_t ostride) {
+    while (nrows > 0) {
+        const int r = nrows >= 4 ? 4 : nrows;
+        const bool done = r == 4   ? gemv_x8_r<4>(type, rec, ngroups, act, astride, k, out, ostride)
+                          : r == 3 ? gemv_x8_r<3>(type, rec, ngroups, act, astride, k, out, ostride)
+                          : r == 2 ? gemv_x8_r<2>(type, rec, ngroups, act, astride, k, out, ostride)
+                                   : gemv_x8_r<1>(type, rec, ngroups, act, astride, k, out, ostride);
+        const int rows = done ? r : 1;
+        if (!done) {  // the K-quants: one row at a time
+            switch (type) {
+                case T_Q4_K: gemv_x8_q45_K<false>(rec, ngroups, act, k, out); break;
+                case T_Q5_K: gemv_x8_q45_K<true>(rec, ngroups, act, k, out); break;
+                case T_Q6_K: gemv_x8_q6_K(rec, ngroups, act, k, out); break;
+                default: break;
+            }
+        }
+        act += rows * astride;
+        out += rows * ostride;
+        nrows -= rows;
     }
 }
 #endif  // GP_AVX2

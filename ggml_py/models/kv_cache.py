@@ -72,15 +72,22 @@ class KVCells:
     mask of a query lets it see exactly the cells of its own sequence at positions <= its own (and, with a sliding
     window, within the window). All of it is numpy over the whole batch: the host work per step does not grow with
     the number of sequences.
+
+    Cells are handed out by blocks of `block` cells reserved for one sequence (as paged attention does), so that
+    sequences decoding side by side do not interleave their cells: attention skips a tile of keys that are all
+    masked, and with interleaved cells no tile would be. When no whole block is free, any free cell is used.
     """
 
-    def __init__(self, n_cells: int, n_seq_max: int) -> None:
+    def __init__(self, n_cells: int, n_seq_max: int, block: int = 32) -> None:
         if n_cells < 1 or n_seq_max < 1:
             raise ModelError(f"a KV cache needs n_ctx >= 1 and n_seq_max >= 1, got {n_cells} and {n_seq_max}")
         self.n_cells = n_cells
         self.n_seq_max = n_seq_max
+        self.block = block
         self.seq = np.full(n_cells, -1, np.int32)
         self.pos = np.full(n_cells, -1, np.int32)
+        self.owner = np.full(-(-n_cells // block), -1, np.int32)  # the sequence a block is reserved for (-1: none)
+        self._cell_block = np.arange(n_cells) // block
         self.n_used = 0
         self.n_kv = 0  # one past the highest used cell
 
@@ -89,23 +96,54 @@ class KVCells:
         return self.n_cells - self.n_used
 
     def alloc(self, seq_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Cells for tokens (seq_ids[i], positions[i]), the lowest free ones; CacheFullError when too few are free."""
+        """Cells for tokens (seq_ids[i], positions[i]): each sequence's in its own blocks (the lowest free cells of
+        the blocks it holds, then of the lowest free blocks), else the lowest free ones; CacheFullError when too
+        few cells are free."""
         n = len(seq_ids)
         if n > self.n_free:
             raise CacheFullError(f"the KV cache is full: {n} new tokens, {self.n_free} of {self.n_cells} cells free "
                                  f"(n_ctx); finish or cancel a sequence, or use a larger context")
-        cells = np.flatnonzero(self.seq < 0)[:n].astype(np.int32)
+        seq_ids = np.asarray(seq_ids, np.int32)
+        cells = np.empty(n, np.int32)
+        taken = np.zeros(self.n_cells, bool)
+        for s in np.unique(seq_ids):
+            where = np.flatnonzero(seq_ids == s)
+            got = self._cells_of(int(s), where.size, taken)
+            cells[where] = got
+            taken[got] = True
         self.seq[cells] = seq_ids
         self.pos[cells] = positions
         self.n_used += n
         if n:
-            self.n_kv = max(self.n_kv, int(cells[-1]) + 1)
+            self.n_kv = max(self.n_kv, int(cells.max()) + 1)
         return cells
 
+    def _cells_of(self, s: int, k: int, taken: np.ndarray) -> np.ndarray:
+        free = (self.seq < 0) & ~taken
+        own = np.flatnonzero(free & (self.owner[self._cell_block] == s))[:k]
+        if own.size == k:
+            return own
+        out = [own]
+        need = k - own.size
+        for b in np.flatnonzero(self.owner < 0):  # blocks reserved for nobody (their free cells)
+            if not need:
+                break
+            lo = b * self.block
+            got = lo + np.flatnonzero(free[lo: lo + self.block])[:need]
+            if got.size:
+                self.owner[b] = s
+                out.append(got)
+                need -= got.size
+        if need:  # no block left: any free cell
+            rest = np.flatnonzero(free)
+            out.append(rest[~np.isin(rest, np.concatenate(out))][:need])
+        return np.concatenate(out).astype(np.int32)
+
     def free(self, seq_id: int) -> int:
-        """Free every cell of a sequence; returns how many."""
+        """Free every cell of a sequence (and its blocks); returns how many."""
         cells = self.seq == seq_id
         n = int(np.count_nonzero(cells))
+        self.owner[self.owner == seq_id] = -1
         if n:
             self.seq[cells] = -1
             self.pos[cells] = -1
@@ -115,7 +153,7 @@ class KVCells:
         return n
 
     def release(self, cells: np.ndarray) -> None:
-        """Free the given cells (a step that failed gives back the cells it took)."""
+        """Free the given cells (a step that failed gives back the cells it took; their blocks stay reserved)."""
         cells = cells[self.seq[cells] >= 0]
         self.seq[cells] = -1
         self.pos[cells] = -1
@@ -126,6 +164,7 @@ class KVCells:
     def clear(self) -> None:
         self.seq.fill(-1)
         self.pos.fill(-1)
+        self.owner.fill(-1)
         self.n_used = self.n_kv = 0
 
     def mask(self, seq_ids: np.ndarray, positions: np.ndarray, n_kv: int, window: int = 0,
