@@ -78,7 +78,8 @@ def run(model, ids, out, n_gen):
         margins.append(float(top2[1] - top2[0]))
         steps.append(s)
         llm.eval([gen[-1]])
-    np.save(out[:-4] + ".steps.npy", np.array(steps, dtype=np.float32).reshape(len(steps), -1))
+    if steps:
+        np.save(out[:-4] + ".steps.npy", np.array(steps, dtype=np.float32))
     return gen, margins
 """
 

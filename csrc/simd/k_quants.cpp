@@ -1184,6 +1184,23 @@ void gemv_rows(int type, const uint8_t* w, int64_t ws, int64_t nr, const uint8_t
 // scalar, the interleaved layout made GEMV slower (Q4_K 3.5 -> 1.3 GB/s), so plans don't repack there.
 
 #if GP_AVX2
+// Chunk c (0..3) of an x8 record's qs[128] (Q4_1's layout, also each Q4_K/Q5_K sub-block's): 8 row lanes x 4
+// elements, the low nibbles in lo and the high ones in hi; with Five, the fifth bits 2c and 2c+1 of h (shifted down
+// by 2c: h is consumed two bits per chunk) as bit 4.
+template <bool Five>
+static inline void unpack_x8_q45(const uint8_t* qs, int c, __m256i& h, __m256i& lo, __m256i& hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i L = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+    lo = _mm256_and_si256(L, m4);
+    hi = _mm256_and_si256(_mm256_srli_epi16(L, 4), m4);
+    if constexpr (Five) {
+        const __m256i bit4 = _mm256_set1_epi8(0x10);
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
+        h = _mm256_srli_epi16(h, 2);
+    }
+}
+
 // Q4_K / Q5_K x8 (common.h). Q5_K's fifth bit makes the quants 0..31, so one 16-bit sum holds only two of a
 // sub-block's four chunks (2 x 2 x 31 x 127 < 2^15): it takes two madds with the scale where Q4_K takes one.
 template <bool Five>
@@ -1191,8 +1208,6 @@ static void gemv_x8_q45_K(const uint8_t* rec, int64_t ngroups, const uint8_t* ac
     constexpr int64_t size = Five ? 1440 : 1184, meta = Five ? 1280 : 1024;
     const int64_t nb = k / 256;
     const auto [aq, ad, bs] = a256_parts(act, k);
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    const __m256i bit4 = _mm256_set1_epi8(0x10);
     for (int64_t g = 0; g < ngroups; ++g) {
         const uint8_t* p = rec + g * nb * size;
         __m256 acc = _mm256_setzero_ps();
@@ -1207,14 +1222,8 @@ static void gemv_x8_q45_K(const uint8_t* rec, int64_t ngroups, const uint8_t* ac
                 __m256i h = Five ? _mm256_loadu_si256((const __m256i*)(p + 1024 + 32 * j)) : _mm256_setzero_si256();
                 __m256i s16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
                 for (int c = 0; c < 4; ++c) {
-                    const __m256i L = _mm256_loadu_si256((const __m256i*)(q + 32 * c));
-                    __m256i lo = _mm256_and_si256(L, m4);
-                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(L, 4), m4);
-                    if constexpr (Five) {  // bits 2c and 2c+1 of h (shifted down by 2c) to bit 4
-                        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
-                        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
-                        h = _mm256_srli_epi16(h, 2);
-                    }
+                    __m256i lo, hi;
+                    unpack_x8_q45<Five>(q, c, h, lo, hi);
                     __m256i& t = s16[Five ? c / 2 : 0];
                     t = _mm256_add_epi16(t, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a32[8 * j + 2 * c])));
                     t = _mm256_add_epi16(t, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a32[8 * j + 2 * c + 1])));
@@ -1310,8 +1319,6 @@ static void gemv_x8_q45_01(const uint8_t* rec, int64_t ngroups, const uint8_t* a
     const int64_t nb = k / 32;
     A32Parts a[R];
     for (int r = 0; r < R; ++r) a[r] = a32_parts(act + r * astride, k);
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    [[maybe_unused]] const __m256i bit4 = _mm256_set1_epi8(0x10);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t g = 0; g < ngroups; ++g) {
         const uint8_t* p = rec + g * nb * size;
@@ -1325,14 +1332,8 @@ static void gemv_x8_q45_01(const uint8_t* rec, int64_t ngroups, const uint8_t* a
             __m256i s16[R][2];
             for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
             for (int c = 0; c < 4; ++c) {  // the weights' quants unpacked once for the R activation rows
-                const __m256i L = _mm256_loadu_si256((const __m256i*)(p + 32 * c));
-                __m256i lo = _mm256_and_si256(L, m4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(L, 4), m4);
-                if constexpr (five) {  // bits 2c and 2c+1 of h (shifted down by 2c) to bit 4
-                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
-                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
-                    h = _mm256_srli_epi16(h, 2);
-                }
+                __m256i lo, hi;
+                unpack_x8_q45<five>(p, c, h, lo, hi);
                 for (int r = 0; r < R; ++r) {
                     const int32_t* a32 = (const int32_t*)(a[r].qs + 32 * b);
                     __m256i& t = s16[r][five ? c / 2 : 0];
