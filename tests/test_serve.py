@@ -388,8 +388,9 @@ def test_smollm2_served_concurrently():
     from ggml_py.models import load_model as load
 
     with load(n_threads=2, progress=False) as m:
-        for q, text in [*zip(QUESTIONS, alone), *zip(QUESTIONS, together)]:
+        for k, q in enumerate(QUESTIONS):
             ids = m.tokenize(m.apply_chat_template([{"role": "user", "content": q}]), add_special=False)
             ref = [t.id for t in m.generate(ids, 24, temperature=0)]
-            if m.detokenize(ref, special=False) != text:
-                _assert_same_up_to_a_near_tie(m, ids, ref, m.tokenize(text, add_special=False))
+            for text in {together[k], *alone[k:k + 1]}:
+                if m.detokenize(ref, special=False) != text:
+                    _assert_same_up_to_a_near_tie(m, ids, ref, m.tokenize(text, add_special=False))

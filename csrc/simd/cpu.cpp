@@ -22,7 +22,9 @@ namespace gp {
 namespace scalar { const KernelTable* table(); }
 #if GP_X86
 namespace avx2 { const KernelTable* table(); }
+#if !GP_NO_AVX512
 namespace avx512 { const KernelTable* table(); }
+#endif
 #endif
 
 #if GP_X86
@@ -117,6 +119,10 @@ bool level_supported(int level, std::string* missing) {
             need = {{"avx2", f.avx2}, {"fma", f.fma}, {"f16c", f.f16c}, {"os-avx-state", f.os_avx}};
             break;
         case LEVEL_AVX512:
+#if GP_NO_AVX512
+            if (missing) *missing = "not built (a sanitizer build on a CPU without AVX-512)";
+            return false;
+#endif
             need = {{"avx2", f.avx2},         {"fma", f.fma},           {"f16c", f.f16c},
                     {"avx512f", f.avx512f},   {"avx512bw", f.avx512bw}, {"avx512vl", f.avx512vl},
                     {"avx512dq", f.avx512dq}, {"avx512cd", f.avx512cd}, {"os-avx512-state", f.os_avx512}};
@@ -159,7 +165,9 @@ void set_current_level(int level) {
 const KernelTable* level_table(int level) {
     switch (level) {
 #if GP_X86
+#if !GP_NO_AVX512
         case LEVEL_AVX512: return avx512::table();
+#endif
         case LEVEL_AVX2: return avx2::table();
 #endif
         default: return scalar::table();
