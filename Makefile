@@ -62,11 +62,11 @@ lint: $(VENV)/bin/activate
 	$(PIP) install ruff >/dev/null
 	$(VENV)/bin/ruff check ggml_py backends tests examples
 
-# The SIMD extension built with AddressSanitizer + UndefinedBehaviorSanitizer, the whole suite (or PYTEST_ARGS's files)
-# run under it with LeakSanitizer: tests/lsan_check.py runs pytest on each file in a process of its own, SAN_JOBS files
-# at a time, logs to build/asan/<file>.<attempt>/log.<pid>, and fails on any sanitizer error report and on any leak
-# allocated by our native code (CPython's own exit-time leaks are expected and counted, not failed). The C plugins the
-# tests build are instrumented too (GGML_PY_SANITIZE). The normal build is reinstalled afterwards.
+# The SIMD extension built with AddressSanitizer + UndefinedBehaviorSanitizer, the test files that reach native code
+# (ASAN_TESTS, or PYTEST_ARGS's files) run under it with LeakSanitizer: tests/lsan_check.py runs pytest on each file in
+# a process of its own, SAN_JOBS files at a time, logs to build/asan/<file>.<attempt>/log.<pid>, and fails on any
+# sanitizer error report and on any leak allocated by our native code (CPython's own exit-time leaks are expected and
+# counted, not failed). The C plugins the tests build are instrumented too (GGML_PY_SANITIZE).
 SAN_JOBS ?= 2
 # the normal build reinstalled after a sanitizer run (CI, which ends there, sets SAN_KEEP=1 to skip it)
 SAN_KEEP ?=

@@ -458,10 +458,9 @@ class Plan:
             if missing:
                 raise PlanError(f"input {t.name!r} has a symbolic shape: give {sorted(missing)} as keywords")
             self._check_bindings(symbols)
-            view, is_host = self._view(t, symbols)
-            if not is_host:
+            if not self._location(t)[0].buffer_type.is_host:
                 raise PlanError(f"input {t.name!r} is not in host memory (use set_input)")
-            return view
+            return self._view(t, symbols)[0]
 
     def output_array(self, key: str | Tensor) -> np.ndarray:
         """A read-only array over an output's memory: the values of the last compute, overwritten by the next (copy
@@ -472,9 +471,9 @@ class Plan:
             t = self._tensor(key, OUTPUT)
             if not t.flags & OUTPUT or not self._is_concrete(t):
                 raise PlanError(f"{t.name!r} is not an output of a concrete shape (use get_output)")
-            view, is_host = self._view(t, {})
-            if not is_host:
+            if not self._location(t)[0].buffer_type.is_host:
                 raise PlanError(f"output {t.name!r} is not in host memory (use get_output)")
+            view = self._view(t, {})[0]
             view.flags.writeable = False
             return view
 

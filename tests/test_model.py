@@ -72,8 +72,8 @@ def test_eval_matches_reference(tiny, backend, kv):
         logits = m.eval(ids)
         assert logits.shape == (len(ids), tm.n_vocab) and logits.dtype == np.float32
         err = nmse(logits, reference_logits(tm, ids))
-    # numpy dequantizes weights exactly; a SIMD backend quantizes activations to 8 bits for quantized weights (every
-    # product of fewer than 16 rows: here the Q8_0 embedding doubling as the head), so only all-float models are exact
+    # numpy dequantizes weights exactly; a SIMD backend quantizes activations to 8 bits for quantized weights (here
+    # the Q8_0 embedding doubling as the head), so only all-float models are exact
     limit = 1e-5 if backend == "numpy" or (name.startswith("f32") and "q8" not in name) else 5e-4
     assert err < limit, f"{name} on {backend} with {kv} cache: NMSE {err:.3e}"
 

@@ -355,24 +355,17 @@ void k_mul_mat(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
             float* out0 = (float*)(d.data + b2 * d.nb[2] + b3 * d.nb[3]);
             int64_t m = m0;
 #if GP_AVX2
-            // the repacked groups: the activation rows together (one row at a time if dst rows are not whole
-            // floats apart)
+            // the repacked groups: the activation rows together
             if (x8 && m < full) {
                 const int64_t me = imin(m1, full);
-                const uint8_t* rec = n.repack + m * rec_row;
-                if (d.nb[1] % 4 == 0)
-                    gemv_x8(w.type, rec, (me - m) / 8, arow0, ars, (int)N, K, out0 + m, (size_t)d.nb[1] / 4);
-                else
-                    for (int64_t i1 = 0; i1 < N; ++i1)
-                        gemv_x8(w.type, rec, (me - m) / 8, arow0 + i1 * ars, ars, 1, K,
-                                (float*)((uint8_t*)out0 + i1 * d.nb[1]) + m, 0);
+                gemv_x8(w.type, n.repack + m * rec_row, (me - m) / 8, arow0, ars, (int)N, K, out0 + m, (size_t)d.nb[1]);
                 m = me;
             }
 #endif
             if (m < m1)
                 for (int64_t i1 = 0; i1 < N; ++i1)
-                    gemv_rows(w.type, wbase + m * w.nb[1], w.nb[1], m1 - m, ctx.wdata + (size_t)((b3 * B2 + b2) * N + i1) * ars,
-                              K, (float*)((uint8_t*)out0 + i1 * d.nb[1]) + m);
+                    gemv_rows(w.type, wbase + m * w.nb[1], w.nb[1], m1 - m, arow0 + i1 * ars, K,
+                              (float*)((uint8_t*)out0 + i1 * d.nb[1]) + m);
         }
         return;
     }

@@ -1306,6 +1306,9 @@ static void gemv_x8_q6_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act
     }
 }
 
+// output row r of rows `ostride` bytes apart
+static inline float* out_row(float* out, int r, size_t ostride) { return (float*)((uint8_t*)out + r * ostride); }
+
 // Q4_0 / Q4_1 / Q5_0 / Q5_1 x8 (common.h): the unsigned quants (Q5: the fifth bit ORed in as bit 4) against the
 // activations; the offset (Q4_1/Q5_1: m, Q4_0: -8 d, Q5_0: -16 d) is applied through the activations' block sums.
 // Q5's quants are 0..31, so one 16-bit sum holds two of the four chunks (4 x 2 x 31 x 127 < 2^15); Q4's hold all
@@ -1357,7 +1360,7 @@ static void gemv_x8_q45_01(const uint8_t* rec, int64_t ngroups, const uint8_t* a
                 }
             }
         }
-        for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ostride + 8 * g, _mm256_add_ps(acc[r], accm[r]));
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(out_row(out, r, ostride) + 8 * g, _mm256_add_ps(acc[r], accm[r]));
     }
 }
 
@@ -1392,35 +1395,29 @@ static void gemv_x8_q8_0(const uint8_t* rec, int64_t ngroups, const uint8_t* act
             for (int r = 0; r < R; ++r)
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(dw, _mm256_set1_ps(a[r].d[b])), acc[r]);
         }
-        for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ostride + 8 * g, acc[r]);
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(out_row(out, r, ostride) + 8 * g, acc[r]);
     }
 }
 
-// R activation rows at once (consecutive rows `astride` bytes apart; outputs `ostride` floats apart): the 32-element
+// R activation rows at once (consecutive rows `astride` bytes apart; outputs `ostride` bytes apart): the 32-element
 // types read and unpack each weight record once for all of them; each row's result is bit-identical to a lone row's.
 template <int R>
-static bool gemv_x8_r(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int64_t k,
+static void gemv_x8_r(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int64_t k,
                       float* out, size_t ostride) {
     switch (type) {
-        case T_Q4_0: gemv_x8_q45_01<T_Q4_0, R>(rec, ngroups, act, astride, k, out, ostride); return true;
-        case T_Q4_1: gemv_x8_q45_01<T_Q4_1, R>(rec, ngroups, act, astride, k, out, ostride); return true;
-        case T_Q5_0: gemv_x8_q45_01<T_Q5_0, R>(rec, ngroups, act, astride, k, out, ostride); return true;
-        case T_Q5_1: gemv_x8_q45_01<T_Q5_1, R>(rec, ngroups, act, astride, k, out, ostride); return true;
-        case T_Q8_0: gemv_x8_q8_0<R>(rec, ngroups, act, astride, k, out, ostride); return true;
-        default: return false;
+        case T_Q4_0: gemv_x8_q45_01<T_Q4_0, R>(rec, ngroups, act, astride, k, out, ostride); break;
+        case T_Q4_1: gemv_x8_q45_01<T_Q4_1, R>(rec, ngroups, act, astride, k, out, ostride); break;
+        case T_Q5_0: gemv_x8_q45_01<T_Q5_0, R>(rec, ngroups, act, astride, k, out, ostride); break;
+        case T_Q5_1: gemv_x8_q45_01<T_Q5_1, R>(rec, ngroups, act, astride, k, out, ostride); break;
+        case T_Q8_0: gemv_x8_q8_0<R>(rec, ngroups, act, astride, k, out, ostride); break;
+        default: break;
     }
 }
 
 void gemv_x8(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int nrows, int64_t k,
              float* out, size_t ostride) {
-    while (nrows > 0) {
-        const int r = nrows >= 4 ? 4 : nrows;
-        const bool done = r == 4   ? gemv_x8_r<4>(type, rec, ngroups, act, astride, k, out, ostride)
-                          : r == 3 ? gemv_x8_r<3>(type, rec, ngroups, act, astride, k, out, ostride)
-                          : r == 2 ? gemv_x8_r<2>(type, rec, ngroups, act, astride, k, out, ostride)
-                                   : gemv_x8_r<1>(type, rec, ngroups, act, astride, k, out, ostride);
-        const int rows = done ? r : 1;
-        if (!done) {  // the K-quants: one row at a time
+    if (weight_uses_a256(type)) {  // the K-quants: one row at a time
+        for (int i = 0; i < nrows; ++i, act += astride, out = out_row(out, 1, ostride)) {
             switch (type) {
                 case T_Q4_K: gemv_x8_q45_K<false>(rec, ngroups, act, k, out); break;
                 case T_Q5_K: gemv_x8_q45_K<true>(rec, ngroups, act, k, out); break;
@@ -1428,10 +1425,13 @@ void gemv_x8(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, 
                 default: break;
             }
         }
-        act += rows * astride;
-        out += rows * ostride;
-        nrows -= rows;
+        return;
     }
+    for (; nrows >= 4; nrows -= 4, act += 4 * astride, out = out_row(out, 4, ostride))
+        gemv_x8_r<4>(type, rec, ngroups, act, astride, k, out, ostride);
+    if (nrows == 3) gemv_x8_r<3>(type, rec, ngroups, act, astride, k, out, ostride);
+    if (nrows == 2) gemv_x8_r<2>(type, rec, ngroups, act, astride, k, out, ostride);
+    if (nrows == 1) gemv_x8_r<1>(type, rec, ngroups, act, astride, k, out, ostride);
 }
 #endif  // GP_AVX2
 

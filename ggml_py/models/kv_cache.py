@@ -105,21 +105,18 @@ class KVCells:
                                  f"(n_ctx); finish or cancel a sequence, or use a larger context")
         seq_ids = np.asarray(seq_ids, np.int32)
         cells = np.empty(n, np.int32)
-        taken = np.zeros(self.n_cells, bool)
         for s in np.unique(seq_ids):
             where = np.flatnonzero(seq_ids == s)
-            got = self._cells_of(int(s), where.size, taken)
-            cells[where] = got
-            taken[got] = True
-        self.seq[cells] = seq_ids
+            cells[where] = got = self._cells_of(int(s), where.size)
+            self.seq[got] = s
         self.pos[cells] = positions
         self.n_used += n
         if n:
             self.n_kv = max(self.n_kv, int(cells.max()) + 1)
         return cells
 
-    def _cells_of(self, s: int, k: int, taken: np.ndarray) -> np.ndarray:
-        free = (self.seq < 0) & ~taken
+    def _cells_of(self, s: int, k: int) -> np.ndarray:
+        free = self.seq < 0
         own = np.flatnonzero(free & (self.owner[self._cell_block] == s))[:k]
         if own.size == k:
             return own
