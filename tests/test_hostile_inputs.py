@@ -61,7 +61,6 @@ def _edit(tiny_bytes: bytes, path: Path, **kvs: tuple[int, bytes]) -> Path:
 def _cli(*argv: str) -> tuple[int, str, str]:
     """Run the CLI in a fresh interpreter: exit code, stdout, stderr."""
     r = subprocess.run([sys.executable, "-m", "ggml_py.cli", *argv], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
                        errors="surrogateescape")
     return r.returncode, r.stdout, r.stderr
 
@@ -142,8 +141,7 @@ def test_template_bomb_from_the_cli(tiny_bytes: bytes, tmp_path: Path) -> None:
               "print('peak_rss_kib', hwm, file=sys.stderr)\nraise SystemExit(code)")
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", script, "generate", "-m", str(p), "--chat", "-p", "hi", "-n", "1",
-                        "--backend", PREFERRED], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                        "--backend", PREFERRED], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and time.perf_counter() - t0 < 60
     line = _one_error_line(r.stderr)
     assert "tokenizer.chat_template" in line and "bomb.gguf" in line and "render limit" in line

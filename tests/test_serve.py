@@ -98,9 +98,8 @@ def test_scheduler_queue_cancel_stop_and_budget(tiny):
 # -- the real server --------------------------------------------------------------------------------------------------
 class ServerProc:
     def __init__(self, model: str, *args: str) -> None:
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.p = subprocess.Popen([sys.executable, "-m", "ggml_py.cli", "serve", "-m", model, "--port", "0",
-                                   "--json", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                   "--json", *args], cwd=ROOT, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
         self.log: list[str] = []
         deadline = time.time() + 60
