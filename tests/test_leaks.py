@@ -100,11 +100,12 @@ def _fake_pytest(monkeypatch, outcomes):
     return calls
 
 
-def test_lsan_runner_retries_leak_sanitizers_own_failure_verbosely(tmp_path, monkeypatch, capsys):
+def test_lsan_runner_retries_leak_sanitizers_own_failure(tmp_path, monkeypatch, capsys):
     clean = LOG.split("Direct leak of 64")[0]
     calls = _fake_pytest(monkeypatch, [(134, TRACER_CRASH), (0, clean)])
     assert lsan_check.run(str(tmp_path), ["tests/test_x.py"]) == 0
-    assert len(calls) == 2 and "LSAN_OPTIONS" not in calls[0] and "log_threads=1" in calls[1]["LSAN_OPTIONS"]
+    # LSan's tracer crashes reading glibc's dynamic TLS on some machines: the runner keeps it out of the scan
+    assert len(calls) == 2 and all("intercept_tls_get_addr=0" in c["ASAN_OPTIONS"].split(":") for c in calls)
     assert "retrying" in capsys.readouterr().out
 
 
@@ -112,7 +113,8 @@ def test_lsan_runner_fails_when_leak_sanitizer_keeps_failing(tmp_path, monkeypat
     calls = _fake_pytest(monkeypatch, [(134, TRACER_CRASH)] * lsan_check.ATTEMPTS)
     assert lsan_check.run(str(tmp_path), ["tests/test_x.py"]) == 1
     assert len(calls) == lsan_check.ATTEMPTS
-    assert "LeakSanitizer failed to run in" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "LeakSanitizer failed to run in" in out and "Tracer caught signal 11" in out  # the tool's own lines
 
 
 def test_lsan_runner_does_not_retry_findings_or_test_failures(tmp_path, monkeypatch):
