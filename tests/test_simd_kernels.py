@@ -394,6 +394,27 @@ def test_flash_attn_ext(level, arena, kv_t, with_mask, nq, nkv, D, rng):
     assert nmse(ref, out) < 5e-4
 
 
+def test_flash_attn_mask_per_head_with_grouped_heads(level, arena, rng):
+    # enough query rows for the kernel to share each key tile among the heads of a KV head: a mask that differs by
+    # head must still reach each head
+    B, H, Hk, nq, nkv, D = 1, 6, 2, 8, 40, 32
+    q = rng.standard_normal((B, H, nq, D)).astype(np.float32)
+    k = rng.standard_normal((B, Hk, nkv, D)).astype(np.float16)
+    v = rng.standard_normal((B, Hk, nkv, D)).astype(np.float16)
+    m = rng.standard_normal((H, nq, nkv)).astype(np.float32)
+    m[rng.random(m.shape) < 0.3] = -np.inf
+    m[..., 0] = 0.0  # every row keeps a key
+    Q, K, V, M = arena.put(q), arena.put(k), arena.put(v), arena.put(m)
+    out = arena.empty((B, nq, H, D), np.float32)
+    run(arena, "FLASH_ATTN_EXT", desc(arena, out), [desc(arena, Q), desc(arena, K), desc(arena, V), desc(arena, M)],
+        fp=[0.2, 0.0, 0.0], level=level)
+    sc = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), np.repeat(k.astype(np.float64), H // Hk, 1)) * 0.2 + m
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ref = np.einsum("bhqk,bhkd->bhqd", p, np.repeat(v.astype(np.float64), H // Hk, 1)).transpose(0, 2, 1, 3)
+    assert nmse(ref, out) < 5e-4
+
+
 def test_flash_attn_softcap_alibi(level, arena, rng):
     B, H, Hk, nq, nkv, D = 1, 4, 4, 3, 24, 32
     q = rng.standard_normal((B, H, nq, D)).astype(np.float32)

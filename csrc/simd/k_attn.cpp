@@ -331,7 +331,7 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
     if (phase != n.n_phases - 1) return;  // the split-key phase runs only with the vector kernels
     // grouped heads (one conversion of each key/value tile for all heads sharing it) when there are enough groups
     // to keep every thread busy
-    if (rep >= 2 && gunits >= 8 && groupable) {
+    if (rep >= 2 && gunits >= 8 && groupable && (!has_mask || mk.ne[2] == 1)) {  // fa_group: one mask for its heads
         int64_t g0, g1;
         split_range(gunits, ith, nth, &g0, &g1);
         for (int64_t u = g0; u < g1; ++u)
