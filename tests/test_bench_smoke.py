@@ -93,6 +93,19 @@ def test_bench_matrix(tiny_f32, tmp_path, monkeypatch):
     assert "Q8_0" in _bench("matrix", "-m", tiny_f32, "--types", "Q8_0", as_json=False)
 
 
+def test_bench_matrix_thread_scaling() -> None:
+    """1 -> N thread decode speed-up per type and runtime, from the rows (and printed by the report)."""
+    from ggml_py.models import bench_matrix
+
+    def row(typ: str, t: int, ours: float, theirs: float) -> dict:
+        return {"type": typ, "threads": t, "ggml_py.decode_ctx_16": ours, "llama.cpp.decode_ctx_16": theirs,
+                "ratio.decode_ctx_16": ours / theirs}
+    r = {"source": "m.gguf", "rounds": 1, "rows": [row("Q4_0", 1, 100, 50), row("Q4_0", 2, 150, 80),
+                                                    row("Q8_0", 2, 90, 60)]}
+    assert bench_matrix.thread_scaling(r) == {(2, "decode_ctx_16"): {"Q4_0": {"ggml_py": 1.5, "llama.cpp": 1.6}}}
+    assert "decode 1 -> 2 threads, ctx_16: Q4_0 1.50x (llama.cpp 1.60x)" in bench_matrix.report(r)
+
+
 @pytest.mark.skipif(not llamacpp_peer.available(), reason=llamacpp_peer.NOT_AVAILABLE)
 def test_bench_serve(tiny_f32):
     """Concurrent streams through the scheduler against llama.cpp's batched decode: both run, on one plan; the

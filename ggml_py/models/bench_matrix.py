@@ -3,7 +3,8 @@
 For each weight type the model is requantized once with `ggml-py quantize` (cached next to the other benchmark
 files), then for each thread count both runtimes run the same job, each in a fresh process of its own, alternating
 which goes first, `rounds` times: prefill of 32/128/512 prompt tokens (tok/s), greedy decode of `n_gen` tokens after
-a 16- and a 1000-token context (tok/s), and the process's peak RSS. The best of the rounds is kept for each figure
+a 16- and a 1000-token context (tok/s; each figure the better of two runs in the process, for both runtimes), and the
+process's peak RSS. The best of the rounds is kept for each figure
 (and the spread reported); ratios are ggml_py / llama.cpp, so above 1 means ggml_py is faster (or, for RSS, uses
 more memory). Run it on a quiet machine: both runtimes spin worker threads that collapse when something else runs.
 """
@@ -44,7 +45,7 @@ def job(tokenize, greedy):
     for p in a["prefill"]:
         res["prefill"][str(p)] = max(p / greedy(ids[:p], 1)[0] for _ in range(2))
     for c in a["contexts"]:
-        res["decode"][str(c)] = a["n_gen"] / greedy(ids[:c], a["n_gen"])[1]
+        res["decode"][str(c)] = max(a["n_gen"] / greedy(ids[:c], a["n_gen"])[1] for _ in range(2))
     res["peak_rss_bytes"] = peak_rss()
     print("RESULT " + json.dumps(res))
 """
@@ -157,8 +158,10 @@ def run(model: str | None = None, types: tuple[str, ...] = TYPES, threads_list: 
                 row[f"ratio.{fig}"] = row[f"ggml_py.{fig}"] / row[f"llama.cpp.{fig}"]
             rows.append(row)
             _log(_row_text(row))
-    return {"benchmark": "matrix", "source": src, "rows": rows, "prefill": list(prefill),
-            "contexts": list(contexts), "n_gen": n_gen, "rounds": rounds}
+    res = {"benchmark": "matrix", "source": src, "rows": rows, "prefill": list(prefill),
+           "contexts": list(contexts), "n_gen": n_gen, "rounds": rounds}
+    res["decode_thread_scaling"] = {f"1->{t} {fig}": v for (t, fig), v in thread_scaling(res).items()}
+    return res
 
 
 def _row_text(row: dict[str, Any]) -> str:
@@ -178,4 +181,22 @@ def report(r: dict[str, Any]) -> str:
         cells = [f"{row[f'ggml_py.{f}']:7.0f}/{row[f'llama.cpp.{f}']:<6.0f}{row[f'ratio.{f}']:5.2f}x" for f in figs]
         lines.append(f"  {row['type']:<7} {row['threads']:>3}  " + "  ".join(f"{c:>22}" for c in cells))
     lines.append("  (each cell: ggml_py / llama.cpp  ratio; tok/s, peak RSS in MiB)")
+    lines += [f"  decode 1 -> {t} threads, {fig[len('decode_'):]}: " + ", ".join(
+        f"{typ} {sc['ggml_py']:.2f}x (llama.cpp {sc['llama.cpp']:.2f}x)" for typ, sc in by_type.items())
+        for (t, fig), by_type in thread_scaling(r).items()]
     return "\n".join(lines)
+
+
+def thread_scaling(r: dict[str, Any]) -> dict[tuple[int, str], dict[str, dict[str, float]]]:
+    """Decode speed-up from one thread to each larger thread count, per type and runtime:
+    {(threads, "decode_ctx_16"): {type: {"ggml_py": x, "llama.cpp": y}}}."""
+    rows = {(row["type"], row["threads"]): row for row in r["rows"]}
+    out: dict[tuple[int, str], dict[str, dict[str, float]]] = {}
+    for (typ, t), row in rows.items():
+        one = rows.get((typ, 1))
+        if t == 1 or one is None:
+            continue
+        for fig in (k[len("ratio."):] for k in row if k.startswith("ratio.decode_")):
+            out.setdefault((t, fig), {})[typ] = {who: row[f"{who}.{fig}"] / one[f"{who}.{fig}"]
+                                                for who in ("ggml_py", "llama.cpp")}
+    return out
