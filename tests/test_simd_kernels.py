@@ -370,7 +370,7 @@ def test_rope(level, arena, mode, n_dims, rng):
 
 @pytest.mark.parametrize("kv_t", [F16, F32])
 @pytest.mark.parametrize("with_mask", [False, True])
-@pytest.mark.parametrize("nq,nkv,D", [(1, 37, 64), (5, 40, 64), (3, 17, 20)])
+@pytest.mark.parametrize("nq,nkv,D", [(1, 37, 64), (5, 40, 64), (3, 17, 20), (1, 300, 64), (2, 520, 32)])
 def test_flash_attn_ext(level, arena, kv_t, with_mask, nq, nkv, D, rng):
     B, H, Hk = 2, 6, 2
     q = rng.standard_normal((B, H, nq, D)).astype(np.float32)

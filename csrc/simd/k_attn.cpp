@@ -46,8 +46,15 @@ static double fa_row_reg(const float* qf, int64_t D, const uint8_t* kb, int64_t 
     for (int i = 0; i < DV8; ++i) acc[i] = _mm256_setzero_ps();
     float M = -INFINITY;
     double S = 0.0;
+    const int64_t kbytes = D * (kf16 ? 2 : 4), vbytes = DV8 * 8 * (vf16 ? 2 : 4);
     for (int64_t j0 = 0; j0 < Nkv; j0 += 8) {
         const int64_t nt = imin(8, Nkv - j0);
+        // the key and value rows of the tile after next: strided rows of a cache in DRAM (a decode step's cache is
+        // cold after the weights' stream), whose latency the hardware prefetcher does not hide
+        for (int64_t t = j0 + 16; t < imin(j0 + 24, Nkv); ++t) {
+            for (int64_t o = 0; o < kbytes; o += 64) _mm_prefetch((const char*)(kb + t * ks + o), _MM_HINT_T0);
+            for (int64_t o = 0; o < vbytes; o += 64) _mm_prefetch((const char*)(vb + t * vs + o), _MM_HINT_T0);
+        }
         alignas(32) float mv[8];
         bool any = false;
         for (int t = 0; t < 8; ++t) {
@@ -284,10 +291,13 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
             int64_t u0, u1;
             split_range(heads * nch, ith, nth, &u0, &u1);
             for (int64_t u = u0; u < u1; ++u) {
-                const int64_t hu = u / nch, c = u % nch;
+                // range-major: a thread takes whole ranges of keys for every head, so the cache rows (all KV heads
+                // side by side) are read once, in order, and the heads sharing them find them in cache (head-major
+                // order was 4-6% slower per decode step at a 1000-token context)
+                const int64_t hu = u % heads, c = u / heads;
                 const int64_t h = hu % H, iq = (hu / H) % Nq, b = hu / (H * Nq), hk = h / rep;
                 const int64_t jb = imin(Nkv, c * chunk), je = imin(Nkv, jb + chunk);
-                float* pg = parts + u * FA_PART(Dv);
+                float* pg = parts + (hu * nch + c) * FA_PART(Dv);  // phase 1 reads a head's ranges side by side
                 const uint8_t* qp = q.data + iq * q.nb[1] + h * q.nb[2] + b * q.nb[3];
                 for (int64_t i = 0; i < D; ++i) qf[i] = *(const float*)(qp + i * q.nb[0]);
                 const uint8_t* mp = has_mask ? mk.data + iq * mk.nb[1] + (h % mk.ne[2]) * mk.nb[2] +
