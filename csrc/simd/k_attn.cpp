@@ -121,6 +121,115 @@ static double fa_row_reg(const float* qf, int64_t D, const uint8_t* kb, int64_t 
     return S;
 }
 
+// fa_row_reg for the G query heads that share one KV head (one query row, keys [0, Nkv)): each block of 8 key or
+// value elements is converted from F16 once and used by all G heads, which cuts the conversions, the larger part of
+// the per-key work, to 1/G. qf: G x D floats; head g's partial result (acc[Dv], M, pad, S) goes to out + g * ostride.
+template <int DV8, int G>
+static void fa_rows_gqa(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bool kf16, const uint8_t* vb,
+                        int64_t vs, bool vf16, int64_t Nkv, const uint8_t* mp, int64_t ms_stride, int mtype,
+                        const float* slope, float scale, float softcap, float* out, int64_t ostride) {
+    alignas(32) float acc[G][DV8 * 8];
+    float M[G];
+    double S[G];
+    for (int g = 0; g < G; ++g) {
+        for (int i = 0; i < DV8 * 8; ++i) acc[g][i] = 0.0f;
+        M[g] = -INFINITY;
+        S[g] = 0.0;
+    }
+    const int64_t kes = kf16 ? 2 : 4, ves = vf16 ? 2 : 4;
+    const int64_t kbytes = D * kes, vbytes = DV8 * 8 * ves;
+    for (int64_t j0 = 0; j0 < Nkv; j0 += 8) {
+        const int64_t nt = imin(8, Nkv - j0);
+        for (int64_t t = j0 + 16; t < imin(j0 + 24, Nkv); ++t) {  // as fa_row_reg
+            for (int64_t o = 0; o < kbytes; o += 64) _mm_prefetch((const char*)(kb + t * ks + o), _MM_HINT_T0);
+            for (int64_t o = 0; o < vbytes; o += 64) _mm_prefetch((const char*)(vb + t * vs + o), _MM_HINT_T0);
+        }
+        alignas(32) float mraw[8];
+        bool any = false;
+        for (int t = 0; t < 8; ++t) {
+            mraw[t] = t >= nt ? -INFINITY
+                              : (mp ? (mtype == T_F16 ? fp16_to_fp32(*(const uint16_t*)(mp + (j0 + t) * ms_stride))
+                                                      : *(const float*)(mp + (j0 + t) * ms_stride))
+                                    : 0.0f);
+            any |= mraw[t] != -INFINITY;
+        }
+        if (!any) continue;
+        __m256 part[G][8];
+        for (int t = 0; t < 8; ++t) {
+            __m256 a[G];
+            for (int g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
+            if (mraw[t] != -INFINITY) {
+                const uint8_t* kr = kb + (j0 + t) * ks;
+                for (int64_t i = 0; i < D; i += 8) {
+                    const __m256 kv = load8(kr + i * kes, kf16);
+                    for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + i), kv, a[g]);
+                }
+            }
+            for (int g = 0; g < G; ++g) part[g][t] = a[g];
+        }
+        const __m256 vmr = _mm256_load_ps(mraw);
+        const __m256 masked = _mm256_cmp_ps(vmr, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+        const __m256 mzero = _mm256_blendv_ps(vmr, _mm256_setzero_ps(), masked);
+        alignas(32) float pv[G][8];
+        for (int g = 0; g < G; ++g) {
+            __m256 sc = _mm256_mul_ps(hsum_lanes8(part[g]), _mm256_set1_ps(scale));
+            if (softcap != 0.0f) sc = _mm256_mul_ps(_mm256_set1_ps(softcap), tanh_ps(sc));
+            sc = _mm256_fmadd_ps(_mm256_set1_ps(slope[g]), mzero, sc);
+            sc = _mm256_blendv_ps(sc, _mm256_set1_ps(-INFINITY), masked);
+            const float mt = hmax(sc);
+            if (!(mt > -INFINITY)) {  // nothing of this tile for this head (as fa_row_reg)
+                _mm256_store_ps(pv[g], _mm256_setzero_ps());
+                continue;
+            }
+            if (mt > M[g]) {
+                const float msc = M[g] == -INFINITY ? 0.0f : expf(M[g] - mt);
+                M[g] = mt;
+                S[g] *= msc;
+                const __m256 vms = _mm256_set1_ps(msc);
+                for (int i = 0; i < DV8; ++i)
+                    _mm256_store_ps(acc[g] + 8 * i, _mm256_mul_ps(_mm256_load_ps(acc[g] + 8 * i), vms));
+            }
+            const __m256 p = exp_ps(_mm256_sub_ps(sc, _mm256_set1_ps(M[g])));
+            _mm256_store_ps(pv[g], p);
+            S[g] += (double)hsum(p);
+        }
+        for (int i = 0; i < DV8; ++i) {
+            __m256 a[G];
+            for (int g = 0; g < G; ++g) a[g] = _mm256_load_ps(acc[g] + 8 * i);
+            for (int t = 0; t < 8; ++t) {
+                if (mraw[t] == -INFINITY) continue;  // a masked row may hold anything (never written)
+                const __m256 vv = load8(vb + (j0 + t) * vs + 8 * i * ves, vf16);
+                for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(&pv[g][t]), vv, a[g]);
+            }
+            for (int g = 0; g < G; ++g) _mm256_store_ps(acc[g] + 8 * i, a[g]);
+        }
+    }
+    for (int g = 0; g < G; ++g) {
+        float* pg = out + g * ostride;
+        memcpy(pg, acc[g], sizeof(float) * DV8 * 8);
+        pg[DV8 * 8] = M[g];
+        memcpy(pg + DV8 * 8 + 2, &S[g], sizeof(double));
+    }
+}
+
+// fa_rows_gqa for Dv in {32, 64, 128} and G in {2, 3, 4}; false for other shapes
+static bool fa_rows_group(int64_t G, const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bool kf16,
+                          const uint8_t* vb, int64_t vs, bool vf16, int64_t Nkv, const uint8_t* mp, int64_t ms_stride,
+                          int mtype, const float* slope, float scale, float softcap, int64_t Dv, float* out,
+                          int64_t ostride) {
+#define GP_FA_GQA(DV8, GG)                                                                                          \
+    if (Dv == DV8 * 8 && G == GG) {                                                                                 \
+        fa_rows_gqa<DV8, GG>(qf, D, kb, ks, kf16, vb, vs, vf16, Nkv, mp, ms_stride, mtype, slope, scale, softcap,   \
+                             out, ostride);                                                                         \
+        return true;                                                                                                \
+    }
+    GP_FA_GQA(4, 2) GP_FA_GQA(4, 3) GP_FA_GQA(4, 4)
+    GP_FA_GQA(8, 2) GP_FA_GQA(8, 3) GP_FA_GQA(8, 4)
+    GP_FA_GQA(16, 2) GP_FA_GQA(16, 3) GP_FA_GQA(16, 4)
+#undef GP_FA_GQA
+    return false;
+}
+
 // fa_row_reg for Dv in {32, 64, 128}
 static double fa_row(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bool kf16, const uint8_t* vb,
                      int64_t vs, bool vf16, int64_t Nkv, const uint8_t* mp, int64_t ms_stride, int mtype, float slope,
@@ -285,8 +394,34 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
         const int64_t nch = fa_key_chunks(Nkv), chunk = ((Nkv + nch - 1) / nch + 7) & ~(int64_t)7;
         const int64_t heads = Nq * H * B;
         float* parts = (float*)ctx.wdata;
+        const bool kf = k.type == T_F16, vf = v.type == T_F16;
+        if (phase == 0 && rep >= 2 && rep <= 4 && (!has_mask || mk.ne[2] == 1)) {
+            // the heads sharing a KV head together (fa_rows_gqa): units are (range, query row, KV head), range-major
+            const int64_t groups = Nq * Hk * B;
+            float* qf = (float*)ctx.thread_scratch(ith);
+            int64_t u0, u1;
+            split_range(groups * nch, ith, nth, &u0, &u1);
+            for (int64_t u = u0; u < u1; ++u) {
+                const int64_t gu = u % groups, c = u / groups;
+                const int64_t hk = gu % Hk, iq = (gu / Hk) % Nq, b = gu / (Hk * Nq), h0 = hk * rep;
+                const int64_t jb = imin(Nkv, c * chunk), je = imin(Nkv, jb + chunk);
+                float slope[4];
+                for (int64_t g = 0; g < rep; ++g) {
+                    const uint8_t* qp = q.data + iq * q.nb[1] + (h0 + g) * q.nb[2] + b * q.nb[3];
+                    for (int64_t i = 0; i < D; ++i) qf[g * D + i] = *(const float*)(qp + i * q.nb[0]);
+                    slope[g] = alibi_slope_fa(max_bias, h0 + g, H);
+                }
+                const uint8_t* mp = has_mask ? mk.data + iq * mk.nb[1] + (b % mk.ne[3]) * mk.nb[3] + jb * mk.nb[0]
+                                             : nullptr;
+                const int64_t hu0 = (b * Nq + iq) * H + h0;  // as phase 1 numbers the heads
+                fa_rows_group(rep, qf, D, k.data + hk * k.nb[2] + b * k.nb[3] + jb * k.nb[1], k.nb[1], kf,
+                              v.data + hk * v.nb[2] + b * v.nb[3] + jb * v.nb[1], v.nb[1], vf, je - jb, mp,
+                              has_mask ? mk.nb[0] : 0, mk.type, slope, scale, softcap, Dv,
+                              parts + (hu0 * nch + c) * FA_PART(Dv), nch * FA_PART(Dv));
+            }
+            return;
+        }
         if (phase == 0) {
-            const bool kf = k.type == T_F16, vf = v.type == T_F16;
             float* qf = (float*)ctx.thread_scratch(ith);
             int64_t u0, u1;
             split_range(heads * nch, ith, nth, &u0, &u1);

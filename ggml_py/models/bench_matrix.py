@@ -4,9 +4,10 @@ For each weight type the model is requantized once with `ggml-py quantize` (cach
 files), then for each thread count both runtimes run the same job, each in a fresh process of its own, alternating
 which goes first, `rounds` times: prefill of 32/128/512 prompt tokens (tok/s), greedy decode of `n_gen` tokens after
 a 16- and a 1000-token context (tok/s; each figure the better of two runs in the process, for both runtimes), and the
-process's peak RSS. The best of the rounds is kept for each figure
-(and the spread reported); ratios are ggml_py / llama.cpp, so above 1 means ggml_py is faster (or, for RSS, uses
-more memory). Run it on a quiet machine: both runtimes spin worker threads that collapse when something else runs.
+process's peak RSS. The best of the rounds is kept for each figure (and the spread reported); ratios are ggml_py /
+llama.cpp, so above 1 means ggml_py is faster (or, for RSS, uses more memory); the report adds each runtime's decode
+speed-up from 1 thread to more. Run it on a quiet machine: both runtimes spin worker threads that collapse when
+something else runs.
 """
 
 from __future__ import annotations
