@@ -368,6 +368,13 @@ def test_rope(level, arena, mode, n_dims, rng):
     assert nmse(ref, view) < 1e-7
 
 
+def _attn_ref(sc, v, rep):
+    """softmax(scores) v in float64, v's KV heads repeated for the query heads sharing them: (B, Nq, H, Dv)."""
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhqk,bhkd->bhqd", p, np.repeat(v.astype(np.float64), rep, 1)).transpose(0, 2, 1, 3)
+
+
 @pytest.mark.parametrize("kv_t", [F16, F32])
 @pytest.mark.parametrize("with_mask", [False, True])
 @pytest.mark.parametrize("nq,nkv,D", [(1, 37, 64), (5, 40, 64), (3, 17, 20), (1, 300, 64), (2, 520, 32)])
@@ -388,10 +395,7 @@ def test_flash_attn_ext(level, arena, kv_t, with_mask, nq, nkv, D, rng):
         srcs.append(desc(arena, M))
         sc = sc + m[:nq].astype(np.float64)
     run(arena, "FLASH_ATTN_EXT", desc(arena, out), srcs, fp=[scale, 0.0, 0.0], level=level)
-    p = np.exp(sc - sc.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    ref = np.einsum("bhqk,bhkd->bhqd", p, np.repeat(v.astype(np.float64), H // Hk, 1)).transpose(0, 2, 1, 3)
-    assert nmse(ref, out) < 5e-4
+    assert nmse(_attn_ref(sc, v, H // Hk), out) < 5e-4
 
 
 def test_flash_attn_mask_per_head_with_grouped_heads(level, arena, rng):
@@ -409,10 +413,7 @@ def test_flash_attn_mask_per_head_with_grouped_heads(level, arena, rng):
     run(arena, "FLASH_ATTN_EXT", desc(arena, out), [desc(arena, Q), desc(arena, K), desc(arena, V), desc(arena, M)],
         fp=[0.2, 0.0, 0.0], level=level)
     sc = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), np.repeat(k.astype(np.float64), H // Hk, 1)) * 0.2 + m
-    p = np.exp(sc - sc.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    ref = np.einsum("bhqk,bhkd->bhqd", p, np.repeat(v.astype(np.float64), H // Hk, 1)).transpose(0, 2, 1, 3)
-    assert nmse(ref, out) < 5e-4
+    assert nmse(_attn_ref(sc, v, H // Hk), out) < 5e-4
 
 
 def test_flash_attn_softcap_alibi(level, arena, rng):
@@ -427,10 +428,7 @@ def test_flash_attn_softcap_alibi(level, arena, rng):
         fp=[0.3, 4.0, 2.0], level=level)
     sc = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k.astype(np.float64)) * 0.3
     sc = 2.0 * np.tanh(sc / 2.0) + _alibi(H, 4.0)[:, None, None] * m
-    p = np.exp(sc - sc.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    ref = np.einsum("bhqk,bhkd->bhqd", p, v.astype(np.float64)).transpose(0, 2, 1, 3)
-    assert nmse(ref, out) < 5e-4
+    assert nmse(_attn_ref(sc, v, 1), out) < 5e-4
 
 
 # ---------------------------------------------------------------------------------------------------------------

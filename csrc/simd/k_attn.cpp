@@ -32,6 +32,16 @@ GP_INLINE __m256 hsum_lanes8(const __m256* part) {
 #endif
 
 #if GP_AVX2
+// Prefetch the key and value rows [t0, t1) (kbytes / vbytes each): a decode step reads strided rows of a cache that
+// is cold after the weights' stream, whose latency the hardware prefetcher does not hide.
+GP_INLINE void prefetch_kv_rows(const uint8_t* kb, int64_t ks, int64_t kbytes, const uint8_t* vb, int64_t vs,
+                                int64_t vbytes, int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t o = 0; o < kbytes; o += 64) _mm_prefetch((const char*)(kb + t * ks + o), _MM_HINT_T0);
+        for (int64_t o = 0; o < vbytes; o += 64) _mm_prefetch((const char*)(vb + t * vs + o), _MM_HINT_T0);
+    }
+}
+
 GP_INLINE __m256 load8(const uint8_t* p, bool f16) {
     return f16 ? load_f16x8((const uint16_t*)p) : _mm256_loadu_ps((const float*)p);
 }
@@ -49,12 +59,7 @@ static double fa_row_reg(const float* qf, int64_t D, const uint8_t* kb, int64_t 
     const int64_t kbytes = D * (kf16 ? 2 : 4), vbytes = DV8 * 8 * (vf16 ? 2 : 4);
     for (int64_t j0 = 0; j0 < Nkv; j0 += 8) {
         const int64_t nt = imin(8, Nkv - j0);
-        // the key and value rows of the tile after next: strided rows of a cache in DRAM (a decode step's cache is
-        // cold after the weights' stream), whose latency the hardware prefetcher does not hide
-        for (int64_t t = j0 + 16; t < imin(j0 + 24, Nkv); ++t) {
-            for (int64_t o = 0; o < kbytes; o += 64) _mm_prefetch((const char*)(kb + t * ks + o), _MM_HINT_T0);
-            for (int64_t o = 0; o < vbytes; o += 64) _mm_prefetch((const char*)(vb + t * vs + o), _MM_HINT_T0);
-        }
+        prefetch_kv_rows(kb, ks, kbytes, vb, vs, vbytes, j0 + 16, imin(j0 + 24, Nkv));  // the tile after next
         alignas(32) float mv[8];
         bool any = false;
         for (int t = 0; t < 8; ++t) {
@@ -140,17 +145,11 @@ static void fa_rows_gqa(const float* qf, int64_t D, const uint8_t* kb, int64_t k
     const int64_t kbytes = D * kes, vbytes = DV8 * 8 * ves;
     for (int64_t j0 = 0; j0 < Nkv; j0 += 8) {
         const int64_t nt = imin(8, Nkv - j0);
-        for (int64_t t = j0 + 16; t < imin(j0 + 24, Nkv); ++t) {  // as fa_row_reg
-            for (int64_t o = 0; o < kbytes; o += 64) _mm_prefetch((const char*)(kb + t * ks + o), _MM_HINT_T0);
-            for (int64_t o = 0; o < vbytes; o += 64) _mm_prefetch((const char*)(vb + t * vs + o), _MM_HINT_T0);
-        }
+        prefetch_kv_rows(kb, ks, kbytes, vb, vs, vbytes, j0 + 16, imin(j0 + 24, Nkv));  // the tile after next
         alignas(32) float mraw[8];
         bool any = false;
         for (int t = 0; t < 8; ++t) {
-            mraw[t] = t >= nt ? -INFINITY
-                              : (mp ? (mtype == T_F16 ? fp16_to_fp32(*(const uint16_t*)(mp + (j0 + t) * ms_stride))
-                                                      : *(const float*)(mp + (j0 + t) * ms_stride))
-                                    : 0.0f);
+            mraw[t] = t >= nt ? -INFINITY : (mp ? load_elem(mp + (j0 + t) * ms_stride, mtype) : 0.0f);
             any |= mraw[t] != -INFINITY;
         }
         if (!any) continue;
@@ -212,8 +211,8 @@ static void fa_rows_gqa(const float* qf, int64_t D, const uint8_t* kb, int64_t k
     }
 }
 
-// fa_rows_gqa for Dv in {32, 64, 128} and G in {2, 3, 4}; false for other shapes
-static bool fa_rows_group(int64_t G, const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bool kf16,
+// fa_rows_gqa for Dv in {32, 64, 128} and G in {2, 3, 4} (the caller's condition)
+static void fa_rows_group(int64_t G, const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bool kf16,
                           const uint8_t* vb, int64_t vs, bool vf16, int64_t Nkv, const uint8_t* mp, int64_t ms_stride,
                           int mtype, const float* slope, float scale, float softcap, int64_t Dv, float* out,
                           int64_t ostride) {
@@ -221,13 +220,12 @@ static bool fa_rows_group(int64_t G, const float* qf, int64_t D, const uint8_t* 
     if (Dv == DV8 * 8 && G == GG) {                                                                                 \
         fa_rows_gqa<DV8, GG>(qf, D, kb, ks, kf16, vb, vs, vf16, Nkv, mp, ms_stride, mtype, slope, scale, softcap,   \
                              out, ostride);                                                                         \
-        return true;                                                                                                \
+        return;                                                                                                     \
     }
     GP_FA_GQA(4, 2) GP_FA_GQA(4, 3) GP_FA_GQA(4, 4)
     GP_FA_GQA(8, 2) GP_FA_GQA(8, 3) GP_FA_GQA(8, 4)
     GP_FA_GQA(16, 2) GP_FA_GQA(16, 3) GP_FA_GQA(16, 4)
 #undef GP_FA_GQA
-    return false;
 }
 
 // fa_row_reg for Dv in {32, 64, 128}
@@ -387,6 +385,8 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
     const bool groupable = (D % 8) == 0 && (Dv % 8) == 0 && k.nb[0] == type_size(k.type) &&
                            v.nb[0] == type_size(v.type);
     const int64_t gunits = Nq * Hk * B;
+    // the grouped-heads kernels read one mask for the heads of a group: the mask must not differ by head
+    const bool one_mask = !has_mask || mk.ne[2] == 1;
     if (n.n_phases == 2 && groupable && (Dv == 32 || Dv == 64 || Dv == 128)) {
         // few query rows and KV heads (a decode step): split the keys too, so that both threads have work however
         // few heads there are ("flash decoding"). Phase 0: each (query row, head, range of keys) leaves its partial
@@ -395,14 +395,13 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
         const int64_t heads = Nq * H * B;
         float* parts = (float*)ctx.wdata;
         const bool kf = k.type == T_F16, vf = v.type == T_F16;
-        if (phase == 0 && rep >= 2 && rep <= 4 && (!has_mask || mk.ne[2] == 1)) {
+        if (phase == 0 && rep >= 2 && rep <= 4 && one_mask) {
             // the heads sharing a KV head together (fa_rows_gqa): units are (range, query row, KV head), range-major
-            const int64_t groups = Nq * Hk * B;
             float* qf = (float*)ctx.thread_scratch(ith);
             int64_t u0, u1;
-            split_range(groups * nch, ith, nth, &u0, &u1);
+            split_range(gunits * nch, ith, nth, &u0, &u1);
             for (int64_t u = u0; u < u1; ++u) {
-                const int64_t gu = u % groups, c = u / groups;
+                const int64_t gu = u % gunits, c = u / gunits;
                 const int64_t hk = gu % Hk, iq = (gu / Hk) % Nq, b = gu / (Hk * Nq), h0 = hk * rep;
                 const int64_t jb = imin(Nkv, c * chunk), je = imin(Nkv, jb + chunk);
                 float slope[4];
@@ -476,7 +475,7 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
     if (phase != n.n_phases - 1) return;  // the split-key phase runs only with the vector kernels
     // grouped heads (one conversion of each key/value tile for all heads sharing it) when there are enough groups
     // to keep every thread busy
-    if (rep >= 2 && gunits >= 8 && groupable && (!has_mask || mk.ne[2] == 1)) {  // fa_group: one mask for its heads
+    if (rep >= 2 && gunits >= 8 && groupable && one_mask) {
         int64_t g0, g1;
         split_range(gunits, ith, nth, &g0, &g1);
         for (int64_t u = g0; u < g1; ++u)
