@@ -88,6 +88,17 @@ def run(model, ids, out, n_gen):
 NEAR_TIE = 0.25
 
 
+def near_ties(margins: list[float], exact: np.ndarray) -> list[bool]:
+    """Per greedy step of llama.cpp: a near tie, where either token is right. That is where llama.cpp's best two
+    logits are within NEAR_TIE, or where the exact computation's are: `exact` holds the numpy backend's logits (float
+    activations, no 8-bit rounding) on llama.cpp's sequence, (n_steps, n_vocab). The second rule is needed because
+    llama.cpp's own rounding moves a margin by up to ~1: on an AMD EPYC (llama.cpp 0.3.36, AVX-512 build) its decode
+    steps put <|im_end|> 0.38 ahead of <|im_start|> on SmolLM2's Q4_1 file where its batched evaluation of the same
+    sequence says 0.14 and the exact one 0.00002, and on the Q4_K_M file 0.96 where the exact one says 0.016."""
+    top2 = np.sort(exact, axis=-1)[:, -2:]
+    return [m < NEAR_TIE or float(t[1] - t[0]) < NEAR_TIE for m, t in zip(margins, top2)]
+
+
 def greedy(model: str, ids: list[int], n_gen: int, out: str | Path) -> tuple[np.ndarray, list[int], list[float]]:
     """llama.cpp on `model`: the prompt's logits, then `n_gen` greedy tokens and each step's top-2 margin."""
     res = run(GREEDY_WORKER, str(model), list(ids), str(out), n_gen)
