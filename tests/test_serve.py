@@ -64,17 +64,22 @@ def test_scheduler_queue_cancel_stop_and_budget(tiny):
         try:
             long = m.tokenize("word " * 6)
             assert 8 < len(long) < 30  # prefilled in chunks of at most 8 tokens
-            reqs = [s.submit(long, GenParams(max_tokens=5, temperature=0, stop_at_eos=False)) for _ in range(2)]
+            # two for the free sequences (not admitted yet: the worker has not stepped) and two waiting
+            reqs = [s.submit(long, GenParams(max_tokens=5, temperature=0, stop_at_eos=False)) for _ in range(4)]
+            with pytest.raises(QueueFullError, match="2 requests are waiting"):
+                s.submit(long, GenParams(max_tokens=5))
+            s.step()  # admits two: two still wait
             with pytest.raises(QueueFullError):
                 s.submit(long, GenParams(max_tokens=5))
+            s.cancel(reqs[3])
+            s.step()  # drops the cancelled waiting request: room for one
             events = []
-            r3 = None
-            s.step()  # admits both: the queue has room again
             r3 = s.submit(long, GenParams(max_tokens=50, temperature=0, stop_at_eos=False), events.append)
             s.cancel(reqs[1])
             s.run_until_idle()
-            assert reqs[0].result().finish_reason == "length" and len(reqs[0].result().tokens) == 5
-            assert reqs[1].result().finish_reason == "cancelled"
+            for r in (reqs[0], reqs[2]):
+                assert r.result().finish_reason == "length" and len(r.result().tokens) == 5
+            assert reqs[1].result().finish_reason == "cancelled" and reqs[3].result().finish_reason == "cancelled"
             c3 = r3.result()
             assert c3.finish_reason == "length" and len(c3.tokens) == 64 - len(long)  # its sequence's context
             assert "".join(e.text for e in events if e.kind == "token") == c3.text
@@ -90,7 +95,7 @@ def test_scheduler_queue_cancel_stop_and_budget(tiny):
             assert "".join(e.text for e in ev2 if e.kind == "token") == c4.text
             met = s.metrics()
             assert met["active_sequences"] == 0 and met["kv_cells_used"] == 0 and met["plans_prepared"] == 1
-            assert met["requests_cancelled"] == 1 and met["requests_rejected"] == 1
+            assert met["requests_cancelled"] == 2 and met["requests_rejected"] == 2
         finally:
             s.close()
 

@@ -212,9 +212,11 @@ class Scheduler:
         with self._cond:
             if self._closing:
                 raise SchedulerClosedError("the server is shutting down")
-            if len(self._queue) >= self.max_queue:
+            # a request the worker has not admitted yet into a free sequence is not waiting for one
+            waiting = len(self._queue) - max(0, self.n_parallel - len(self._active))
+            if waiting >= self.max_queue:
                 self.requests_rejected += 1
-                raise QueueFullError(f"{len(self._queue)} requests are waiting (max_queue {self.max_queue})")
+                raise QueueFullError(f"{waiting} requests are waiting (max_queue {self.max_queue})")
             self._queue.append(req)
             self.requests_total += 1
             self._cond.notify_all()
