@@ -80,6 +80,25 @@ def test_graph_order_leafs_structure_key_dot():
     assert dot.startswith("digraph") and "MUL_MAT" in dot and "->" in dot
 
 
+def test_graph_puts_products_of_one_input_side_by_side(rng):
+    """A layer's q, k and v products (one computed input, each followed by its own ops) come out adjacent, in an order
+    that is still topological (a backend may compute them as one), with the same results."""
+    x = gp.input((2, 8), name="x")
+    h = ops.silu(x)
+    ws = [rng.standard_normal((16, 8)).astype(np.float32) for _ in range(3)]
+    q, k, v = (ops.mul_mat(gp.weight(w, name=f"w{i}"), h) for i, w in enumerate(ws))
+    out = ops.add(ops.add(ops.gelu(q), ops.silu(k)), v)
+    g = gp.Graph(out)
+    assert [n.op for n in g.nodes] == ["SILU", "MUL_MAT", "MUL_MAT", "MUL_MAT", "GELU", "SILU", "ADD", "ADD"]
+    pos = {n.id: i for i, n in enumerate(g.nodes)}
+    assert all(pos[s.id] < pos[n.id] for n in g.nodes for s in n.src if s is not None and s.id in pos)
+    xv = rng.standard_normal((2, 8)).astype(np.float32)
+    hv = xv / (1 + np.exp(-xv))
+    qv, kv, vv = (hv @ w.T for w in ws)
+    gelu = 0.5 * qv * (1 + np.tanh(0.7978845608 * (qv + 0.044715 * qv**3)))
+    np.testing.assert_allclose(run(out, {"x": xv}), gelu + kv / (1 + np.exp(-kv)) + vv, rtol=1e-4, atol=1e-4)
+
+
 # -- allocator -----------------------------------------------------------------------------------------------
 def test_allocator_reuses_memory_over_long_chain():
     n = 1 << 18  # 1 MiB of float32

@@ -550,6 +550,19 @@ def test_bench_model_profile_says_where_a_decode_step_goes() -> None:
     assert "decode step profile" in bench.report(r)
 
 
+@smollm2
+@pytest.mark.skipif("simd" not in BACKENDS, reason="the simd backend is not built")
+def test_simd_decode_plan_groups_each_layers_products_of_one_input() -> None:
+    """In SmolLM2's decode plan a layer's q, k and v products and its gate and up products each run as one simd
+    task: the graph puts them side by side and the allocator keeps their outputs apart (3 grouped per layer)."""
+    with load_model(default_model_path(), backends=["simd"], n_ctx=64, n_threads=2, progress=False) as m:
+        m.eval(m.tokenize("Hello"), last_only=True)
+        m.eval([42])
+        plan = m._plans[(1, False)].plan
+        info = plan.runs[0].split.backend.plan_info(plan.runs[0].plan)
+    assert info["grouped_products"] == 3 * m.hparams.n_layer, info
+
+
 _RSS_AFTER_GENERATE = """
 import sys
 from ggml_py import load_model

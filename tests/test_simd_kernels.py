@@ -22,6 +22,8 @@ import gguf.quants as gq  # noqa: E402
 from ggml_py_simd import _simd  # noqa: E402
 from simd_abi import OPS, Arena, Plan, PlanError, validate  # noqa: E402
 
+from ggml_py import native  # noqa: E402
+
 LEVELS = _simd.levels()
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, I32, I64, BF16 = 0, 1, 2, 3, 6, 7, 8, 26, 27, 30
@@ -588,6 +590,68 @@ def test_repacked_nbytes(t):
             want = 0 if level == "scalar" else int(M // 8 * 8 * per_row)  # scalar plans don't repack
             assert _simd.repacked_nbytes(t, K, M, level) == want
         assert _simd.repacked_nbytes(Q3_K, K, 64, level) == 0
+
+
+def _plan_info(p: Plan) -> dict:
+    return dict(_simd.plan_info(int(native.ffi().cast("uintptr_t", p.handle))))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_mul_mat_products_of_one_input_grouped(level, arena, n, rng):
+    """A layer's q, k, v products (different types, repacked or not) read one input: simd computes them as one task
+    (grouped_products), with the same results; a K-quant product (other activation format) stays apart."""
+    K = 512
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    X = arena.put(x)
+    nodes, outs, refs = [], [], []
+    for t, m, cid in [(Q4_1, 64, 901), (Q8_0, 24, 0), (Q4_0, 24, 902), (Q4_K, 16, 903)]:
+        wd, wref = _weight(arena, rng.standard_normal((m, K)).astype(np.float32), t)
+        D = arena.empty((n, m), np.float32)
+        nodes.append(("MUL_MAT", desc(arena, D), [(*wd, cid), desc(arena, X)], [], []))
+        outs.append(D)
+        refs.append(x.astype(np.float64) @ wref.astype(np.float64).T)
+    p = Plan(nodes, arena.ranges, [], 2, level)
+    p.compute([])
+    assert _plan_info(p)["grouped_products"] == 2
+    for D, ref in zip(outs, refs):
+        assert nmse(ref, D) < 5e-4
+
+
+def test_mul_mat_grouping_keeps_what_nodes_in_between_do(level, arena, rng):
+    """Products of one input with a node between them are grouped only where that is the same as running in order:
+    not when the node between writes their input, nor when it reads what the later product writes."""
+    K = 256
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    w1, w2 = (rng.standard_normal((32, K)).astype(np.float32) for _ in range(2))
+    (wd1, r1), (wd2, r2) = _weight(arena, w1, Q8_0), _weight(arena, w2, Q8_0)
+    # the node between overwrites the input (x = 2 x): the second product reads the new x
+    X = arena.put(x)
+    D1, D2 = arena.empty((1, 32), np.float32), arena.empty((1, 32), np.float32)
+    p = Plan([("MUL_MAT", desc(arena, D1), [wd1, desc(arena, X)], [], []),
+              ("SCALE", desc(arena, X), [desc(arena, X)], [], [2.0, 0.0]),
+              ("MUL_MAT", desc(arena, D2), [wd2, desc(arena, X)], [], [])], arena.ranges, [], 2, level)
+    p.compute([])
+    assert _plan_info(p)["grouped_products"] == 0
+    assert nmse(x.astype(np.float64) @ r1.T, D1) < 5e-4 and nmse(2.0 * x.astype(np.float64) @ r2.T, D2) < 5e-4
+    # the node between reads the buffer the second product writes (its old content)
+    X, OLD = arena.put(x), arena.put(np.full((1, 32), 3.0, np.float32))
+    D1, S = arena.empty((1, 32), np.float32), arena.empty((1, 32), np.float32)
+    p = Plan([("MUL_MAT", desc(arena, D1), [wd1, desc(arena, X)], [], []),
+              ("SCALE", desc(arena, S), [desc(arena, OLD)], [], [1.0, 1.0]),
+              ("MUL_MAT", desc(arena, OLD), [wd2, desc(arena, X)], [], [])], arena.ranges, [], 2, level)
+    p.compute([])
+    assert _plan_info(p)["grouped_products"] == 0
+    assert np.array_equal(S, np.full((1, 32), 4.0, np.float32))
+    assert nmse(x.astype(np.float64) @ r2.T, OLD) < 5e-4
+    # a node between that touches neither: grouped
+    X = arena.put(x)
+    D1, D2, S = (arena.empty((1, 32), np.float32) for _ in range(3))
+    p = Plan([("MUL_MAT", desc(arena, D1), [wd1, desc(arena, X)], [], []),
+              ("SCALE", desc(arena, S), [desc(arena, D1)], [], [1.0, 1.0]),
+              ("MUL_MAT", desc(arena, D2), [wd2, desc(arena, X)], [], [])], arena.ranges, [], 2, level)
+    p.compute([])
+    assert _plan_info(p)["grouped_products"] == 1
+    assert nmse(x.astype(np.float64) @ r2.T, D2) < 5e-4
 
 
 @pytest.mark.parametrize("t", [*REPACKED_TYPES, Q2_K, Q3_K, IQ4_NL, IQ4_XS])

@@ -83,7 +83,8 @@ class SimdBackend(native.NativeBackend):
         super().__init__(library, device, self.options)
 
     def plan_info(self, plan: Any) -> dict[str, Any]:
-        """What simd chose for a plan of this backend: level, n_threads, n_nodes, n_tasks, scratch."""
+        """What simd chose for a plan of this backend: level, n_threads, n_nodes, n_tasks, grouped_products
+        (matrix-vector products computed in the task of an earlier one that reads the same input), scratch."""
         return dict(_require().plan_info(int(native.ffi().cast("uintptr_t", plan.handle))))
 
     def weight_cache_bytes(self, weights: Sequence[Tensor]) -> int:

@@ -120,6 +120,10 @@ struct Node {
     std::atomic<int64_t>* counter = nullptr; // work-stealing counter (reset before every compute)
     // MUL_MAT: src0 (a constant weight) repacked 8 rows at a time for the GEMV kernels (see repack.h), or null
     const uint8_t* repack = nullptr;
+    // MUL_MAT matrix-vector products of one input computed as one task (Plan::group_gemvs): the next product of
+    // this node's group, and whether this node is a later member (it then has no task of its own)
+    Node* group_next = nullptr;
+    bool grouped = false;
 };
 
 struct ExecCtx {

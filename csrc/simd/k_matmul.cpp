@@ -300,6 +300,52 @@ static void gemm_unit(const Node& n, int64_t b2, int64_t b3, int64_t m0, int64_t
     }
 }
 
+// A quantized matrix-vector product (few activation rows, quantized in phase 0 into ctx.wdata) is cut into chunks of
+// weight rows (multiples of 8 when the weight is repacked); with several activation rows, a chunk small enough to
+// stay in L2 for all of them. A unit is one chunk of one batch entry.
+static int64_t gemv_chunk_rows(const Node& n, int nth) {
+    const Tensor& w = n.src[0];
+    const int64_t M = w.ne[1], N = n.src[1].ne[1];
+    int64_t chunk = (M + (int64_t)nth * 8 - 1) / ((int64_t)nth * 8);
+    if (N > 1) chunk = imin(chunk, imax(16, (int64_t)(256 * 1024) / imax(1, w.nb[1])));
+    return n.repack ? imax(16, (chunk + 7) & ~(int64_t)7) : imax(16, (chunk + 3) & ~(int64_t)3);
+}
+
+static int64_t gemv_units(const Node& n, int nth) {
+    const int64_t chunk = gemv_chunk_rows(n, nth);
+    return (n.src[0].ne[1] + chunk - 1) / chunk * n.src[1].ne[2] * n.src[1].ne[3];
+}
+
+static void gemv_unit(const Node& n, int64_t u, int nth, size_t ars, const ExecCtx& ctx) {
+    const Tensor& w = n.src[0];
+    const Tensor& x = n.src[1];
+    const Tensor& d = n.dst;
+    const int64_t K = w.ne[0], M = w.ne[1], N = x.ne[1], B2 = x.ne[2];
+    const int64_t r2 = B2 / w.ne[2], r3 = x.ne[3] / w.ne[3];
+    const int64_t chunk = gemv_chunk_rows(n, nth), nchunks = (M + chunk - 1) / chunk;
+    const int64_t c = u % nchunks, bb = u / nchunks;
+    const int64_t b2 = bb % B2, b3 = bb / B2;
+    const int64_t m0 = c * chunk, m1 = imin(M, m0 + chunk);
+    const uint8_t* wbase = w.data + (b2 / r2) * w.nb[2] + (b3 / r3) * w.nb[3];
+    const uint8_t* arow0 = ctx.wdata + (size_t)((b3 * B2 + b2) * N) * ars;
+    float* out0 = (float*)(d.data + b2 * d.nb[2] + b3 * d.nb[3]);
+    int64_t m = m0;
+#if GP_AVX2
+    // the repacked groups of 8 rows: the activation rows together
+    const int64_t full = n.repack ? (M / 8) * 8 : 0;
+    if (m < full) {
+        const int64_t me = imin(m1, full);
+        gemv_x8(w.type, n.repack + m * repack_row_bytes(w.type, K), (me - m) / 8, arow0, ars, (int)N, K, out0 + m,
+                (size_t)d.nb[1]);
+        m = me;
+    }
+#endif
+    if (m < m1)
+        for (int64_t i1 = 0; i1 < N; ++i1)
+            gemv_rows(w.type, wbase + m * w.nb[1], w.nb[1], m1 - m, arow0 + i1 * ars, K,
+                      (float*)((uint8_t*)out0 + i1 * d.nb[1]) + m);
+}
+
 void k_mul_mat(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     const Tensor& w = n.src[0];
     const Tensor& x = n.src[1];
@@ -334,38 +380,16 @@ void k_mul_mat(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
             }
             return;
         }
-        // phase 1: chunks of weight rows (multiples of 8 when the weight is repacked); with several activation rows,
-        // a chunk small enough to stay in L2 for all of them
-        const bool x8 = n.repack != nullptr;
-        int64_t chunk = (M + (int64_t)nth * 8 - 1) / ((int64_t)nth * 8);
-        if (N > 1) chunk = imin(chunk, imax(16, (int64_t)(256 * 1024) / imax(1, w.nb[1])));
-        chunk = x8 ? imax(16, (chunk + 7) & ~(int64_t)7) : imax(16, (chunk + 3) & ~(int64_t)3);
-        const int64_t nchunks = (M + chunk - 1) / chunk;
-        const int64_t units = nchunks * B2 * B3;
-        const int64_t full = x8 ? (M / 8) * 8 : 0;  // rows covered by the repacked groups
-        const int64_t rec_row = x8 ? repack_row_bytes(w.type, K) : 0;  // bytes per repacked row
+        // phase 1: the weight rows of this product (and of the products grouped with it, which read the same
+        // activations: see Plan::group_gemvs) as one pool of chunks
+        int64_t units = 0;
+        for (const Node* g = &n; g; g = g->group_next) units += gemv_units(*g, nth);
         for (;;) {
-            const int64_t u = n.counter->fetch_add(1, std::memory_order_relaxed);
+            int64_t u = n.counter->fetch_add(1, std::memory_order_relaxed);
             if (u >= units) break;
-            const int64_t c = u % nchunks, bb = u / nchunks;
-            const int64_t b2 = bb % B2, b3 = bb / B2;
-            const int64_t m0 = c * chunk, m1 = imin(M, m0 + chunk);
-            const uint8_t* wbase = w.data + (b2 / r2) * w.nb[2] + (b3 / r3) * w.nb[3];
-            const uint8_t* arow0 = ctx.wdata + (size_t)((b3 * B2 + b2) * N) * ars;
-            float* out0 = (float*)(d.data + b2 * d.nb[2] + b3 * d.nb[3]);
-            int64_t m = m0;
-#if GP_AVX2
-            // the repacked groups: the activation rows together
-            if (x8 && m < full) {
-                const int64_t me = imin(m1, full);
-                gemv_x8(w.type, n.repack + m * rec_row, (me - m) / 8, arow0, ars, (int)N, K, out0 + m, (size_t)d.nb[1]);
-                m = me;
-            }
-#endif
-            if (m < m1)
-                for (int64_t i1 = 0; i1 < N; ++i1)
-                    gemv_rows(w.type, wbase + m * w.nb[1], w.nb[1], m1 - m, arow0 + i1 * ars, K,
-                              (float*)((uint8_t*)out0 + i1 * d.nb[1]) + m);
+            const Node* g = &n;
+            for (int64_t gu; u >= (gu = gemv_units(*g, nth)); g = g->group_next) u -= gu;
+            gemv_unit(*g, u, nth, ars, ctx);
         }
         return;
     }

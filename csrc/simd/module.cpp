@@ -117,6 +117,7 @@ PYBIND11_MODULE(_simd, m) {
             d["n_threads"] = p->n_threads();
             d["n_nodes"] = p->n_nodes();
             d["n_tasks"] = p->n_tasks();
+            d["grouped_products"] = p->grouped_products();
             d["scratch"] = py::make_tuple(p->shared_scratch(), p->thread_scratch());
             return d;
         },

@@ -507,7 +507,9 @@ bool node_is_small(const Node& n) {
     int64_t work, threshold;
     switch (n.op) {
         case GGML_PY_OP_MUL_MAT:
-            work = a.ne[0] * a.ne[1] * n.src[1].ne[1] * n.src[1].ne[2] * n.src[1].ne[3];
+            work = 0;
+            for (const Node* g = &n; g; g = g->group_next)  // with the products grouped with it
+                work += g->src[0].ne[0] * g->src[0].ne[1] * g->src[1].ne[1] * g->src[1].ne[2] * g->src[1].ne[3];
             threshold = 96 * 1024;
             break;
         case GGML_PY_OP_FLASH_ATTN_EXT:
@@ -664,8 +666,12 @@ Plan::Plan(const std::vector<NodeDesc>& descs, const std::vector<Range>& ranges,
             }
         }
         n.n_phases = node_phases(n, rows_sym);
+    }
+    group_gemvs(node_symbolic);
+    for (Node& n : nodes_) {
         KernelFn fn = kt_->ops[n.op];
         if (!fn) throw PlanError(std::string(op_name(n.op)) + ": no kernel at level " + level_name(level_));
+        if (n.grouped) continue;  // computed in its group's first task
         for (int p = 0; p < n.n_phases; ++p) tasks_.push_back({fn, &n, p});
     }
     tstate_.reset(new TaskState[tasks_.size() > 0 ? tasks_.size() : 1]);
@@ -674,6 +680,69 @@ Plan::Plan(const std::vector<NodeDesc>& descs, const std::vector<Range>& ranges,
     errmsg_[0] = 0;
     schedule_tasks();
     alloc_scratch();
+}
+
+static bool overlaps(const Tensor& a, const Tensor& b) {
+    const int64_t ea = tensor_extent(a), eb = tensor_extent(b);
+    return ea > 0 && eb > 0 && a.data < b.data + eb && b.data < a.data + ea;
+}
+
+static bool same_view(const Tensor& a, const Tensor& b) {
+    if (a.type != b.type || a.data != b.data) return false;
+    for (int i = 0; i < 4; ++i)
+        if (a.ne[i] != b.ne[i] || a.nb[i] != b.nb[i]) return false;
+    return true;
+}
+
+// a quantized matrix-vector product of concrete shape, one weight matrix, whose phase 0 quantizes its input
+static bool gemv_groupable(const Node& n, bool symbolic) {
+    return !symbolic && n.op == GGML_PY_OP_MUL_MAT && n.n_phases == 2 && type_is_quant(n.src[0].type) &&
+           n.src[1].ne[1] < gemm_min_rows(n.src[0].type) && n.src[0].ne[2] == 1 && n.src[0].ne[3] == 1;
+}
+
+static bool group_enabled() {
+    static const bool v = [] {
+        const char* e = getenv("GGML_PY_SIMD_GROUP");
+        return !(e && e[0] == '0');
+    }();
+    return v;
+}
+
+// Matrix-vector products of one input (a layer's q, k and v, or its gate and up) become one task: the input is
+// quantized once and the rows of all their weights are one pool of work, so the threads wait for each other once
+// instead of once per product (at 2 threads, a small product's waits cost as much as its reads). A later product
+// joins a group only where computing it early is provably the same: it reads the same tensor, that no node in
+// between writes, and no node in between reads or writes its output (checked on the plan's concrete addresses;
+// nodes with symbolic shapes or addresses end the search).
+void Plan::group_gemvs(const std::vector<bool>& node_symbolic) {
+    enum { WINDOW = 8 };  // nodes looked at past a group's first product
+    if (!group_enabled()) return;
+    for (size_t i = 0; i < nodes_.size(); ++i) {
+        Node& first = nodes_[i];
+        if (first.grouped || !gemv_groupable(first, node_symbolic[i])) continue;
+        const bool a256 = weight_uses_a256(first.src[0].type);
+        std::vector<size_t> members{i};
+        for (size_t j = i + 1; j < nodes_.size() && j <= i + WINDOW; ++j) {
+            if (node_symbolic[j]) break;
+            Node& cand = nodes_[j];
+            if (cand.grouped || !gemv_groupable(cand, false) || !same_view(cand.src[1], first.src[1]) ||
+                weight_uses_a256(cand.src[0].type) != a256 || overlaps(cand.dst, first.src[1]))
+                continue;
+            bool safe = true;
+            for (size_t m : members) safe = safe && !overlaps(cand.dst, nodes_[m].dst);
+            for (size_t k = i + 1; k < j && safe; ++k) {
+                const Node& mid = nodes_[k];
+                if (mid.grouped) continue;  // a member, or computed with an earlier group
+                safe = !overlaps(mid.dst, cand.dst) && !overlaps(mid.dst, cand.src[0]) &&
+                       !overlaps(mid.dst, cand.src[1]);
+                for (int s = 0; s < MAX_SRC && safe; ++s) safe = !mid.has[s] || !overlaps(mid.src[s], cand.dst);
+            }
+            if (!safe) continue;
+            nodes_[members.back()].group_next = &cand;
+            cand.grouped = true;
+            members.push_back(j);
+        }
+    }
 }
 
 // Which tasks are small (one unit, run by whoever claims it: in practice the driving thread) and into how many

@@ -164,6 +164,12 @@ class Plan : public Job {
     void set_force_parallel(bool v);
     size_t n_nodes() const { return nodes_.size(); }
     size_t n_tasks() const { return tasks_.size(); }
+    // matrix-vector products computed in an earlier product's task (see group_gemvs)
+    size_t grouped_products() const {
+        size_t c = 0;
+        for (const Node& n : nodes_) c += n.grouped;
+        return c;
+    }
     size_t shared_scratch() const { return wsize_; }
     size_t thread_scratch() const { return tsize_; }
     int level() const { return level_; }
@@ -194,6 +200,7 @@ class Plan : public Job {
     bool run_unit(size_t t, uint64_t gen, const ExecCtx& ctx);
     void drive(uint64_t gen, int nth);
     void schedule_tasks();
+    void group_gemvs(const std::vector<bool>& node_symbolic);
 
     void bind(const int64_t* s);
     std::string check_node(const Node& n, size_t index, bool check_scratch) const;
