@@ -624,34 +624,31 @@ def test_mul_mat_grouping_keeps_what_nodes_in_between_do(level, arena, rng):
     x = rng.standard_normal((1, K)).astype(np.float32)
     w1, w2 = (rng.standard_normal((32, K)).astype(np.float32) for _ in range(2))
     (wd1, r1), (wd2, r2) = _weight(arena, w1, Q8_0), _weight(arena, w2, Q8_0)
-    # the node between overwrites the input (x = 2 x): the second product reads the new x
-    X = arena.put(x)
-    D1, D2 = arena.empty((1, 32), np.float32), arena.empty((1, 32), np.float32)
-    p = Plan([("MUL_MAT", desc(arena, D1), [wd1, desc(arena, X)], [], []),
-              ("SCALE", desc(arena, X), [desc(arena, X)], [], [2.0, 0.0]),
-              ("MUL_MAT", desc(arena, D2), [wd2, desc(arena, X)], [], [])], arena.ranges, [], 2, level)
-    p.compute([])
-    assert _plan_info(p)["grouped_products"] == 0
-    assert nmse(x.astype(np.float64) @ r1.T, D1) < 5e-4 and nmse(2.0 * x.astype(np.float64) @ r2.T, D2) < 5e-4
+
+    def run_around(X, D1, scale_dst, scale_src, D2) -> int:
+        """D1 = w1 X, then SCALE scale_src -> scale_dst (times 2 plus 1), then D2 = w2 X; returns grouped_products."""
+        p = Plan([("MUL_MAT", desc(arena, D1), [wd1, desc(arena, X)], [], []),
+                  ("SCALE", desc(arena, scale_dst), [desc(arena, scale_src)], [], [2.0, 1.0]),
+                  ("MUL_MAT", desc(arena, D2), [wd2, desc(arena, X)], [], [])], arena.ranges, [], 2, level)
+        p.compute([])
+        return _plan_info(p)["grouped_products"]
+
+    def vec(fill=0.0):
+        return arena.put(np.full((1, 32), fill, np.float32))
+
+    x64 = x.astype(np.float64)
+    # the node between overwrites the input (x = 2 x + 1): the second product reads the new x
+    X, D1, D2 = arena.put(x), vec(), vec()
+    assert run_around(X, D1, X, X, D2) == 0
+    assert nmse(x64 @ r1.T, D1) < 5e-4 and nmse((2.0 * x64 + 1) @ r2.T, D2) < 5e-4
     # the node between reads the buffer the second product writes (its old content)
-    X, OLD = arena.put(x), arena.put(np.full((1, 32), 3.0, np.float32))
-    D1, S = arena.empty((1, 32), np.float32), arena.empty((1, 32), np.float32)
-    p = Plan([("MUL_MAT", desc(arena, D1), [wd1, desc(arena, X)], [], []),
-              ("SCALE", desc(arena, S), [desc(arena, OLD)], [], [1.0, 1.0]),
-              ("MUL_MAT", desc(arena, OLD), [wd2, desc(arena, X)], [], [])], arena.ranges, [], 2, level)
-    p.compute([])
-    assert _plan_info(p)["grouped_products"] == 0
-    assert np.array_equal(S, np.full((1, 32), 4.0, np.float32))
-    assert nmse(x.astype(np.float64) @ r2.T, OLD) < 5e-4
+    X, D1, S, OLD = arena.put(x), vec(), vec(), vec(3.0)
+    assert run_around(X, D1, S, OLD, OLD) == 0
+    assert np.array_equal(S, np.full((1, 32), 7.0, np.float32)) and nmse(x64 @ r2.T, OLD) < 5e-4
     # a node between that touches neither: grouped
-    X = arena.put(x)
-    D1, D2, S = (arena.empty((1, 32), np.float32) for _ in range(3))
-    p = Plan([("MUL_MAT", desc(arena, D1), [wd1, desc(arena, X)], [], []),
-              ("SCALE", desc(arena, S), [desc(arena, D1)], [], [1.0, 1.0]),
-              ("MUL_MAT", desc(arena, D2), [wd2, desc(arena, X)], [], [])], arena.ranges, [], 2, level)
-    p.compute([])
-    assert _plan_info(p)["grouped_products"] == 1
-    assert nmse(x.astype(np.float64) @ r2.T, D2) < 5e-4
+    X, D1, S, D2 = arena.put(x), vec(), vec(), vec()
+    assert run_around(X, D1, S, D1, D2) == 1
+    assert nmse(x64 @ r2.T, D2) < 5e-4
 
 
 @pytest.mark.parametrize("t", [*REPACKED_TYPES, Q2_K, Q3_K, IQ4_NL, IQ4_XS])
