@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 
 from . import counters
 from .errors import PlanError
+from .schema import OPS
 from .tensor import INPUT, OUTPUT, PARAM, STATE, Tensor
 
 
@@ -111,25 +112,52 @@ def _deps(t: Tensor) -> list[Tensor]:
     return deps
 
 
+def _written_root(t: Tensor) -> int | None:
+    """The id of the tensor whose memory t writes besides its own (SET_ROWS's, CPY's destination), -1 for an op not
+    known here (it may write anything), None for the others."""
+    op = OPS.get(t.op or "")
+    if op is None:
+        return -1
+    return t.view_src.id if op.aliases is not None and t.view_src is not None else None
+
+
+def _read_roots(t: Tensor) -> set[int]:
+    return {(s.view_src if s.view_src is not None else s).id for s in t.src if s is not None}
+
+
 def _siblings_together(nodes: list[Tensor]) -> list[Tensor]:
     """The same topological order, except that a node whose op and one computed source it shares with an earlier
     node is moved up to right after that node when everything it depends on is already done there (a layer's q, k
     and v products, its gate and up): a backend sees them side by side and can compute them as one (simd reads
-    their common input once and waits for its threads once; the allocator keeps their outputs apart)."""
+    their common input once and waits for its threads once; the allocator keeps their outputs apart). A node that
+    writes into another tensor's memory stays in place, and nothing that reads that memory moves past it (a KV
+    cache read as a leaf after a SET_ROWS into it: an order the graph's edges do not state)."""
     consumers: dict[int, list[Tensor]] = {}
     for t in nodes:
         for s in {s.id: s for s in _deps(t)}.values():
             consumers.setdefault(s.id, []).append(t)
+    pos = {t.id: i for i, t in enumerate(nodes)}
+    writers = [(i, r) for i, t in enumerate(nodes) if (r := _written_root(t)) is not None]
     out: list[Tensor] = []
     done: set[int] = set()
+    w = 0  # writers[w] is the first writer not emitted yet
+
+    def may_move(sib: Tensor) -> bool:
+        if _written_root(sib) is not None or not all(d.id in done for d in _deps(sib)):
+            return False
+        reads = _read_roots(sib)
+        return not any(r == -1 or r in reads for i, r in writers[w:] if i < pos[sib.id])
+
     for t in nodes:
         if t.id in done:
             continue
         out.append(t)
         done.add(t.id)
+        while w < len(writers) and nodes[writers[w][0]].id in done:
+            w += 1
         for s in _deps(t):
             for sib in consumers[s.id]:
-                if sib.id not in done and sib.op == t.op and all(d.id in done for d in _deps(sib)):
+                if sib.id not in done and sib.op == t.op and may_move(sib):
                     out.append(sib)
                     done.add(sib.id)
     return out

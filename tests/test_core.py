@@ -99,6 +99,26 @@ def test_graph_puts_products_of_one_input_side_by_side(rng):
     np.testing.assert_allclose(run(out, {"x": xv}), gelu + kv / (1 + np.exp(-kv)) + vv, rtol=1e-4, atol=1e-4)
 
 
+def test_graph_moves_no_sibling_past_a_write_into_a_leaf(rng):
+    """A product that reads a cache (a leaf) after a SET_ROWS into it stays after the write, though it shares its op
+    and input with an earlier product: the graph has no edge between them, only the order."""
+    x, cache = gp.input((2, 8), name="x"), gp.input((4, 8), name="cache")
+    rows, idx = gp.input((1, 8), name="rows"), gp.input((1,), "I32", name="idx")
+    h = ops.silu(x)
+    w = rng.standard_normal((16, 8)).astype(np.float32)
+    q = ops.mul_mat(gp.weight(w, name="w"), h)
+    written = ops.set_rows(cache, rows, idx)
+    k = ops.mul_mat(cache, h)
+    assert [n.op for n in gp.Graph([q, written, k]).nodes] == ["SILU", "MUL_MAT", "SET_ROWS", "MUL_MAT"]
+    plan = gp.prepare([q, written, k], backends="numpy")
+    xv, cv, rv = (rng.standard_normal(s).astype(np.float32) for s in [(2, 8), (4, 8), (1, 8)])
+    for name, v in [("x", xv), ("cache", cv), ("rows", rv), ("idx", np.array([2], np.int32))]:
+        plan.set_input(name, v)
+    plan.compute()
+    cv[2] = rv[0]
+    np.testing.assert_allclose(plan.get_output(k), (xv / (1 + np.exp(-xv))) @ cv.T, rtol=1e-5, atol=1e-5)
+
+
 # -- allocator -----------------------------------------------------------------------------------------------
 def test_allocator_reuses_memory_over_long_chain():
     n = 1 << 18  # 1 MiB of float32
