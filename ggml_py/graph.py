@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 
 from . import counters
@@ -145,8 +146,13 @@ def _siblings_together(nodes: list[Tensor]) -> list[Tensor]:
     def may_move(sib: Tensor) -> bool:
         if _written_root(sib) is not None or not all(d.id in done for d in _deps(sib)):
             return False
-        reads = _read_roots(sib)
-        return not any(r == -1 or r in reads for i, r in writers[w:] if i < pos[sib.id])
+        reads, at = _read_roots(sib), pos[sib.id]
+        for i, r in itertools.islice(writers, w, None):  # the writers not emitted yet, in order
+            if i >= at:
+                return True
+            if r == -1 or r in reads:
+                return False
+        return True
 
     for t in nodes:
         if t.id in done:

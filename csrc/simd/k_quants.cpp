@@ -228,6 +228,28 @@ static void deq_q6_K(const blk_q6_K* x, float* y, int64_t nb) {
         const int8_t* sc = x[i].scales;
         float* out = y + 256 * i;
         for (int h = 0; h < 2; ++h) {
+#if GP_AVX2
+            // 8 columns l.. of each of the four 32-element quarters; the scale changes every 16 columns
+            const __m256i m4 = _mm256_set1_epi32(0x0f), m2 = _mm256_set1_epi32(3), off = _mm256_set1_epi32(32);
+            for (int l = 0; l < 32; l += 8) {
+                const int is = l / 16;
+                const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(ql + l)));
+                const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(ql + l + 32)));
+                const __m256i hb = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qh + l)));
+                const __m256i q[4] = {
+                    _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi32(_mm256_and_si256(hb, m2), 4)),
+                    _mm256_or_si256(_mm256_and_si256(b, m4),
+                                    _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hb, 2), m2), 4)),
+                    _mm256_or_si256(_mm256_srli_epi32(a, 4),
+                                    _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hb, 4), m2), 4)),
+                    _mm256_or_si256(_mm256_srli_epi32(b, 4), _mm256_slli_epi32(_mm256_srli_epi32(hb, 6), 4))};
+                for (int t = 0; t < 4; ++t) {
+                    const __m256 ds = _mm256_set1_ps(d * (float)sc[is + 2 * t]);
+                    const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(q[t], off));
+                    _mm256_storeu_ps(out + l + 32 * t, _mm256_mul_ps(ds, v));
+                }
+            }
+#else
             for (int l = 0; l < 32; ++l) {
                 const int is = l / 16;
                 const int q1 = (int)((ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4)) - 32;
@@ -239,6 +261,7 @@ static void deq_q6_K(const blk_q6_K* x, float* y, int64_t nb) {
                 out[l + 64] = d * (float)sc[is + 4] * (float)q3;
                 out[l + 96] = d * (float)sc[is + 6] * (float)q4;
             }
+#endif
             out += 128;
             ql += 64;
             qh += 32;
