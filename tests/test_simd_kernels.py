@@ -495,9 +495,10 @@ REPACKED_TYPES = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K]
 
 @pytest.mark.parametrize("t", REPACKED_TYPES)
 @pytest.mark.parametrize("m", [8, 45, 200])
-@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("n", [1, 3, 21])
 def test_mul_mat_repacked_weights(level, arena, t, m, n, rng):
-    """A weight marked constant (const id) is repacked 8 rows at a time for GEMV; results match the plain path."""
+    """A weight marked constant (const id) is repacked 8 rows at a time; results match the plain path (at 21 rows:
+    the repacked weights' integer path against the F32 GEMM of the others, or the row kernels at scalar level)."""
     K = 512
     w = rng.standard_normal((m, K)).astype(np.float32)
     wd, wref = _weight(arena, w, t)
@@ -540,12 +541,12 @@ def test_mul_mat_repacked_q45_01(arena, t, m, k, n, rng):
 
 
 @pytest.mark.skipif("avx2" not in LEVELS, reason="no avx2 on this CPU")
-@pytest.mark.parametrize("t", [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0])
+@pytest.mark.parametrize("t", REPACKED_TYPES)
 @pytest.mark.parametrize("n", [2, 4, 7])
 def test_mul_mat_repacked_rows_together_equal_rows_alone(arena, t, n, rng):
     """The x8 kernels take up to 4 activation rows per pass over the weights; each row's result is bit-identical to
     the row computed alone (what makes a batched decode step equal single steps), at 2 threads."""
-    m, k = 40, 576
+    m, k = 40, 576 if QBLOCK[t][0] == 32 else 512
     wd, _ = _weight(arena, rng.standard_normal((m, k)).astype(np.float32), t)
     x = rng.standard_normal((n, k)).astype(np.float32)
     D = arena.empty((n, m), np.float32)

@@ -298,8 +298,8 @@ float vec_dot_w(int type, const void* w, const uint8_t* act, int64_t k);
 // nr consecutive weight rows (stride wstride) against one activation row -> out[nr]
 void gemv_rows(int type, const uint8_t* w, int64_t wstride, int64_t nr, const uint8_t* act, int64_t k, float* out);
 #if GP_AVX2
-// ngroups groups of 8 repacked rows ("x8", see common.h) against one activation row -> out[8 * ngroups]
-// nrows activation rows (astride bytes apart) against ngroups x8 records; output rows ostride bytes apart
+// ngroups groups of 8 repacked rows ("x8", see common.h) against nrows activation rows (astride bytes apart) ->
+// out[8 * ngroups] per row, output rows ostride bytes apart
 void gemv_x8(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int nrows, int64_t k,
              float* out, size_t ostride);
 #endif

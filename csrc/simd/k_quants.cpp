@@ -1224,56 +1224,75 @@ static inline void unpack_x8_q45(const uint8_t* qs, int c, __m256i& h, __m256i& 
     }
 }
 
+// output row r of rows `ostride` bytes apart
+static inline float* out_row(float* out, int r, size_t ostride) { return (float*)((uint8_t*)out + r * ostride); }
+
 // Q4_K / Q5_K x8 (common.h). Q5_K's fifth bit makes the quants 0..31, so one 16-bit sum holds only two of a
 // sub-block's four chunks (2 x 2 x 31 x 127 < 2^15): it takes two madds with the scale where Q4_K takes one.
-template <bool Five>
-static void gemv_x8_q45_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act, int64_t k, float* out) {
+// R activation rows share each record's unpacking; every row's result is the same whatever R.
+template <bool Five, int R>
+static void gemv_x8_q45_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int64_t k,
+                          float* out, size_t ostride) {
     constexpr int64_t size = Five ? 1440 : 1184, meta = Five ? 1280 : 1024;
     const int64_t nb = k / 256;
-    const auto [aq, ad, bs] = a256_parts(act, k);
+    A256Parts a[R];
+    for (int r = 0; r < R; ++r) a[r] = a256_parts(act + r * astride, k);
     for (int64_t g = 0; g < ngroups; ++g) {
         const uint8_t* p = rec + g * nb * size;
-        __m256 acc = _mm256_setzero_ps();
+        __m256 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
         for (int64_t s = 0; s < nb; ++s, p += size) {
-            const int32_t* a32 = (const int32_t*)(aq + 256 * s);
-            const int16_t* b = bs + 16 * s;
-            __m256i sumi = _mm256_setzero_si256(), mi = _mm256_setzero_si256();
+            __m256i sumi[R], mi[R];
+            for (int r = 0; r < R; ++r) sumi[r] = mi[r] = _mm256_setzero_si256();
             for (int j = 0; j < 8; ++j) {
                 const uint8_t* q = p + 128 * j;
                 _mm_prefetch((const char*)(q + 2 * size), _MM_HINT_T0);
                 _mm_prefetch((const char*)(q + 2 * size + 64), _MM_HINT_T0);
                 __m256i h = Five ? _mm256_loadu_si256((const __m256i*)(p + 1024 + 32 * j)) : _mm256_setzero_si256();
-                __m256i s16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+                __m256i s16[R][2];
+                for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
                 for (int c = 0; c < 4; ++c) {
                     __m256i lo, hi;
                     unpack_x8_q45<Five>(q, c, h, lo, hi);
-                    __m256i& t = s16[Five ? c / 2 : 0];
-                    t = _mm256_add_epi16(t, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a32[8 * j + 2 * c])));
-                    t = _mm256_add_epi16(t, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a32[8 * j + 2 * c + 1])));
+                    for (int r = 0; r < R; ++r) {
+                        const int32_t* a32 = (const int32_t*)(a[r].qs + 256 * s) + 8 * j + 2 * c;
+                        __m256i& t = s16[r][Five ? c / 2 : 0];
+                        t = _mm256_add_epi16(t, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a32[0])));
+                        t = _mm256_add_epi16(t, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a32[1])));
+                    }
                 }
                 const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + meta + 8 * j)));
                 const __m256i sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(s16[0], sc2));
-                if constexpr (Five) sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(s16[1], sc2));
                 const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + meta + 64 + 8 * j)));
-                const int pair = (int)b[2 * j] + (int)b[2 * j + 1];
-                mi = _mm256_add_epi32(mi, _mm256_madd_epi16(mn, _mm256_set1_epi32(pair & 0xffff)));
+                for (int r = 0; r < R; ++r) {
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(s16[r][0], sc2));
+                    if constexpr (Five) sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(s16[r][1], sc2));
+                    const int16_t* b = a[r].bsums + 16 * s;
+                    const int pair = (int)b[2 * j] + (int)b[2 * j + 1];
+                    mi[r] = _mm256_add_epi32(mi[r], _mm256_madd_epi16(mn, _mm256_set1_epi32(pair & 0xffff)));
+                }
             }
-            const __m256 vda = _mm256_set1_ps(ad[s]);
-            const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + meta + 128))), vda);
-            const __m256 dmin = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + meta + 144))), vda);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), d, acc);
-            acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mi), dmin, acc);
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + meta + 128)));
+            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + meta + 144)));
+            for (int r = 0; r < R; ++r) {
+                const __m256 vda = _mm256_set1_ps(a[r].d[s]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(dw, vda), acc[r]);
+                acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mi[r]), _mm256_mul_ps(mw, vda), acc[r]);
+            }
         }
-        _mm256_storeu_ps(out + 8 * g, acc);
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(out_row(out, r, ostride) + 8 * g, acc[r]);
     }
 }
 
 // Q6_K x8 (common.h): the unsigned 6-bit quants enter maddubs as they are (0..63, so two maddubs results still fit
-// in i16); their -32 offset is applied once per super-block through the activations' 16-sums, as the row kernel does.
-static void gemv_x8_q6_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act, int64_t k, float* out) {
+// in i16); their -32 offset is applied through the activations' 16-sums, as the row kernel does. R activation rows
+// share each record's unpacking; every row's integer sums, hence its result, are the same whatever R.
+template <int R>
+static void gemv_x8_q6_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int64_t k,
+                         float* out, size_t ostride) {
     const int64_t nb = k / 256;
-    const auto [aq, ad, bs] = a256_parts(act, k);
+    A256Parts a[R];
+    for (int r = 0; r < R; ++r) a[r] = a256_parts(act + r * astride, k);
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     const __m256i m30 = _mm256_set1_epi8(0x30);
     // i32 lane r = (scale of sub-block 2p, scale of 2p+1) as i16 -> both halves the first / the second
@@ -1283,11 +1302,11 @@ static void gemv_x8_q6_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act
                                           2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
     for (int64_t g = 0; g < ngroups; ++g) {
         const uint8_t* p = rec + g * nb * 1680;
-        __m256 acc = _mm256_setzero_ps();
+        __m256 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
         for (int64_t s = 0; s < nb; ++s, p += 1680) {
-            const int32_t* a32 = (const int32_t*)(aq + 256 * s);
-            const int16_t* b = bs + 16 * s;
-            __m256i sumi = _mm256_setzero_si256(), mi = _mm256_setzero_si256();
+            __m256i sumi[R];
+            for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
             for (int jp = 0; jp < 8; ++jp) {  // pairs of sub-blocks: 192 bytes of quants, 16 bytes of scales
                 const uint8_t* q = p + 192 * jp;
                 _mm_prefetch((const char*)(q + 3360), _MM_HINT_T0);
@@ -1295,9 +1314,12 @@ static void gemv_x8_q6_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act
                 _mm_prefetch((const char*)(q + 3360 + 128), _MM_HINT_T0);
                 if (jp < 3) _mm_prefetch((const char*)(p + 3360 + 1536 + 64 * jp), _MM_HINT_T0);
                 const __m256i sc2 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 1536 + 16 * jp)));
-                int32_t bpair;  // the activations' 16-sums of the two sub-blocks, as one i16 pair
-                memcpy(&bpair, b + 2 * jp, 4);
-                mi = _mm256_add_epi32(mi, _mm256_madd_epi16(sc2, _mm256_set1_epi32(bpair)));
+                for (int r = 0; r < R; ++r) {  // the offset: -32 x scale x the activations' 16-sums
+                    int32_t bpair;  // the two sub-blocks' sums, as one i16 pair
+                    memcpy(&bpair, a[r].bsums + 16 * s + 2 * jp, 4);
+                    const __m256i mi = _mm256_madd_epi16(sc2, _mm256_set1_epi32(bpair));
+                    sumi[r] = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(mi, 5));
+                }
                 for (int h = 0; h < 2; ++h) {
                     const uint8_t* u = q + 96 * h;
                     const int j = 2 * jp + h;
@@ -1311,26 +1333,26 @@ static void gemv_x8_q6_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act
                     const __m256i q2 = _mm256_or_si256(_mm256_and_si256(L1, m4), _mm256_and_si256(H, m30));
                     const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), m4),
                                                        _mm256_and_si256(_mm256_srli_epi16(H, 2), m30));
-                    const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(q0, _mm256_set1_epi32(a32[4 * j])),
-                                                         _mm256_maddubs_epi16(q1, _mm256_set1_epi32(a32[4 * j + 1])));
-                    const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(q2, _mm256_set1_epi32(a32[4 * j + 2])),
-                                                         _mm256_maddubs_epi16(q3, _mm256_set1_epi32(a32[4 * j + 3])));
                     const __m256i sc = _mm256_shuffle_epi8(sc2, h ? dup1 : dup0);
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(s01, sc));
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(s23, sc));
+                    for (int r = 0; r < R; ++r) {
+                        const int32_t* a32 = (const int32_t*)(a[r].qs + 256 * s) + 4 * j;
+                        const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(q0, _mm256_set1_epi32(a32[0])),
+                                                             _mm256_maddubs_epi16(q1, _mm256_set1_epi32(a32[1])));
+                        const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(q2, _mm256_set1_epi32(a32[2])),
+                                                             _mm256_maddubs_epi16(q3, _mm256_set1_epi32(a32[3])));
+                        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(s01, sc));
+                        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(s23, sc));
+                    }
                 }
             }
-            sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(mi, 5));
-            const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 1664))),
-                                           _mm256_set1_ps(ad[s]));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), d, acc);
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 1664)));
+            for (int r = 0; r < R; ++r)
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(dw, _mm256_set1_ps(a[r].d[s])),
+                                         acc[r]);
         }
-        _mm256_storeu_ps(out + 8 * g, acc);
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(out_row(out, r, ostride) + 8 * g, acc[r]);
     }
 }
-
-// output row r of rows `ostride` bytes apart
-static inline float* out_row(float* out, int r, size_t ostride) { return (float*)((uint8_t*)out + r * ostride); }
 
 // Q4_0 / Q4_1 / Q5_0 / Q5_1 x8 (common.h): the unsigned quants (Q5: the fifth bit ORed in as bit 4) against the
 // activations; the offset (Q4_1/Q5_1: m, Q4_0: -8 d, Q5_0: -16 d) is applied through the activations' block sums.
@@ -1422,8 +1444,8 @@ static void gemv_x8_q8_0(const uint8_t* rec, int64_t ngroups, const uint8_t* act
     }
 }
 
-// R activation rows at once (consecutive rows `astride` bytes apart; outputs `ostride` bytes apart): the 32-element
-// types read and unpack each weight record once for all of them; each row's result is bit-identical to a lone row's.
+// R activation rows at once (consecutive rows `astride` bytes apart; outputs `ostride` bytes apart): each weight
+// record is read and unpacked once for all of them; each row's result is bit-identical to a lone row's.
 template <int R>
 static void gemv_x8_r(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int64_t k,
                       float* out, size_t ostride) {
@@ -1433,23 +1455,15 @@ static void gemv_x8_r(int type, const uint8_t* rec, int64_t ngroups, const uint8
         case T_Q5_0: gemv_x8_q45_01<T_Q5_0, R>(rec, ngroups, act, astride, k, out, ostride); break;
         case T_Q5_1: gemv_x8_q45_01<T_Q5_1, R>(rec, ngroups, act, astride, k, out, ostride); break;
         case T_Q8_0: gemv_x8_q8_0<R>(rec, ngroups, act, astride, k, out, ostride); break;
+        case T_Q4_K: gemv_x8_q45_K<false, R>(rec, ngroups, act, astride, k, out, ostride); break;
+        case T_Q5_K: gemv_x8_q45_K<true, R>(rec, ngroups, act, astride, k, out, ostride); break;
+        case T_Q6_K: gemv_x8_q6_K<R>(rec, ngroups, act, astride, k, out, ostride); break;
         default: break;
     }
 }
 
 void gemv_x8(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int nrows, int64_t k,
              float* out, size_t ostride) {
-    if (weight_uses_a256(type)) {  // the K-quants: one row at a time
-        for (int i = 0; i < nrows; ++i, act += astride, out = out_row(out, 1, ostride)) {
-            switch (type) {
-                case T_Q4_K: gemv_x8_q45_K<false>(rec, ngroups, act, k, out); break;
-                case T_Q5_K: gemv_x8_q45_K<true>(rec, ngroups, act, k, out); break;
-                case T_Q6_K: gemv_x8_q6_K(rec, ngroups, act, k, out); break;
-                default: break;
-            }
-        }
-        return;
-    }
     for (; nrows >= 4; nrows -= 4, act += 4 * astride, out = out_row(out, 4, ostride))
         gemv_x8_r<4>(type, rec, ngroups, act, astride, k, out, ostride);
     if (nrows == 3) gemv_x8_r<3>(type, rec, ngroups, act, astride, k, out, ostride);
