@@ -161,10 +161,12 @@ struct Scratch {
 // Rows of activations at or above which MUL_MAT of weights of `type` takes the tiled F32 GEMM path (dequantizing the
 // weights); below, each row is an integer dot product against the weight chunk, which stays in cache for all the
 // rows (activations rounded to 8 bits per row, as llama.cpp does at every size). 16 by default
-// (GGML_PY_SIMD_GEMM_ROWS); the repacked 32-element types (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0: repack_serves_gemm), whose 8-row
-// records the integer path reads, take it at every row count (GGML_PY_SIMD_GEMM_ROWS_X8 sets a threshold). Measured on
-// SmolLM2 Q4_1 (2 threads), integer vs GEMM: 16 tokens 735 vs 372 tok/s, 128: ~720 vs ~570, 512: 564 vs 510; Q5_0
-// (then not repacked) at 128 tokens: 234 vs 565. Read once.
+// (GGML_PY_SIMD_GEMM_ROWS); the types the backend repacks into 8-row records (repack_supported: Q4_0/Q4_1/Q5_0/
+// Q5_1/Q8_0/Q4_K/Q5_K/Q6_K), whose integer kernels take 4 activation rows per pass over a record, take it at every
+// row count (GGML_PY_SIMD_GEMM_ROWS_X8 sets a threshold). Measured on SmolLM2 (2 threads), integer vs GEMM: Q4_1 16
+// tokens 735 vs 372 tok/s, 128: ~720 vs ~570, 512: 564 vs 510; Q6_K ffn_down (the rest Q8_0) 32 / 128 / 512 tokens
+// 1061 / 1072 / 839 vs 749 / 914 / 658; Q4_K_M 128 tokens 1254 vs 1068. Q5_0 (then not repacked) at 128 tokens: 234
+// vs 565. Read once.
 int64_t gemm_min_rows(int type);
 
 // FLASH_ATTN_EXT of a decode step splits the keys into this many ranges at most, of ~128 keys each; a partial result
@@ -199,16 +201,12 @@ static inline int64_t FA_PART(int64_t dv) { return dv + 4; }
 //         r's 2 high bits of elements 16j+4t+i at bits 2t..2t+1, t = 0..3); then sc[128] at 1536 (int8 scale of row
 //         r, sub-block j at 16(j/2) + 2r + (j&1): widened to i16, sub-blocks 2p and 2p+1 form one i32 lane per row);
 //         then d[8] (f16) at 1664.
-// Rows beyond the last full group stay in the original layout.
+// Rows beyond the last full group stay in the original layout. Every product of a repacked weight (the integer path,
+// and the GEMM where forced) reads the repacked copy, which replaces the original: its memory, usually mapped from the
+// GGUF file, is handed back to the OS once repacked (get_repacked).
 static inline bool repack_supported(int t) {
     return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0 || t == T_Q4_K || t == T_Q5_K ||
            t == T_Q6_K;
-}
-// Types whose GEMM (prefill) also reads the repacked copy: for them the repacked copy replaces the original (whose
-// memory, usually mapped from the GGUF file, is handed back to the OS once repacked; see get_repacked). The K-quants
-// are repacked for the GEMV kernels only, and keep both.
-static inline bool repack_serves_gemm(int t) {
-    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0;
 }
 // bytes per repacked row (a group of 8 rows takes 8 times this)
 static inline int64_t repack_row_bytes(int t, int64_t k) {

@@ -55,10 +55,46 @@ static void pack_w_panel(const float* const* rows, int nr, int64_t kc, float* ou
 }
 
 #if GP_AVX2
-// Row r (0..7) of an 8-row group of a repacked Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weight, columns [pc, pc + kc)
-// (multiples of 32), as floats: the records of the group's blocks hold row r's quants as 4-byte pieces at 32c + 4r
-// (see common.h).
+// Row r (0..7) of an 8-row group of a repacked Q4_K / Q5_K / Q6_K weight, columns [pc, pc + kc) (multiples of 256),
+// as floats, element by element from the record layout of common.h. Only a GEMM forced onto these weights
+// (GGML_PY_SIMD_GEMM_ROWS_X8) reads it: their products take the integer path at every row count.
+static void dequant_x8_row_k(int type, const uint8_t* group, int r, int64_t pc, int64_t kc, float* out) {
+    const int64_t size = 8 * repack_row_bytes(type, 256);
+    for (int64_t s = pc / 256; s < (pc + kc) / 256; ++s, out += 256) {
+        const uint8_t* p = group + s * size;
+        if (type == T_Q6_K) {
+            const float d = fp16_to_fp32(((const uint16_t*)(p + 1664))[r]);
+            for (int j = 0; j < 16; ++j) {
+                const float dl = d * (float)(int8_t)p[1536 + 16 * (j / 2) + 2 * r + (j & 1)];
+                const uint8_t* u = p + 96 * j;
+                for (int e = 0; e < 16; ++e) {
+                    const int lo = (u[32 * (e / 8) + 4 * r + (e & 3)] >> (e & 4)) & 0x0f;
+                    const int hi = (u[64 + 4 * r + (e & 3)] >> (2 * (e / 4))) & 3;
+                    out[16 * j + e] = dl * (float)((lo | (hi << 4)) - 32);
+                }
+            }
+            continue;
+        }
+        const bool five = type == T_Q5_K;
+        const int64_t meta = five ? 1280 : 1024;
+        const float d = fp16_to_fp32(((const uint16_t*)(p + meta + 128))[r]);
+        const float dmin = fp16_to_fp32(((const uint16_t*)(p + meta + 144))[r]);
+        for (int j = 0; j < 8; ++j) {
+            const float d1 = d * (float)p[meta + 8 * j + r], m1 = dmin * (float)p[meta + 64 + 8 * j + r];
+            for (int t = 0; t < 32; ++t) {
+                const int c = t / 8, i = t & 3, high = (t & 4) != 0;
+                int q = (p[128 * j + 32 * c + 4 * r + i] >> (4 * high)) & 0x0f;
+                if (five) q |= ((p[1024 + 32 * j + 4 * r + i] >> (2 * c + high)) & 1) << 4;
+                out[32 * j + t] = d1 * (float)q - m1;
+            }
+        }
+    }
+}
+
+// Row r (0..7) of an 8-row group of a repacked weight, columns [pc, pc + kc) (multiples of the block), as floats:
+// the records of the 32-element types' blocks hold row r's quants as 4-byte pieces at 32c + 4r (see common.h).
 static void dequant_x8_row(int type, const uint8_t* group, int r, int64_t pc, int64_t kc, float* out) {
+    if (weight_uses_a256(type)) return dequant_x8_row_k(type, group, r, pc, kc, out);
     const int64_t size = 8 * (int64_t)type_size(type);
     for (int64_t b = pc / 32; b < (pc + kc) / 32; ++b, out += 32) {
         const uint8_t* rec = group + b * size;
@@ -102,13 +138,12 @@ static void dequant_x8_row(int type, const uint8_t* group, int r, int64_t pc, in
 #endif
 
 // Pack weight rows [m0, m0+mc) x cols [pc, pc+kc) into 16-row panels (dequantizing). tmp: 16*kc floats. With a
-// repacked weight (x8, non-null for the types of repack_serves_gemm), its whole 8-row groups are read from there: the
-// file's copy of the weight is then never read again and its memory can be given back (get_repacked).
+// repacked weight (x8, non-null), its whole 8-row groups are read from there: the file's copy of the weight is then
+// never read again and its memory can be given back (get_repacked).
 static void pack_weights(const Tensor& w, const uint8_t* wbase, const uint8_t* x8, int64_t m0, int64_t mc,
                          int64_t pc, int64_t kc, float* wp, float* tmp) {
     const int64_t col_off = row_bytes(w.type, pc);
-    const int64_t full = x8 ? (w.ne[1] / 8) * 8 : 0, nb = w.ne[0] / 32;
-    const int64_t rec = 8 * (int64_t)type_size(w.type);
+    const int64_t full = x8 ? (w.ne[1] / 8) * 8 : 0, group = 8 * repack_row_bytes(w.type, w.ne[0]);
     for (int64_t p = 0; p < mc; p += 16) {
         const int nr = (int)imin(16, mc - p);
         const float* rows[16];
@@ -116,7 +151,7 @@ static void pack_weights(const Tensor& w, const uint8_t* wbase, const uint8_t* x
 #if GP_AVX2
             const int64_t row = m0 + p + r;
             if (row < full) {
-                dequant_x8_row(w.type, x8 + (row / 8) * nb * rec, (int)(row % 8), pc, kc, tmp + r * kc);
+                dequant_x8_row(w.type, x8 + (row / 8) * group, (int)(row % 8), pc, kc, tmp + r * kc);
                 rows[r] = tmp + r * kc;
                 continue;
             }
@@ -283,7 +318,7 @@ static void gemm_unit(const Node& n, int64_t b2, int64_t b3, int64_t m0, int64_t
     const int64_t mc = m1 - m0;
     for (int64_t pc = 0; pc < K; pc += GEMM_KC) {
         const int64_t kc = imin(GEMM_KC, K - pc);
-        pack_weights(w, wbase, n.repack && repack_serves_gemm(w.type) ? n.repack : nullptr, m0, mc, pc, kc, wp, tmp);
+        pack_weights(w, wbase, n.repack, m0, mc, pc, kc, wp, tmp);
         for (int64_t ic = 0; ic < N; ic += GEMM_MC) {
             const int64_t nc = imin(GEMM_MC, N - ic);
             pack_acts(x, xbase, ic, nc, pc, kc, ap);

@@ -200,8 +200,7 @@ std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w) {
         else if (w.type == T_Q4_K) repack_q45_K<blk_q4_K>(w, buf->data, g0, g1);
         else if (w.type == T_Q5_K) repack_q45_K<blk_q5_K>(w, buf->data, g0, g1);
         else repack_q6_K(w, buf->data, g0, g1);
-        if (repack_serves_gemm(w.type))
-            release_pages(w.data + g0 * 8 * w.nb[1], (size_t)(g1 - g0) * 8 * (size_t)w.nb[1]);
+        release_pages(w.data + g0 * 8 * w.nb[1], (size_t)(g1 - g0) * 8 * (size_t)w.nb[1]);
     }
     (*cache)[key] = buf;
     return buf;

@@ -444,7 +444,7 @@ static int64_t env_rows(const char* name, long long dflt) {
 int64_t gemm_min_rows(int type) {
     static const int64_t x8 = env_rows("GGML_PY_SIMD_GEMM_ROWS_X8", INT64_C(1) << 40),
                          other = env_rows("GGML_PY_SIMD_GEMM_ROWS", 16);
-    return repack_serves_gemm(type) ? x8 : other;
+    return repack_supported(type) ? x8 : other;
 }
 
 static size_t pad64(size_t x) { return (x + 63) & ~(size_t)63; }
@@ -654,10 +654,8 @@ Plan::Plan(const std::vector<NodeDesc>& descs, const std::vector<Range>& ranges,
         if (n.op == GGML_PY_OP_MUL_MAT)
             for (const Patch& p : patches_)
                 if (p.target == &n.src[1].ne[1]) rows_sym = true;
-        // constant weights of matrix-vector products (and of every product, for the types whose GEMM reads it):
-        // interleave 8 rows once (shared by all plans)
+        // constant weights of products: interleave 8 rows once (shared by all plans)
         if (n.op == GGML_PY_OP_MUL_MAT && kt_->uses_repack && descs[i].src[0].const_id != 0 && !node_symbolic_src0(descs[i]) &&
-            (rows_sym || n.src[1].ne[1] < gemm_min_rows(n.src[0].type) || repack_serves_gemm(n.src[0].type)) &&
             repack_supported(n.src[0].type)) {
             auto rp = get_repacked(descs[i].src[0].const_id, n.src[0]);
             if (rp) {
