@@ -236,7 +236,7 @@ class Plan : public Job {
     void maybe_poll(size_t task, uint32_t units);
     std::unique_ptr<TaskState[]> tstate_;
     std::vector<ExecCtx> tctx_;  // per thread
-    alignas(64) std::atomic<uint64_t> cur_{0};  // (generation << 32) | task being worked on
+    alignas(64) std::atomic<uint64_t> cur_{0};  // (generation << 32) | the last task published (or the end)
     uint64_t gen_ = 0;
     int run_nth_ = 1;
     std::mutex mutex_;
