@@ -268,6 +268,32 @@ def test_bad_requests_get_400(server):
 
 
 @needs_server
+def test_the_logged_address_accepts_at_once(tiny):
+    """A client that connects the moment the address is logged is queued, not refused (the socket listens before
+    the line is written; before, a client reading the log could connect in the gap and get ECONNREFUSED)."""
+    import socket
+
+    from ggml_py.models.server import serve
+
+    class Stop(Exception):
+        pass
+
+    connected = []
+
+    def log(line: str) -> None:
+        if "listening on http://" in line:
+            host, port = line.rsplit("/", 1)[1].split(":")
+            with socket.create_connection((host, int(port)), timeout=5):
+                connected.append(port)
+            raise Stop  # serve() closes its scheduler and socket on the way out
+
+    with load_model(tiny, n_ctx=256, progress=False) as m:
+        with pytest.raises(Stop):
+            serve(m, port=0, log=log)
+    assert connected
+
+
+@needs_server
 def test_overload_gets_503_and_sigterm_drains(tiny):
     import httpx
 

@@ -412,12 +412,15 @@ def serve(model: Any, host: str = "127.0.0.1", port: int = 8080, n_parallel: int
     real_port = sock.getsockname()[1]
     config = uvicorn.Config(srv.app, log_level=log_level, timeout_graceful_shutdown=None, lifespan="on",
                             access_log=False)
+    # listening before the address is logged: a client that reads the log and connects at once is queued until
+    # uvicorn accepts, not refused (a bound socket that does not listen yet refuses connections)
+    sock.listen(config.backlog)
     server = _UvicornServer(config)
-    if log:
-        log(f"ggml-py serve: {srv.model_name} ({model.architecture}), {n_parallel} parallel sequences, "
-            f"{sched.decoder.n_ctx} KV cells ({sched.n_ctx_seq} per sequence), queue {max_queue}")
-        log(f"ggml-py serve: listening on http://{host}:{real_port}")
     try:
+        if log:
+            log(f"ggml-py serve: {srv.model_name} ({model.architecture}), {n_parallel} parallel sequences, "
+                f"{sched.decoder.n_ctx} KV cells ({sched.n_ctx_seq} per sequence), queue {max_queue}")
+            log(f"ggml-py serve: listening on http://{host}:{real_port}")
         server.run(sockets=[sock])
     finally:
         sched.close()
