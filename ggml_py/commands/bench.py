@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None, help="backend to measure (default: the benchmark's)")
     p.add_argument("--steps", type=int, default=None, help="repetitions (reuse)")
     p.add_argument("-t", "--threads", type=int, default=2)
-    p.add_argument("--types", default=None, help="matrix: weight types (default: Q4_0,Q4_1,Q8_0,Q4_K_M,Q6_K)")
+    p.add_argument("--types", default=None, help="matrix: weight types (default: Q4_0,Q4_1,Q5_K_M,Q8_0,Q4_K_M,Q6_K)")
     p.add_argument("--thread-counts", default=None, help="matrix: thread counts (default: 1,2)")
     p.add_argument("--vs-llamacpp", action="store_true",
                    help="model, serve: also run llama-cpp-python side by side")

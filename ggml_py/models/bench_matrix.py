@@ -22,7 +22,7 @@ from typing import Any
 from ..errors import GgmlPyError
 from .bench import BENCH_TEXT, ensure_llamacpp
 
-TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K_M", "Q6_K")
+TYPES = ("Q4_0", "Q4_1", "Q5_K_M", "Q8_0", "Q4_K_M", "Q6_K")
 PREFILL = (32, 128, 512)
 CONTEXTS = (16, 1000)
 THREADS = (1, 2)
