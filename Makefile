@@ -49,25 +49,11 @@ models: $(VENV)/bin/activate
 check:
 	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-# llama.cpp, the peer for tokens, logits and speed: llama-cpp-python in a side venv of its own. pip builds llama.cpp
-# from source (3-8 minutes on 2 cores) for this CPU, less the multimodal library, which nothing here uses (-25%), and
-# less AMX: on a virtual machine whose CPU reports AMX, llama.cpp's AMX matrix product faults at its first tile
-# instruction (SIGSEGV in ggml_backend_amx_mul_mat, seen 2026-12-05). The wheel is kept in a directory named after
-# the version and these flags, not in pip's cache, whose key ignores CMAKE_ARGS (a wheel built there with other flags
-# would be reused), and installed over whatever build the venv held.
+# llama.cpp, the peer for tokens, logits and speed: llama-cpp-python in a side venv of its own, built for this CPU
+# without AMX (the version, flags and wheel cache: ggml_py/models/llamacpp_venv.py, stdlib only, run before install).
 LLAMACPP_VENV ?= .venv-llamacpp
-LLAMACPP_VERSION ?= 0.3.36
-LLAMACPP_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
-LLAMACPP_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS='$(LLAMACPP_NO_AMX)' -DCMAKE_CXX_FLAGS='$(LLAMACPP_NO_AMX)'
-LLAMACPP_WHEELS ?= $(HOME)/.cache/ggml_py/wheels/llama-cpp-python-$(LLAMACPP_VERSION)-native-noamx
 llamacpp-venv:
-	test -x $(LLAMACPP_VENV)/bin/python || $(PYTHON) -m venv $(LLAMACPP_VENV)
-	ls $(LLAMACPP_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || \
-		CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS) $${CMAKE_ARGS:-}" $(LLAMACPP_VENV)/bin/python -m pip wheel -q --no-deps \
-		--no-cache-dir -w $(LLAMACPP_WHEELS) "llama-cpp-python==$(LLAMACPP_VERSION)"
-	$(LLAMACPP_VENV)/bin/python -m pip install -q $(LLAMACPP_WHEELS)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl
-	$(LLAMACPP_VENV)/bin/python -m pip install -q --force-reinstall --no-deps \
-		$(LLAMACPP_WHEELS)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl
+	$(PYTHON) ggml_py/models/llamacpp_venv.py $(LLAMACPP_VENV)
 
 lint: $(VENV)/bin/activate
 	$(PIP) install ruff >/dev/null

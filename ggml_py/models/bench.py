@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import GgmlPyError
+from . import llamacpp_venv
 
 # The side venv with llama-cpp-python (made on first use); LLAMA_CPP_PYTHON, when set, names an interpreter to use
 # instead (e.g. the one `make llamacpp-venv` makes).
@@ -182,31 +183,13 @@ print("RESULT " + json.dumps(res))
 """
 
 
-def _venv_python(venv: str) -> str:
-    return os.path.join(venv, "Scripts" if os.name == "nt" else "bin", "python")
-
-
 def ensure_llamacpp(venv: str = LLAMACPP_VENV) -> str:
-    """The python of a side venv with llama-cpp-python, created (python -m venv + pip install) if missing."""
-    py = _venv_python(venv)
-    if os.path.exists(py):
-        ok = subprocess.run([py, "-c", "import llama_cpp"], capture_output=True).returncode == 0
-        if ok:
-            return py
-    else:
-        _log(f"creating side venv {venv} for llama-cpp-python ...")
-        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-    _log("installing llama-cpp-python into the side venv (builds llama.cpp from source, ~5 minutes) ...")
-    proc = subprocess.Popen([py, "-m", "pip", "install", "llama-cpp-python"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        line = line.rstrip()
-        if line:
-            _log(f"  pip: {line[:150]}")
-    if proc.wait() != 0:
-        raise GgmlPyError(f"pip install llama-cpp-python into {venv} failed (exit {proc.returncode})")
-    return py
+    """The python of a side venv with llama-cpp-python (models/llamacpp_venv.py: the version and build the tests
+    use), created and installed if missing, pip's output on stderr."""
+    try:
+        return llamacpp_venv.ensure(venv, log=_log)
+    except (RuntimeError, subprocess.CalledProcessError) as e:
+        raise GgmlPyError(f"llama-cpp-python in {venv}: {e}") from None
 
 
 def run_llamacpp(model_path: str, ids: list[int], n_gen: int, threads: int, n_ctx: int) -> dict[str, Any]:
