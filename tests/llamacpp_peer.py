@@ -42,7 +42,7 @@ def run(worker: str, *args: Any) -> Any:
     code = worker + "\nimport json, sys\njson.dump(run(*json.load(sys.stdin)), sys.stdout)\n"
     out = subprocess.run([python, "-c", code], input=json.dumps(list(args)), capture_output=True, text=True)
     if out.returncode:
-        raise RuntimeError(f"llama.cpp worker failed ({python}):\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"llama.cpp worker failed ({python}, exit {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout)
 
 
