@@ -1227,6 +1227,20 @@ static inline void unpack_x8_q45(const uint8_t* qs, int c, __m256i& h, __m256i& 
 // output row r of rows `ostride` bytes apart
 static inline float* out_row(float* out, int r, size_t ostride) { return (float*)((uint8_t*)out + r * ostride); }
 
+// AVX512-VNNI's vpdpbusd: acc + the sums of 4 unsigned x signed byte products per 32-bit lane, exact, in one
+// instruction where maddubs + madd take two and a 16-bit intermediate. Written in asm because the avx512 level is
+// compiled without VNNI (a CPU with AVX-512 but no VNNI runs it); the kernels take it only where the CPU has it.
+// Their integer sums are exact either way (the 16-bit ones never saturate), so each result is bit-identical.
+#if GP_AVX512
+static const bool kVnni = __builtin_cpu_supports("avx512vnni");
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+    asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+    return acc;
+}
+#else
+static inline __m256i dpbusd(__m256i acc, __m256i, __m256i) { return acc; }  // never instantiated below avx512
+#endif
+
 // Q4_K / Q5_K x8 (common.h). Q5_K's fifth bit makes the quants 0..31, so one 16-bit sum holds only two of a
 // sub-block's four chunks (2 x 2 x 31 x 127 < 2^15): it takes two madds with the scale where Q4_K takes one.
 // R activation rows share each record's unpacking; every row's result is the same whatever R.
@@ -1358,7 +1372,7 @@ static void gemv_x8_q6_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act
 // activations; the offset (Q4_1/Q5_1: m, Q4_0: -8 d, Q5_0: -16 d) is applied through the activations' block sums.
 // Q5's quants are 0..31, so one 16-bit sum holds two of the four chunks (4 x 2 x 31 x 127 < 2^15); Q4's hold all
 // four (8 x 2 x 15 x 127).
-template <int T, int R>
+template <int T, int R, bool Vnni>
 static void gemv_x8_q45_01(const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int64_t k,
                            float* out, size_t ostride) {
     constexpr bool five = T == T_Q5_0 || T == T_Q5_1, has_m = T == T_Q4_1 || T == T_Q5_1;
@@ -1377,13 +1391,18 @@ static void gemv_x8_q45_01(const uint8_t* rec, int64_t ngroups, const uint8_t* a
             _mm_prefetch((const char*)(p + 8 * size + 64), _MM_HINT_T0);
             _mm_prefetch((const char*)(p + 8 * size + 128), _MM_HINT_T0);
             __m256i h = five ? _mm256_loadu_si256((const __m256i*)(p + 128)) : _mm256_setzero_si256();
-            __m256i s16[R][2];
+            __m256i s16[R][2];  // Vnni: s16[r][0] holds 32-bit sums
             for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
             for (int c = 0; c < 4; ++c) {  // the weights' quants unpacked once for the R activation rows
                 __m256i lo, hi;
                 unpack_x8_q45<five>(p, c, h, lo, hi);
                 for (int r = 0; r < R; ++r) {
                     const int32_t* a32 = (const int32_t*)(a[r].qs + 32 * b);
+                    if constexpr (Vnni) {
+                        s16[r][0] = dpbusd(s16[r][0], lo, _mm256_set1_epi32(a32[2 * c]));
+                        s16[r][0] = dpbusd(s16[r][0], hi, _mm256_set1_epi32(a32[2 * c + 1]));
+                        continue;
+                    }
                     __m256i& t = s16[r][five ? c / 2 : 0];
                     t = _mm256_add_epi16(t, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a32[2 * c])));
                     t = _mm256_add_epi16(t, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a32[2 * c + 1])));
@@ -1393,8 +1412,9 @@ static void gemv_x8_q45_01(const uint8_t* rec, int64_t ngroups, const uint8_t* a
             [[maybe_unused]] const __m256 mw =
                 has_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + doff + 16))) : _mm256_setzero_ps();
             for (int r = 0; r < R; ++r) {  // per row, the same operations in the same order whatever R
-                __m256i s32 = _mm256_madd_epi16(s16[r][0], ones);
-                if constexpr (five) s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(s16[r][1], ones));
+                __m256i s32 = s16[r][0];
+                if constexpr (!Vnni) s32 = _mm256_madd_epi16(s32, ones);
+                if constexpr (five && !Vnni) s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(s16[r][1], ones));
                 const __m256 sf = _mm256_cvtepi32_ps(s32);
                 if constexpr (has_m) {
                     acc[r] = _mm256_fmadd_ps(sf, _mm256_mul_ps(dw, _mm256_set1_ps(a[r].d[b])), acc[r]);
@@ -1409,7 +1429,7 @@ static void gemv_x8_q45_01(const uint8_t* rec, int64_t ngroups, const uint8_t* a
     }
 }
 
-template <int R>
+template <int R, bool Vnni>
 static void gemv_x8_q8_0(const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int64_t k,
                          float* out, size_t ostride) {
     const int64_t nb = k / 32;
@@ -1432,6 +1452,10 @@ static void gemv_x8_q8_0(const uint8_t* rec, int64_t ngroups, const uint8_t* act
                 const __m256i aw = _mm256_sign_epi8(w, w);  // |w|, shared by the R rows
                 for (int r = 0; r < R; ++r) {
                     const __m256i av = _mm256_set1_epi32(((const int32_t*)(a[r].qs + 32 * b))[kk]);
+                    if constexpr (Vnni) {
+                        s32[r] = dpbusd(s32[r], aw, _mm256_sign_epi8(av, w));
+                        continue;
+                    }
                     const __m256i pr = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(av, w));
                     s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(pr, ones));
                 }
@@ -1446,15 +1470,15 @@ static void gemv_x8_q8_0(const uint8_t* rec, int64_t ngroups, const uint8_t* act
 
 // R activation rows at once (consecutive rows `astride` bytes apart; outputs `ostride` bytes apart): each weight
 // record is read and unpacked once for all of them; each row's result is bit-identical to a lone row's.
-template <int R>
+template <int R, bool Vnni>
 static void gemv_x8_r(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int64_t k,
                       float* out, size_t ostride) {
     switch (type) {
-        case T_Q4_0: gemv_x8_q45_01<T_Q4_0, R>(rec, ngroups, act, astride, k, out, ostride); break;
-        case T_Q4_1: gemv_x8_q45_01<T_Q4_1, R>(rec, ngroups, act, astride, k, out, ostride); break;
-        case T_Q5_0: gemv_x8_q45_01<T_Q5_0, R>(rec, ngroups, act, astride, k, out, ostride); break;
-        case T_Q5_1: gemv_x8_q45_01<T_Q5_1, R>(rec, ngroups, act, astride, k, out, ostride); break;
-        case T_Q8_0: gemv_x8_q8_0<R>(rec, ngroups, act, astride, k, out, ostride); break;
+        case T_Q4_0: gemv_x8_q45_01<T_Q4_0, R, Vnni>(rec, ngroups, act, astride, k, out, ostride); break;
+        case T_Q4_1: gemv_x8_q45_01<T_Q4_1, R, Vnni>(rec, ngroups, act, astride, k, out, ostride); break;
+        case T_Q5_0: gemv_x8_q45_01<T_Q5_0, R, Vnni>(rec, ngroups, act, astride, k, out, ostride); break;
+        case T_Q5_1: gemv_x8_q45_01<T_Q5_1, R, Vnni>(rec, ngroups, act, astride, k, out, ostride); break;
+        case T_Q8_0: gemv_x8_q8_0<R, Vnni>(rec, ngroups, act, astride, k, out, ostride); break;
         case T_Q4_K: gemv_x8_q45_K<false, R>(rec, ngroups, act, astride, k, out, ostride); break;
         case T_Q5_K: gemv_x8_q45_K<true, R>(rec, ngroups, act, astride, k, out, ostride); break;
         case T_Q6_K: gemv_x8_q6_K<R>(rec, ngroups, act, astride, k, out, ostride); break;
@@ -1462,13 +1486,22 @@ static void gemv_x8_r(int type, const uint8_t* rec, int64_t ngroups, const uint8
     }
 }
 
+template <bool Vnni>
+static void gemv_x8_rows(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int nrows,
+                         int64_t k, float* out, size_t ostride) {
+    for (; nrows >= 4; nrows -= 4, act += 4 * astride, out = out_row(out, 4, ostride))
+        gemv_x8_r<4, Vnni>(type, rec, ngroups, act, astride, k, out, ostride);
+    if (nrows == 3) gemv_x8_r<3, Vnni>(type, rec, ngroups, act, astride, k, out, ostride);
+    if (nrows == 2) gemv_x8_r<2, Vnni>(type, rec, ngroups, act, astride, k, out, ostride);
+    if (nrows == 1) gemv_x8_r<1, Vnni>(type, rec, ngroups, act, astride, k, out, ostride);
+}
+
 void gemv_x8(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int nrows, int64_t k,
              float* out, size_t ostride) {
-    for (; nrows >= 4; nrows -= 4, act += 4 * astride, out = out_row(out, 4, ostride))
-        gemv_x8_r<4>(type, rec, ngroups, act, astride, k, out, ostride);
-    if (nrows == 3) gemv_x8_r<3>(type, rec, ngroups, act, astride, k, out, ostride);
-    if (nrows == 2) gemv_x8_r<2>(type, rec, ngroups, act, astride, k, out, ostride);
-    if (nrows == 1) gemv_x8_r<1>(type, rec, ngroups, act, astride, k, out, ostride);
+#if GP_AVX512
+    if (kVnni) return gemv_x8_rows<true>(type, rec, ngroups, act, astride, nrows, k, out, ostride);
+#endif
+    gemv_x8_rows<false>(type, rec, ngroups, act, astride, nrows, k, out, ostride);
 }
 #endif  // GP_AVX2
 
