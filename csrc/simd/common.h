@@ -169,6 +169,9 @@ struct Scratch {
 // vs 565. Read once.
 int64_t gemm_min_rows(int type);
 
+// Whether the CPU has AVX512-VNNI (cpu.cpp's detection): the avx512 level's x8 kernels use vpdpbusd where it does.
+bool cpu_has_avx512_vnni();
+
 // FLASH_ATTN_EXT of a decode step splits the keys into this many ranges at most, of ~128 keys each; a partial result
 // per head and range is FA_PART(Dv) floats (acc[Dv], M, pad, S as a double)
 enum { FA_MAX_KEY_CHUNKS = 16 };

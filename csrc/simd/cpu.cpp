@@ -95,6 +95,8 @@ const CpuFeatures& cpu_features() {
     return f;
 }
 
+bool cpu_has_avx512_vnni() { return cpu_features().avx512vnni; }
+
 const char* level_name(int level) {
     switch (level) {
         case LEVEL_SCALAR: return "scalar";

@@ -1232,7 +1232,7 @@ static inline float* out_row(float* out, int r, size_t ostride) { return (float*
 // compiled without VNNI (a CPU with AVX-512 but no VNNI runs it); the kernels take it only where the CPU has it.
 // Their integer sums are exact either way (the 16-bit ones never saturate), so each result is bit-identical.
 #if GP_AVX512
-static const bool kVnni = (__builtin_cpu_init(), __builtin_cpu_supports("avx512vnni"));  // init: runs at load time
+static const bool kVnni = cpu_has_avx512_vnni();
 static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
     asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
     return acc;
