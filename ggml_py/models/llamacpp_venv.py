@@ -41,6 +41,13 @@ def is_ready(venv: str) -> bool:
     return subprocess.run([py, "-c", "import llama_cpp"], capture_output=True).returncode == 0
 
 
+def _wheels() -> list[str]:
+    """The kept wheels of VERSION, sorted."""
+    if not os.path.isdir(WHEELS):
+        return []
+    return sorted(f for f in os.listdir(WHEELS) if f.startswith(f"llama_cpp_python-{VERSION}-"))
+
+
 def _pip(py: str, args: list[str], log: Callable[[str], None], env: dict[str, str] | None = None) -> None:
     proc = subprocess.Popen([py, "-m", "pip", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
@@ -62,14 +69,11 @@ def ensure(venv: str, log: Callable[[str], None] = print) -> str:
     if not os.path.exists(py):
         log(f"creating venv {venv} for llama-cpp-python ...")
         subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-    wheels = [f for f in os.listdir(WHEELS) if f.startswith(f"llama_cpp_python-{VERSION}-")] \
-        if os.path.isdir(WHEELS) else []
-    if not wheels:
+    if not _wheels():
         log(f"building llama-cpp-python {VERSION} without AMX into {WHEELS} (llama.cpp from source, 3-8 minutes) ...")
         env = dict(os.environ, CMAKE_ARGS=f"{CMAKE_ARGS} {os.environ.get('CMAKE_ARGS', '')}".strip())
         _pip(py, ["wheel", "--no-deps", "--no-cache-dir", "-w", WHEELS, f"llama-cpp-python=={VERSION}"], log, env)
-        wheels = [f for f in os.listdir(WHEELS) if f.startswith(f"llama_cpp_python-{VERSION}-")]
-    wheel = os.path.join(WHEELS, sorted(wheels)[-1])
+    wheel = os.path.join(WHEELS, _wheels()[-1])
     log(f"installing {wheel} into {venv} ...")
     _pip(py, ["install", wheel], log)  # with its dependencies
     _pip(py, ["install", "--force-reinstall", "--no-deps", wheel], log)  # over another build of the same version
