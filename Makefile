@@ -50,10 +50,10 @@ check:
 	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # llama.cpp, the peer for tokens, logits and speed: llama-cpp-python in a side venv of its own, built for this CPU
-# without AMX (the version, flags and wheel cache: ggml_py/models/llamacpp_venv.py, stdlib only, run before install).
+# without AMX (the version, flags and wheel cache: ggml_py/commands/llamacpp_venv.py, stdlib only, run before install).
 LLAMACPP_VENV ?= .venv-llamacpp
 llamacpp-venv:
-	$(PYTHON) ggml_py/models/llamacpp_venv.py $(LLAMACPP_VENV)
+	$(PYTHON) ggml_py/commands/llamacpp_venv.py $(LLAMACPP_VENV)
 
 lint: $(VENV)/bin/activate
 	$(PIP) install ruff >/dev/null

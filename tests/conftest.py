@@ -24,7 +24,7 @@ BUILTIN_BACKENDS = ("numpy", "simd")
 # the reason of a skip that a run asked for (a backend left out of GGML_PY_EXPECT_BACKENDS): not counted
 DECLARED = "declared absent"
 
-# subprocesses of the tests (`python -c`, `python -m ggml_py.cli`) must not import this checkout either
+# subprocesses of the tests (`python -c`, `python -m ggml_py`) must not import this checkout either
 os.environ.setdefault("PYTHONSAFEPATH", "1")
 
 

@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from ggml_py.tokenizer import _bytes_to_unicode
+from ggml_py.models.tokenizer import _bytes_to_unicode
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -88,7 +88,7 @@ def _store(w: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: QT, skip: tup
     try:
         q = gguf.quants.quantize(data, qtype)
     except NotImplementedError:  # gguf cannot make K-quants or IQ4: take ggml_py's bytes, still decoded by gguf below
-        from ggml_py.quants import quantize
+        from ggml_py.formats.quants import quantize
 
         q = quantize(data, int(qtype))
     w.add_tensor(name, q, raw_dtype=qtype)

@@ -14,8 +14,9 @@ from typing import Any
 import ggml_py_simd
 import numpy as np
 
-from ggml_py import native, schema
-from ggml_py.backend import aligned_host_array
+from ggml_py.ir import schema
+from ggml_py.runtime import native
+from ggml_py.runtime.backend import aligned_host_array
 
 OPS = schema.ABI_IDS
 _NAMES = {v: k for k, v in OPS.items()}

@@ -11,6 +11,7 @@ from arch_factory import write_tiny
 from ggml_py import load_model
 from ggml_py.errors import ModelError
 from ggml_py.models import SUPPORTED_ARCHITECTURES
+from ggml_py.models.batch import BatchDecoder
 from ggml_py.models.kv_cache import CacheFullError, KVCells, causal_mask
 
 from conftest import available_backends
@@ -73,7 +74,7 @@ def test_mixed_steps_equal_single_sequence_runs(tiny, backend):
         for p in prompts:
             m.reset()
             refs.append(m.eval(p + [7, 8]))
-        dec = m.batch_decoder(n_ctx=64, n_seq_max=3, n_batch=16)
+        dec = BatchDecoder(m, n_ctx=64, n_seq_max=3, n_batch=16)
         s = [dec.new_sequence() for _ in prompts]
         got = []
         # step 1: a whole prompt beside the first chunk of another (no logits wanted for the chunk)
@@ -105,7 +106,7 @@ def test_mixed_steps_equal_single_sequence_runs(tiny, backend):
 def test_decoder_errors(tmp_path):
     path = write_tiny(tmp_path / "llama.gguf", "llama", n_embd=128, n_ff=256)
     with load_model(path, backends=BACKENDS[:1], n_ctx=32, progress=False) as m:
-        dec = m.batch_decoder(n_ctx=8, n_seq_max=2, n_batch=8)
+        dec = BatchDecoder(m, n_ctx=8, n_seq_max=2, n_batch=8)
         a, b = dec.new_sequence(), dec.new_sequence()
         with pytest.raises(ModelError, match="all 2 sequences are in use"):
             dec.new_sequence()
@@ -130,7 +131,7 @@ def test_decoder_errors(tmp_path):
 def test_cells_reused_after_many_sequences(tmp_path):
     path = write_tiny(tmp_path / "llama.gguf", "llama", n_embd=128, n_ff=256)
     with load_model(path, backends=BACKENDS[:1], n_ctx=64, progress=False) as m:
-        dec = m.batch_decoder(n_ctx=32, n_seq_max=2, n_batch=16)
+        dec = BatchDecoder(m, n_ctx=32, n_seq_max=2, n_batch=16)
         for _ in range(20):  # 20 sequences of 10 tokens through a 32-cell cache
             s = dec.new_sequence()
             dec.decode([(s, list(range(1, 11)), True)])
@@ -152,7 +153,7 @@ def test_quantized_steps_of_two_and_three_rows(tmp_path):
         for p in prompts:
             m.reset()
             refs.append(m.eval(p + [20, 21]))
-        dec = m.batch_decoder(n_ctx=64, n_seq_max=8, n_batch=128)
+        dec = BatchDecoder(m, n_ctx=64, n_seq_max=8, n_batch=128)
         s = [dec.new_sequence() for _ in prompts]
         dec.decode([(q, p, False) for q, p in zip(s, prompts)])
         out = dec.decode([(q, [20], True) for q in s])  # 3 rows

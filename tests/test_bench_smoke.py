@@ -95,7 +95,7 @@ def test_bench_matrix(tiny_f32, tmp_path, monkeypatch):
 
 def test_bench_matrix_thread_scaling() -> None:
     """1 -> N thread decode speed-up per type and runtime, from the rows (and printed by the report)."""
-    from ggml_py.models import bench_matrix
+    from ggml_py.commands import bench_matrix
 
     def row(typ: str, t: int, ours: float, theirs: float) -> dict:
         return {"type": typ, "threads": t, "ggml_py.decode_ctx_16": ours, "llama.cpp.decode_ctx_16": theirs,

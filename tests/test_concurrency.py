@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ggml_py as gp
-from ggml_py import ops
+from ggml_py.ir import ops
 
 from conftest import available_backends
 

@@ -16,8 +16,8 @@ import pytest
 from ggml_py_numpy import NumpyBackend, NumpyRegistration
 
 import ggml_py as gp
-from ggml_py import cli
-from ggml_py.backend import Backend, BackendRegistration, Device
+from ggml_py.commands import cli
+from ggml_py.runtime.backend import Backend, BackendRegistration, Device
 from ggml_py.testing import ALL_OPS, cases, compare, nmse, run_backend
 from ggml_py.testing.cases import CONVERT_MAX_NMSE, WEIGHT_TYPES
 

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import ggml_py as gp
-from ggml_py import counters, ops
-from ggml_py.backend import BackendRegistration
+from ggml_py import counters
 from ggml_py.errors import BackendError, PlanError, ShapeError
+from ggml_py.ir import ops
+from ggml_py.runtime.backend import BackendRegistration
 
 from conftest import DECLARED, expected_backends, installed_check
 
@@ -331,7 +332,7 @@ def test_broken_plugin_is_recorded_not_fatal(caplog):
 
     gp.registry.register("broken", loader)
     try:
-        with caplog.at_level(logging.WARNING, logger="ggml_py.registry"):
+        with caplog.at_level(logging.WARNING, logger="ggml_py.runtime.registry"):
             rows = {i.name: i.describe() for i in gp.registry.infos()}
         assert rows["broken"]["status"].startswith("error: Boom: no device here")
         assert any("broken" in r.message for r in caplog.records)
@@ -379,13 +380,14 @@ def test_core_imports_no_backend():
     import subprocess
     import sys
 
-    code = "import sys, ggml_py, ggml_py.sched, ggml_py.cli; print(any(m.startswith('ggml_py_') for m in sys.modules))"
+    code = ("import sys, ggml_py, ggml_py.runtime.plan, ggml_py.commands.cli; "
+            "print(any(m.startswith('ggml_py_') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
 
 def test_bench_reuse_runs_and_agrees():
-    from ggml_py.benchmarks import reuse
+    from ggml_py.commands import bench_reuse as reuse
 
     r = reuse.run(steps=2, n_layers=2)
     assert r["identical_results"] and r["nodes"] > 40

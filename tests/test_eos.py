@@ -9,7 +9,7 @@ import json
 import pytest
 
 from ggml_py import load_model
-from ggml_py.cli import main
+from ggml_py.commands.cli import main
 from ggml_py.commands.generate import chat_prompt
 
 from conftest import available_backends

@@ -1,4 +1,4 @@
-"""ggml_py.gguf: validated zero-copy loading, the malformed corpus, and the real model."""
+"""ggml_py.formats.gguf: validated zero-copy loading, the malformed corpus, and the real model."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ggml_py import dtypes
 from ggml_py.errors import GgmlPyError, GGUFError
-from ggml_py.gguf import MAX_ARRAY_DEPTH, GGUFFile, TensorInfo, open_gguf
+from ggml_py.formats.gguf import MAX_ARRAY_DEPTH, GGUFFile, TensorInfo, open_gguf
+from ggml_py.ir import dtypes
 from ggml_py.testing import gguf_corpus as C
 
 ALLOC_SLACK = 64 * 1024  # bytes the parser may use beyond the file size (dicts, error text, frames)

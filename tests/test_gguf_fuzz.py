@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ggml_py.errors import GGUFError
-from ggml_py.gguf import open_gguf
+from ggml_py.formats.gguf import open_gguf
 from ggml_py.testing import gguf_fuzz as F
 
 SEED = 20240601

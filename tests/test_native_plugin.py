@@ -22,11 +22,13 @@ import numpy as np
 import pytest
 
 import ggml_py as gp
-from ggml_py import dtypes, native, ops
 from ggml_py.errors import BackendError, PlanError
-from ggml_py.registry import Registry, registry
-from ggml_py.schema import VIEW_OPS
-from ggml_py.tensor import INPUT, OUTPUT, PARAM, STATE
+from ggml_py.ir import dtypes, ops
+from ggml_py.ir.schema import VIEW_OPS
+from ggml_py.ir.tensor import INPUT, OUTPUT, PARAM, STATE
+from ggml_py.runtime import native
+from ggml_py.runtime import registry as registry_mod
+from ggml_py.runtime.registry import Registry, registry
 
 from conftest import SLOWDOWN, sigint_default
 
@@ -228,13 +230,13 @@ def test_discovered_through_backend_path(cexample: Path, libdir: Path, monkeypat
 
 def test_backend_path_directory_and_cli(cexample: Path, libdir: Path) -> None:
     env = {**os.environ, "GGML_PY_BACKEND_PATH": str(cexample)}
-    r = subprocess.run([sys.executable, "-m", "ggml_py.cli", "backends", "--json"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "ggml_py", "backends", "--json"], capture_output=True, text=True,
                        env=env)
     assert r.returncode == 0, r.stderr
     rows = {b["name"]: b for b in json.loads(r.stdout)["backends"]}
     assert rows["cexample"]["status"] == "ok" and rows["cexample"]["devices"][0]["score"] == 10
     # a directory entry means every library in it
-    paths = native.library_paths(f"{cexample.parent}{os.pathsep}")
+    paths = registry_mod.library_paths(f"{cexample.parent}{os.pathsep}")
     assert str(cexample) in paths
 
 
@@ -261,7 +263,7 @@ def test_entry_point_object_is_a_path(cexample: Path, tmp_path: Path, monkeypatc
 
 
 def test_register_in_process(cexample: Path) -> None:
-    name = native.register(cexample)
+    name = registry_mod.register_library(cexample)
     try:
         assert name == "cexample" and "cexample" in registry.names()
         assert gp.get_backend("cexample").name == "cexample"
@@ -359,7 +361,7 @@ def test_ctrl_c_stops_a_long_native_compute_at_once(libdir: Path, how: str) -> N
     lib = plug(libdir, "slowplug", "-DPLUG_SLOW=120000")
     env = {**os.environ, "GGML_PY_BACKEND_PATH": str(lib)}
     if how == "cli":
-        cmd = [sys.executable, "-u", "-m", "ggml_py.cli", "test-backend", "slowplug", "--op", "ADD"]
+        cmd = [sys.executable, "-u", "-m", "ggml_py", "test-backend", "slowplug", "--op", "ADD"]
     else:
         cmd = [sys.executable, "-u", "-c", textwrap.dedent("""
             import numpy as np, ggml_py as gp
@@ -560,13 +562,13 @@ def test_cli_errors_from_plugins_are_one_line(libdir: Path, capsys: pytest.Captu
     ggml_py's errors) gives `error: <one line>` and exit 1, the traceback only under --debug."""
     lib = plug(libdir, "brokenabi", "-DPLUG_ABI=999")
     env = {**os.environ, "GGML_PY_BACKEND_PATH": str(lib)}
-    r = subprocess.run([sys.executable, "-m", "ggml_py.cli", "test-backend", "brokenabi"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "ggml_py", "test-backend", "brokenabi"], capture_output=True,
                        text=True, env=env, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "ABI version 999" in r.stderr
 
-    from ggml_py import cli
-    from ggml_py.backend import BackendRegistration
+    from ggml_py.commands import cli
+    from ggml_py.runtime.backend import BackendRegistration
 
     class Boom(BackendRegistration):
         name = "boom"
@@ -594,7 +596,7 @@ def test_plugin_built_against_the_installed_header_passes_the_kit(tmp_path: Path
     """What a plugin author with a pip-installed ggml_py (no checkout) does: -I$(ggml-py config --include), build,
     load through GGML_PY_BACKEND_PATH, run the kit. `python -I` ignores this checkout and uses the installed package."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, "-I", "-m", "ggml_py.cli", "config", "--include"], capture_output=True,
+    r = subprocess.run([sys.executable, "-I", "-m", "ggml_py", "config", "--include"], capture_output=True,
                        text=True, cwd=tmp_path, env=env, timeout=120)
     include = Path(r.stdout.strip())
     # the suite runs against the installed wheel (conftest): its header, not the checkout's
@@ -605,7 +607,7 @@ def test_plugin_built_against_the_installed_header_passes_the_kit(tmp_path: Path
            str(EXAMPLE)]
     b = subprocess.run(cmd, capture_output=True, text=True)
     assert b.returncode == 0, b.stderr
-    r = subprocess.run([sys.executable, "-I", "-m", "ggml_py.cli", "test-backend", "cexample", "--json"],
+    r = subprocess.run([sys.executable, "-I", "-m", "ggml_py", "test-backend", "cexample", "--json"],
                        capture_output=True, text=True, cwd=tmp_path, env={**env, "GGML_PY_BACKEND_PATH": str(lib)},
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]

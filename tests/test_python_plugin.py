@@ -44,7 +44,7 @@ class Venv:
 
     def cli(self, *args: str, env: dict[str, str] | None = None) -> Any:
         """`ggml-py ARGS --json` in the venv: its one JSON object."""
-        r = self.run("-m", "ggml_py.cli", *args, "--json", env=env)
+        r = self.run("-m", "ggml_py", *args, "--json", env=env)
         return json.loads(r.stdout)
 
     def script(self, code: str, env: dict[str, str] | None = None) -> Any:
@@ -157,7 +157,7 @@ def test_toy_in_process_matches_numpy(rng: np.random.Generator) -> None:
     finally:
         sys.path.remove(str(EXAMPLE))
     import ggml_py as gp
-    from ggml_py import ops
+    from ggml_py.ir import ops
 
     toy = ggml_py_toy.register().create()
     n = gp.sym("n", 6)

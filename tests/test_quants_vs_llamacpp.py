@@ -1,6 +1,6 @@
-"""Our quantizers against llama.cpp's: llama_model_quantize (llama-cpp-python) turns a tiny F32 model into each
-block type (`pure`: every 2-D weight to that type), and ggml_py.quants.quantize (and the simd module's quantizer,
-for the types it has) must produce the same bytes from the same F32 tensors.
+"""Our quantizers against llama.cpp's: llama_model_quantize (llama-cpp-python) turns a tiny F32 model into each block
+type (`pure`: every 2-D weight to that type), and ggml_py.formats.quants.quantize (and the simd module's quantizer, for
+the types it has) must produce the same bytes from the same F32 tensors.
 
 Without an importance matrix ggml's quantizers are deterministic reference functions for every type here, so the
 comparison is bit-exact (measured: every tensor of every type). Some weights are replaced by rows that reach the
@@ -14,8 +14,8 @@ import pytest
 from arch_factory import write_tiny
 from gguf import GGMLQuantizationType as QT
 
-from ggml_py import dtypes
-from ggml_py.quants import quantize
+from ggml_py.formats.quants import quantize
+from ggml_py.ir import dtypes
 
 import llamacpp_peer
 from conftest import declared_absent

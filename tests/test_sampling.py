@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ggml_py.errors import GgmlPyError
-from ggml_py.sampling import Sampler, SamplingError
+from ggml_py.models.sampling import Sampler, SamplingError
 
 
 @pytest.fixture

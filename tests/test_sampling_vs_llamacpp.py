@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from ggml_py.sampling import Sampler
+from ggml_py.models.sampling import Sampler
 
 import llamacpp_peer
 

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import ggml_py
-from ggml_py import alloc, native, schema
+from ggml_py.ir import schema
+from ggml_py.runtime import alloc, native
 from ggml_py.testing import ALL_OPS, cases
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,8 +50,8 @@ def test_every_node_carries_exactly_its_schema_params() -> None:
 
 def test_header_is_generated_from_the_schema() -> None:
     text = (Path(ggml_py.get_include()) / "ggml_py" / "backend_abi.h").read_text()
-    assert schema.render_header(text) == text, "run `python -m ggml_py.schema header`"
-    r = subprocess.run([sys.executable, "-m", "ggml_py.schema", "header", "--check"], capture_output=True, text=True,
+    assert schema.render_header(text) == text, "run `python -m ggml_py.ir.schema header`"
+    r = subprocess.run([sys.executable, "-m", "ggml_py.ir.schema", "header", "--check"], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stdout + r.stderr
     assert native.cdef_from_header(text).count("enum ggml_py_op") == 1  # the loader parses the header itself

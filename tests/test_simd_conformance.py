@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import ggml_py as gp
-from ggml_py import dtypes, ops
 from ggml_py.errors import BackendError, GgmlPyError
+from ggml_py.ir import dtypes, ops
 
 from conftest import require_backend
 
@@ -81,7 +81,7 @@ def test_set_level_applies_to_new_plans():
 
 def _run_cli(env_level: str, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, GGML_PY_SIMD=env_level)
-    return subprocess.run([sys.executable, "-m", "ggml_py.cli", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "ggml_py", *args], capture_output=True, text=True, env=env,
                           timeout=600)
 
 

@@ -22,7 +22,7 @@ import gguf.quants as gq  # noqa: E402
 from ggml_py_simd import _simd  # noqa: E402
 from simd_abi import OPS, Arena, Plan, PlanError, validate  # noqa: E402
 
-from ggml_py import native  # noqa: E402
+from ggml_py.runtime import native  # noqa: E402
 
 LEVELS = _simd.levels()
 

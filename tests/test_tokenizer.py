@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from ggml_py.errors import ModelError
-from ggml_py.tokenizer import SUPPORTED_MODELS, StreamDecoder, Tokenizer, TokenType
+from ggml_py.models.stream_decoder import StreamDecoder
+from ggml_py.models.tokenizer import SUPPORTED_MODELS, Tokenizer, TokenType
 
 import llamacpp_peer
 
@@ -44,7 +45,7 @@ needs_model = pytest.mark.skipif(MODEL is None, reason=NO_MODEL)
 def gguf_metadata(path: Path) -> dict:
     """All GGUF key/values as plain Python values, read by our validated loader (tests/test_gguf.py checks it
     against gguf.GGUFReader, which takes ~5 s on this file)."""
-    from ggml_py.gguf import open_gguf
+    from ggml_py.formats.gguf import open_gguf
 
     with open_gguf(path) as f:
         return dict(f.metadata)
@@ -511,7 +512,7 @@ def test_unknown_pre_tokenizer():
 
 @pytest.mark.parametrize("pre", ["gpt2", "default", "llama-bpe", "smollm", "qwen2"])
 def test_tiny_bpe_vocab(pre):
-    from ggml_py.tokenizer import _BYTE_TO_CHAR
+    from ggml_py.models.tokenizer import _BYTE_TO_CHAR
 
     byte_tokens = [_BYTE_TO_CHAR[b] for b in range(256)]
     tokens = byte_tokens + ["Ġh", "he", "ll", "hell", "hello", "Ġhello", "Ġworld", "<|eot_id|>"]

@@ -14,8 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from ggml_py import dtypes
-from ggml_py.backend import (
+from ggml_py.formats.quants import dequantize
+from ggml_py.ir import dtypes
+from ggml_py.ir.tensor import PARAM, Tensor
+from ggml_py.runtime.backend import (
     Backend,
     BackendRegistration,
     Buffer,
@@ -25,8 +27,6 @@ from ggml_py.backend import (
     Split,
     aligned_host_array,
 )
-from ggml_py.quants import dequantize
-from ggml_py.tensor import PARAM, Tensor
 
 from .kernels import KERNELS, bf16_to_f32, convert
 

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ggml_py import dtypes
-from ggml_py.quants import quantize
-from ggml_py.tensor import Tensor
+from ggml_py.formats.quants import quantize
+from ggml_py.ir import dtypes
+from ggml_py.ir.tensor import Tensor
 
 Arr = np.ndarray
 Kernel = Callable[[Tensor, list, tuple[int, ...]], Arr]  # (node, sources, concrete output shape)

@@ -1,10 +1,10 @@
 """The SIMD backend: C++ kernels (scalar / AVX2 / AVX-512, chosen at run time) behind ggml_py's C ABI v2.
 
-It is a plugin like any other: the compiled module `_simd` holds a `ggml_py_plugin` table (csrc/simd/plugin.cpp),
-and ggml_py drives it through `ggml_py.native`, the path a third-party shared library takes. The module's pybind11
-functions are only what is simd's own: ISA level selection, CPU features, kernel utilities for tests and benchmarks.
-A split is lowered once into the ABI's node array; every compute is one C call with the GIL released, on a
-persistent thread pool. See docs/simd.md.
+It is a plugin like any other: the compiled module `_simd` holds a `ggml_py_plugin` table (csrc/simd/plugin.cpp), and
+ggml_py drives it through `ggml_py.runtime.native`, the path a third-party shared library takes. The module's pybind11
+functions are only what is simd's own: ISA level selection, CPU features, kernel utilities for tests and benchmarks. A
+split is lowered once into the ABI's node array; every compute is one C call with the GIL released, on a persistent
+thread pool. See docs/simd.md.
 
 Environment: `GGML_PY_SIMD=scalar|avx2|avx512` forces a level (an error if the CPU lacks it);
 `GGML_PY_SIMD_THREADS` overrides the default thread count (the number of physical cores).
@@ -16,10 +16,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from ggml_py import native
-from ggml_py.backend import Backend, BackendRegistration, Device
 from ggml_py.errors import BackendError
-from ggml_py.tensor import Tensor
+from ggml_py.ir.tensor import Tensor
+from ggml_py.runtime import native
+from ggml_py.runtime.backend import Backend, BackendRegistration, Device
 
 __version__ = "0.2.0"
 

@@ -3,7 +3,7 @@
 - F32 MUL_MAT 4096x4096 (weight) x 4096x512 (activations): GFLOP/s of simd vs numpy's `@` (BLAS), ratio (target >= 0.8).
 - Q4_1 and Q4_K GEMV 4096x4096 x one row: effective GB/s (weight bytes / time) vs a plain streaming read of the same
   number of bytes by the module's C read loop with the same threads, ratio (target >= 0.6). Q2_K, Q3_K, Q5_K,
-  Q6_K, IQ4_NL and IQ4_XS the same way when ggml_py.dtypes has them (reported, no target). Measured with weights
+  Q6_K, IQ4_NL and IQ4_XS the same way when ggml_py.ir.dtypes has them (reported, no target). Measured with weights
   that exceed the last-level cache (several matrices used in turn, as in a model's decode), and with one matrix
   that stays cached ("cached" figures).
 - Dispatch: a plan of 600 tiny nodes computed in one call, microseconds per node (target < 2).
@@ -41,7 +41,7 @@ def _backend(threads: int, **options: Any):
 
 def bench_mul_mat_f32(threads: int, m: int = 4096, k: int = 4096, n: int = 512, reps: int = 3) -> dict[str, Any]:
     import ggml_py as gp
-    from ggml_py import ops
+    from ggml_py.ir import ops
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((m, k), dtype=np.float32)
@@ -82,7 +82,7 @@ def _quant_rows(t, m: int, k: int, rng: np.random.Generator) -> np.ndarray:
 def bench_gemv(tname: str, threads: int, m: int = 4096, k: int = 4096, llc_bytes: int = 32 << 20,
                reps: int = 20, min_time: float = 0.2) -> dict[str, Any]:
     import ggml_py as gp
-    from ggml_py import dtypes, ops
+    from ggml_py.ir import dtypes, ops
 
     from . import _simd
 
@@ -120,7 +120,7 @@ def bench_gemv(tname: str, threads: int, m: int = 4096, k: int = 4096, llc_bytes
 
 def bench_dispatch(threads: int, n_nodes: int = 600, reps: int = 50, min_time: float = 0.2) -> dict[str, Any]:
     import ggml_py as gp
-    from ggml_py import ops
+    from ggml_py.ir import ops
 
     x = gp.input((4, 16), name="x")
     y = x
@@ -159,7 +159,7 @@ def run(json: bool = False, threads: int = 2, quick: bool = False, **_: Any) -> 
     res["mul_mat_f32"] = bench_mul_mat_f32(threads, **mm)
     res["gemv_q4_1"] = bench_gemv("Q4_1", threads, **gemv)
     res["gemv_q4_k"] = bench_gemv("Q4_K", threads, **gemv)
-    from ggml_py import dtypes
+    from ggml_py.ir import dtypes
 
     for name in ("Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"):  # informational: no target
         if getattr(dtypes, name, None) is not None:

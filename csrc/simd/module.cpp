@@ -45,7 +45,7 @@ PYBIND11_MODULE(_simd, m) {
 
     m.def(
         "plugin_table", [] { return (uintptr_t)simd_plugin(); },
-        "Address of the backend's ggml_py_plugin table (ABI v2), for ggml_py.native.load_table.");
+        "Address of the backend's ggml_py_plugin table (ABI v2), for ggml_py.runtime.native.load_table.");
 
     m.def("level", [] { return std::string(level_name(current_level())); }, "The active SIMD level.");
     m.def(

@@ -1,5 +1,5 @@
 // The SIMD backend as a ggml_py ABI v2 plugin: the same table a third-party library exports. ggml_py drives the
-// backend only through it (ggml_py/native.py); the pybind11 module hands its address over (module.cpp).
+// backend only through it (ggml_py/runtime/native/); the pybind11 module hands its address over (module.cpp).
 #include <cstring>
 #include <string>
 

@@ -25,7 +25,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_from_args(args: argparse.Namespace) -> Any:
-    from ..models import load_model
+    from ggml_py.models import load_model
 
     # a progress bar (stderr) appears only when weights must be copied into a backend's memory
     return load_model(args.model, backends=args.backend, n_threads=args.threads, n_ctx=args.ctx_size,

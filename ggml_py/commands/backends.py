@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..registry import registry
+from ggml_py.runtime.registry import registry
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

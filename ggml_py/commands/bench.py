@@ -7,10 +7,10 @@ import importlib
 from importlib import metadata
 from typing import Any
 
-from ..errors import GgmlPyError
+from ggml_py.errors import GgmlPyError
 
-BUILTIN = {"reuse": "ggml_py.benchmarks.reuse", "model": "ggml_py.models.bench",
-           "matrix": "ggml_py.models.bench_matrix", "serve": "ggml_py.models.bench_serve"}
+BUILTIN = {"reuse": "ggml_py.commands.bench_reuse", "model": "ggml_py.commands.bench_model",
+           "matrix": "ggml_py.commands.bench_matrix", "serve": "ggml_py.commands.bench_serve"}
 ENTRY_POINT_GROUP = "ggml_py.benchmarks"
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from importlib import metadata
 from typing import Any
 
-from .. import __version__, native
+from ggml_py.runtime import native
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     major, minor = native.abi_version()
-    info = {"version": __version__, "include": native.get_include(), "abi_version": f"{major}.{minor}"}
+    info = {"version": metadata.version("ggml_py"), "include": native.get_include(), "abi_version": f"{major}.{minor}"}
     if not args.json:
         if args.include:
             print(info["include"])

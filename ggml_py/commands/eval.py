@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ModelError
-from ._model_args import add_model_arguments, add_run_arguments, load_from_args
-from .generate import read_prompt
+from ggml_py.commands._model_args import add_model_arguments, add_run_arguments, load_from_args
+from ggml_py.commands.generate import read_prompt
+from ggml_py.errors import ModelError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -6,8 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from ..errors import ModelError
-from ._model_args import add_model_arguments, add_run_arguments, load_from_args
+from ggml_py.commands._model_args import add_model_arguments, add_run_arguments, load_from_args
+from ggml_py.errors import ModelError
 
 DEFAULT_PROMPT = "The three primary colors are"
 

@@ -6,8 +6,8 @@ import argparse
 import os
 from typing import Any
 
-from ..errors import GgmlPyError
-from ._model_args import add_model_arguments
+from ggml_py.commands._model_args import add_model_arguments
+from ggml_py.errors import GgmlPyError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,9 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def describe(path: str) -> dict[str, Any]:
-    from ..gguf import open_gguf
-    from ..models import SUPPORTED_ARCHITECTURES, get_architecture
-    from ..tokenizer import Tokenizer
+    from ggml_py.formats.gguf import open_gguf
+    from ggml_py.models import SUPPORTED_ARCHITECTURES, get_architecture
+    from ggml_py.models.tokenizer import Tokenizer
 
     with open_gguf(path) as gf:
         meta = gf.metadata
@@ -57,7 +57,7 @@ def describe(path: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from ..models import default_model_path
+    from ggml_py.models import default_model_path
 
     info = describe(args.model or default_model_path())
     if not args.json:

@@ -1,6 +1,6 @@
 """Quantize a GGUF model to another weight type or mixture (Q4_K_M, Q8_0, ...), as llama-quantize does.
 
-The per-tensor rules are llama.cpp's (ggml_py/quantize.py); the bytes come from ggml_py's own quantizers.
+The per-tensor rules are llama.cpp's (ggml_py/formats/quantize.py); the bytes come from ggml_py's own quantizers.
 See docs/quantize.md.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..quantize import ALIASES, MIXTURES
+    from ggml_py.formats.quantize_policy import ALIASES, MIXTURES
 
     p.add_argument("input", help="GGUF model to read")
     p.add_argument("output", help="GGUF file to write (refused if it exists, unless --force; never the input)")
@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from ..quantize import TensorPlan, quantize_file
+    from ggml_py.formats.quantize import quantize_file
+    from ggml_py.formats.quantize_policy import TensorPlan
 
     tty = not args.json and sys.stderr.isatty()
 

@@ -6,8 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from ..errors import ModelError
-from ._model_args import add_model_arguments
+from ggml_py.commands._model_args import add_model_arguments
+from ggml_py.errors import ModelError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,8 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from ..models import load_model
-    from ..models.server import require_server_extra, serve
+    from ggml_py.models import load_model
+    from ggml_py.serving.server import require_server_extra, serve
 
     require_server_extra()
     for name in ("parallel", "queue", "batch"):

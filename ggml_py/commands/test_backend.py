@@ -6,8 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from ..testing import cases, run_backend
-from ..testing.runner import Result
+from ggml_py.testing import cases, run_backend
+from ggml_py.testing.runner import Result
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

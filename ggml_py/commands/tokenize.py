@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ._model_args import add_model_arguments
+from ggml_py.commands._model_args import add_model_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,9 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from ..gguf import open_gguf
-    from ..models import default_model_path
-    from ..tokenizer import Tokenizer
+    from ggml_py.formats.gguf import open_gguf
+    from ggml_py.models import default_model_path
+    from ggml_py.models.tokenizer import Tokenizer
 
     path = args.model or default_model_path()
     with open_gguf(path) as gf:

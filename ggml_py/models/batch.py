@@ -26,17 +26,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import dtypes
-from ..errors import ModelError
-from ..sched import prepare
-from ..symbolic import sym
-from .blocks import StepGraph
-from .kv_cache import KVCache, KVCells
-from .memory import require_memory
+from ggml_py.errors import ModelError
+from ggml_py.ir import dtypes
+from ggml_py.ir.symbolic import sym
+from ggml_py.models.blocks import StepGraph
+from ggml_py.models.kv_cache import KVCache, KVCells
+from ggml_py.models.memory import require_memory
+from ggml_py.runtime.plan import prepare
 
 if TYPE_CHECKING:
-    from ..sched import Plan
-    from .model import Model
+    from ggml_py.models.model import Model
+    from ggml_py.runtime.plan import Plan
 
 DEFAULT_N_BATCH = 128  # tokens per step at most (the plan's bound on T)
 
@@ -44,7 +44,7 @@ DEFAULT_N_BATCH = 128  # tokens per step at most (the plan's bound on T)
 class BatchDecoder:
     """Up to `n_seq_max` sequences in a cache of `n_ctx` cells, decoded together on one prepared plan.
 
-    >>> dec = model.batch_decoder(n_seq_max=4)
+    >>> dec = BatchDecoder(model, n_seq_max=4)
     >>> a, b = dec.new_sequence(), dec.new_sequence()
     >>> logits = dec.decode([(a, prompt_a, True), (b, prompt_b, True)])   # (2, n_vocab): last token of each
     >>> logits = dec.decode([(a, [next_a], True), (b, [next_b], True)])
@@ -153,7 +153,7 @@ class BatchDecoder:
             n = int(lens.sum())
             if n > self.n_batch:
                 raise ModelError(f"{n} tokens in one step exceed the batch size {self.n_batch} (n_batch)")
-            ids = m._check_ids(np.concatenate(toks), n_past=0, check_ctx=False)
+            ids = m.check_ids(np.concatenate(toks), n_past=0, check_ctx=False)
             seqs = np.repeat(np.array(seq_list, np.int32), lens)
             ends = np.cumsum(lens)
             starts = np.array([self._next_pos[s] for s in seq_list], np.int64)

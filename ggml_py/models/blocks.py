@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import dtypes, ops
-from ..symbolic import Dim
-from ..tensor import Tensor, input
-from .hparams import HParams
-from .kv_cache import KVCache, causal_mask
-from .weights import Layer, Weights
+from ggml_py.ir import dtypes, ops
+from ggml_py.ir.symbolic import Dim
+from ggml_py.ir.tensor import Tensor, input
+from ggml_py.models.hparams import HParams
+from ggml_py.models.kv_cache import KVCache, causal_mask
+from ggml_py.models.weights import Layer, Weights
 
 # How many candidates a one-token step hands to the sampler without the whole logits (llama.cpp's default top_k is 40)
 TOP_CANDIDATES = 64

@@ -20,12 +20,12 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from .. import ops
-from ..tensor import Tensor
-from .architecture import Architecture
-from .blocks import StepBuilder
-from .hparams import HParams, Meta, read_hparams, swa_pattern
-from .weights import Layer, TensorReader, attention_tensors, ffn_tensors
+from ggml_py.ir import ops
+from ggml_py.ir.tensor import Tensor
+from ggml_py.models.architecture import Architecture
+from ggml_py.models.blocks import StepBuilder
+from ggml_py.models.hparams import HParams, Meta, read_hparams, swa_pattern
+from ggml_py.models.weights import Layer, TensorReader, attention_tensors, ffn_tensors
 
 NAME = "gemma3"
 SWA_PERIOD = 6  # llama.cpp's default when the file has no sliding_window_pattern

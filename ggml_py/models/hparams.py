@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ModelError
+from ggml_py.errors import ModelError
 
 
 def _per_layer(v: Any, key: str, path: str) -> int:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import dtypes
-from ..dtypes import DType
-from ..errors import ModelError
-from ..tensor import state
-from .hparams import HParams
+from ggml_py.errors import ModelError
+from ggml_py.ir import dtypes
+from ggml_py.ir.dtypes import DType
+from ggml_py.ir.tensor import state
+from ggml_py.models.hparams import HParams
 
 
 class KVCache:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..errors import ModelError
-from ..sysmem import available_memory, mib
+from ggml_py.errors import ModelError
+from ggml_py.sysmem import available_memory, mib
 
 __all__ = ["available_memory", "mib", "require_memory"]
 

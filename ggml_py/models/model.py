@@ -19,17 +19,18 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import dtypes
-from ..errors import ModelError, PlanError
-from ..sched import Plan, _place_static, prepare
-from ..symbolic import sym
-from ..tensor import PARAM
-from .architecture import Architecture
-from .blocks import TOP_CANDIDATES, StepGraph
-from .hparams import HParams
-from .kv_cache import KVCache
-from .memory import require_memory
-from .weights import Weights
+from ggml_py.errors import ModelError, PlanError
+from ggml_py.ir import dtypes
+from ggml_py.ir.symbolic import sym
+from ggml_py.ir.tensor import PARAM
+from ggml_py.models.architecture import Architecture
+from ggml_py.models.blocks import TOP_CANDIDATES, StepGraph
+from ggml_py.models.hparams import HParams
+from ggml_py.models.kv_cache import KVCache
+from ggml_py.models.memory import require_memory
+from ggml_py.models.weights import Weights
+from ggml_py.runtime.placement import place_static
+from ggml_py.runtime.plan import Plan, prepare
 
 log = logging.getLogger("ggml_py.models")
 
@@ -166,7 +167,7 @@ class Model:
         bar = _Progress(sum(t.nbytes for t in ws), f"loading weights into {self.backends[0].name}") \
             if progress else None
         for t in ws:
-            _place_static(t, bt)
+            place_static(t, bt)
             if bar:
                 bar.add(t.nbytes)
 
@@ -188,6 +189,11 @@ class Model:
         return self._tokenizer
 
     @property
+    def tokenizer_or_none(self) -> Any:
+        """The tokenizer, or None for a model without a usable one (token ids in and out only)."""
+        return self._tokenizer
+
+    @property
     def backend_names(self) -> list[str]:
         return [b.name for b in self.backends]
 
@@ -198,7 +204,7 @@ class Model:
         return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, ids: Sequence[int], special: bool = True) -> str:
-        return self.tokenizer.decode(self._check_ids(ids, check_ctx=False).tolist(), special=special)
+        return self.tokenizer.decode(self.check_ids(ids, check_ctx=False).tolist(), special=special)
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
@@ -217,7 +223,9 @@ class Model:
                    "decode_tokens": 0, "decode_s": 0.0, "decode_compute_s": 0.0, "decode_prepare_s": 0.0,
                    "sample_s": 0.0, "generate_s": 0.0, "generated_tokens": 0}
 
-    def _check_ids(self, ids: Any, n_past: int | None = None, check_ctx: bool = True) -> np.ndarray:
+    def check_ids(self, ids: Any, n_past: int | None = None, check_ctx: bool = True) -> np.ndarray:
+        """`ids` as an int32 array, refused with ModelError when they are not token ids of this model or (with
+        `check_ctx`) do not fit its context after `n_past` positions."""
         self._check_open()
         if isinstance(ids, str | bytes):
             raise ModelError("token ids must be a sequence of integers, got a string (use tokenize)")
@@ -240,7 +248,7 @@ class Model:
         then runs on one row (what a prompt needs before generation).
         """
         with self._lock:
-            arr = self._check_ids(ids)
+            arr = self.check_ids(ids)
             if arr.size == 0:
                 return np.zeros((0, self.n_vocab), np.float32)
             self._check_file()
@@ -358,12 +366,12 @@ class Model:
         `max_tokens`, at an end-of-generation token when `stop_at_eos` (not yielded), or when the context is full.
         Bad arguments and a prompt longer than the context raise at once (ModelError / ValueError).
         """
-        from ..sampling import Sampler
+        from ggml_py.models.sampling import Sampler
 
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise ModelError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
         ids = self.tokenize(prompt, add_special=add_special) if isinstance(prompt, str) else prompt
-        arr = self._check_ids(ids, check_ctx=False)
+        arr = self.check_ids(ids, check_ctx=False)
         if not arr.size:
             raise ModelError("the prompt is empty (no tokens)")
         if arr.size > self.n_ctx:
@@ -382,7 +390,7 @@ class Model:
         self._check_file()
 
     def _generate(self, ids: np.ndarray, max_tokens: int, sampler: Any, stop_at_eos: bool) -> Iterator[Token]:
-        from ..tokenizer import StreamDecoder
+        from ggml_py.models.stream_decoder import StreamDecoder
 
         owner = object()
         with self._lock:  # the cache is reset, and the iterator takes it over, when iteration starts
@@ -428,45 +436,7 @@ class Model:
         finally:
             self._t["generate_s"] += time.perf_counter() - t_start
 
-    # -- many sequences ----------------------------------------------------------------------------------------------
-    def batch_decoder(self, n_ctx: int | None = None, n_seq_max: int = 8, n_batch: int = 128,
-                      kv_type: str | dtypes.DType | None = None) -> Any:
-        """A `BatchDecoder` (batch.py): a KV cache of `n_ctx` cells (default: the model's n_ctx) shared by up to
-        `n_seq_max` sequences, stepped together on one prepared plan of up to `n_batch` tokens per step. It has a
-        cache of its own: the model's eval / generate are not affected by it."""
-        from .batch import BatchDecoder
-
-        return BatchDecoder(self, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, kv_type=kv_type)
-
-    def batch(self, prompts: Sequence[str | Sequence[int]], max_tokens: int = 128, *, n_parallel: int | None = None,
-              n_ctx: int | None = None, add_special: bool = True, **sampling: Any) -> list[Any]:
-        """Generate for many prompts at once (continuous batching on one prepared plan): a list of `Completion`
-        (scheduler.py: .text, .tokens, .finish_reason), in prompt order.
-
-        `sampling` takes generate()'s parameters (temperature, top_k, top_p, min_p, repeat_penalty,
-        repeat_last_n, seed, stop_at_eos) plus frequency_penalty, presence_penalty and stop (strings); a seed is
-        per prompt (prompt i uses seed + i). At most `n_parallel` sequences (default min(len(prompts), 16)) run at
-        once in a cache of `n_ctx` cells (default n_parallel x the longest prompt + max_tokens)."""
-        from .scheduler import GenParams, Scheduler
-
-        prompts = list(prompts)
-        if not prompts:
-            return []
-        ids = [self.tokenize(p, add_special=add_special) if isinstance(p, str)
-               else self._check_ids(p, check_ctx=False).tolist() for p in prompts]
-        par = n_parallel or min(len(ids), 16)
-        if n_ctx is None:
-            n_ctx = par * (max(len(i) for i in ids) + max_tokens)
-        seed = sampling.pop("seed", None)
-        sched = Scheduler(self, n_parallel=par, n_ctx=n_ctx, max_queue=len(ids))
-        try:
-            reqs = [sched.submit(i, GenParams(max_tokens=max_tokens, seed=None if seed is None else seed + k,
-                                              **sampling)) for k, i in enumerate(ids)]
-            sched.run_until_idle()
-            return [r.result() for r in reqs]
-        finally:
-            sched.close()
-
+    # -- many sequences: a BatchDecoder (batch.py) attaches itself, and is closed with the model ------------------
     def _attach(self, dec: Any) -> None:
         with self._lock:
             self._check_open()

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import dtypes
-from ..dtypes import DType
-from ..errors import ModelError
-from ..tensor import Tensor, weight
-from .hparams import HParams
+from ggml_py.errors import ModelError
+from ggml_py.ir import dtypes
+from ggml_py.ir.dtypes import DType
+from ggml_py.ir.tensor import Tensor, weight
+from ggml_py.models.hparams import HParams
 
 F32_ONLY = (dtypes.F32,)  # norms and biases
 

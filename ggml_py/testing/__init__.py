@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .cases import ALL_OPS, CONVERT_MAX_NMSE, Built, Case, Ctx
-from .cases import cases as _cases
-from .runner import Report, Result, compare, nmse, run_backend, run_case
+from ggml_py.testing.cases import ALL_OPS, CONVERT_MAX_NMSE, Built, Case, Ctx
+from ggml_py.testing.cases import cases as _cases
+from ggml_py.testing.runner import Report, Result, compare, nmse, run_backend, run_case
 
 __all__ = ["ALL_OPS", "CONVERT_MAX_NMSE", "Built", "Case", "Ctx", "Report", "Result", "cases", "compare", "nmse",
            "run_backend", "run_case"]

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import ops, schema
-from ..dtypes import (
+from ggml_py.formats.quants import quantize
+from ggml_py.ir import ops, schema
+from ggml_py.ir.dtypes import (
     BF16,
     F16,
     F32,
@@ -44,10 +45,9 @@ from ..dtypes import (
     Q8_0,
     DType,
 )  # fmt: skip
-from ..quants import quantize
-from ..tensor import Tensor
-from ..tensor import input as _input
-from ..tensor import weight as _weight
+from ggml_py.ir.tensor import Tensor
+from ggml_py.ir.tensor import input as _input
+from ggml_py.ir.tensor import weight as _weight
 
 __all__ = ["ALL_OPS", "CONVERT_MAX_NMSE", "Built", "Case", "Ctx", "all_cases", "cases", "encode"]
 
@@ -110,7 +110,7 @@ class Case:
 # -- data helpers -------------------------------------------------------------------------------------------------
 def encode(values: np.ndarray, t: DType) -> np.ndarray:
     """Float values in the storage of type t: a typed array for F32/F16/I32/I64, raw uint8 rows otherwise
-    (BF16 and block types, made by ggml_py.quants.quantize)."""
+    (BF16 and block types, made by ggml_py.formats.quants.quantize)."""
     if t in (F32, F16, I32, I64):
         return np.ascontiguousarray(values, dtype=t.np_dtype)
     return np.ascontiguousarray(quantize(np.ascontiguousarray(values, dtype=np.float32), t), dtype=np.uint8)
@@ -142,7 +142,7 @@ class Ctx:
         return self.input(self.uniform(shape, lo, hi), t, name)
 
     def weight(self, shape: Sequence[int], t: DType, lo: float = -1.0, hi: float = 1.0, name: str = "") -> Tensor:
-        """A weight (PARAM) of type t: random floats quantized with ggml_py.quants.quantize."""
+        """A weight (PARAM) of type t: random floats quantized with ggml_py.formats.quants.quantize."""
         data = encode(self.uniform(shape, lo, hi), t)
         if t.is_quantized or t is BF16:
             return _weight(data.reshape(-1).view(np.uint8), t, shape=shape, name=self._name(name or "w"))

@@ -1,4 +1,4 @@
-"""Valid tiny GGUF models and a corpus of precisely malformed ones, for testing `ggml_py.gguf`.
+"""Valid tiny GGUF models and a corpus of precisely malformed ones, for testing `ggml_py.formats.gguf`.
 
 The valid base is written by `gguf.GGUFWriter`. It is then taken apart into a `RawGGUF` (raw KV payloads, tensor
 infos, data section) by a trusting walker, edited, and written back with our own small struct serializer, so an
@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from ggml_py import dtypes
-from ggml_py.gguf import MAX_ARRAY_DEPTH, MIN_KV_BYTES, MIN_TENSOR_INFO_BYTES
+from ggml_py.formats.gguf import MAX_ARRAY_DEPTH, MIN_KV_BYTES, MIN_TENSOR_INFO_BYTES
+from ggml_py.ir import dtypes
 
 __all__ = [
     "Case",

@@ -1,4 +1,4 @@
-"""Seeded mutation fuzzing of `ggml_py.gguf.open_gguf`.
+"""Seeded mutation fuzzing of `ggml_py.formats.gguf.open_gguf`.
 
 Each case takes a valid tiny model (several variants), applies 1-4 byte-level mutations (bit flips, bytes and
 structure-aware fields set to interesting values, truncation, insertion, deletion, splicing with another model)
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ggml_py.errors import GGUFError
-from ggml_py.gguf import GGUFFile, open_gguf
+from ggml_py.formats.gguf import GGUFFile, open_gguf
 from ggml_py.testing.gguf_corpus import field_spans, tiny_model
 
 __all__ = ["Base", "FuzzFailure", "FuzzStats", "bases", "category", "check_bytes", "main", "mutate", "run"]
@@ -252,7 +252,7 @@ def _atheris_main(argv: list[str]) -> None:  # pragma: no cover - optional, need
     """Coverage-guided fuzzing with atheris (libFuzzer); the seed corpus is our valid and malformed files."""
     import atheris
 
-    import ggml_py.gguf as target
+    import ggml_py.formats.gguf as target
 
     for name in ("_parse", "value", "array", "string_array", "string_items", "string", "need", "u32", "u64"):
         atheris.instrument_func(getattr(target._Parser, name))  # coverage feedback from the parser only

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from ..backend import Backend
+from ggml_py.runtime.backend import Backend
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -34,7 +34,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _register(specs: list[str]) -> None:
-    from ..registry import registry
+    from ggml_py.runtime.registry import registry
 
     for spec in specs:
         name, sep, target = spec.partition("=")
@@ -53,8 +53,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _backend(name: str, what: str) -> Backend:
-    from ..errors import GgmlPyError
-    from ..registry import get_backend
+    from ggml_py.errors import GgmlPyError
+    from ggml_py.runtime.registry import get_backend
 
     try:
         return get_backend(name)
@@ -79,7 +79,7 @@ def ggml_reference(request: pytest.FixtureRequest) -> Backend:
 
 def selected_cases(config: Any) -> list[Any]:
     """The kit's cases, restricted by --ggml-op when given (pytest's -k then filters by id)."""
-    from .cases import cases
+    from ggml_py.testing.cases import cases
 
     op = config.getoption("--ggml-op", default=None)
     try:

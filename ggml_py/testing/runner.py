@@ -20,15 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from .. import dtypes
-from ..backend import Backend
-from ..graph import Graph
-from ..quants import dequantize
-from ..registry import resolve_backends
-from ..sched import prepare
-from ..schema import VIEW_OPS
-from ..tensor import Tensor
-from .cases import ALL_OPS, Case, all_cases
+from ggml_py.formats.quants import dequantize
+from ggml_py.ir import dtypes
+from ggml_py.ir.graph import Graph
+from ggml_py.ir.schema import VIEW_OPS
+from ggml_py.ir.tensor import Tensor
+from ggml_py.runtime.backend import Backend
+from ggml_py.runtime.plan import prepare
+from ggml_py.runtime.registry import resolve_backends
+from ggml_py.testing.cases import ALL_OPS, Case, all_cases
 
 __all__ = ["Report", "Result", "compare", "nmse", "run_backend", "run_case", "to_float"]
 

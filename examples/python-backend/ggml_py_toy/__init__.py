@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from ggml_py import dtypes
-from ggml_py.backend import (
+from ggml_py.ir import dtypes
+from ggml_py.ir.tensor import Tensor
+from ggml_py.runtime.backend import (
     Backend,
     BackendRegistration,
     Buffer,
@@ -30,7 +31,6 @@ from ggml_py.backend import (
     Split,
     aligned_host_array,
 )
-from ggml_py.tensor import Tensor
 
 __version__ = "0.1.0"
 

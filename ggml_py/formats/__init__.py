@@ -1,0 +1,1 @@
+"""Bytes on disk: GGUF files, block quantization formats, the file quantizer."""

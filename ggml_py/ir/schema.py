@@ -1,0 +1,259 @@
+"""The op schema: every op of ggml_py written once.
+
+Each `OpDef` says an op's name, its id in the C ABI, its sources, its parameters (name, type, ABI slot), its shape rule
+(as text for the docs; `ggml_py.ir.ops` implements it), whether the allocator may compute it in place over its first
+source, and the conformance kit's NMSE threshold. Everything else is derived from this table or checked against it by a
+test: the C header's op enum and parameter slots (`render_abi_schema`), the allocator's in-place set, the view ops, the
+parameters a node must carry, the ABI encoding of a node's parameters, the kit's op list and default thresholds, the
+numpy backend's kernel table, and docs/ops.md.
+
+Adding an op: one `OpDef` here (a new ABI id is appended, never reused), its builder in ops.py, its kernels, then
+`python -m ggml_py.ir.schema header` to refresh the header.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ggml_py.ir import dtypes
+
+# Parameter kinds. In the ABI every parameter takes 32-bit slots of `ggml_py_op_params`, in declaration order.
+F32 = "f32"  # one float slot
+I32 = "i32"  # one int32 slot
+AXIS = "axis"  # a numpy-order axis; the ABI holds ggml's dim (0 = innermost) in one int32 slot
+DIMS = "dims"  # one int per dim in numpy order; the ABI holds MAX_DIMS int32 slots in ggml order (missing = 0)
+
+MAX_DIMS = 4
+MAX_OP_PARAMS = 16
+
+# ggml's test-backend-ops thresholds
+NMSE_DEFAULT = 1e-7
+NMSE_MUL_MAT = 5e-4
+# MUL_MAT of F32, F16 or BF16 weights by F32 activations is exact products summed in F32: the simd kernels reach
+# 1e-13 at every level (docs/testing.md), ggml's test-backend-ops allows 5e-4. A kernel that rounded the
+# activations to F16 (~2e-8) or BF16 (~1e-6), or accumulated in F16, would fail this.
+NMSE_MUL_MAT_FLOAT = 1e-10
+NMSE_SOFT_MAX = 1e-6
+NMSE_EXACT = 0.0
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    kind: str  # F32, I32, AXIS or DIMS
+
+    @property
+    def n_slots(self) -> int:
+        return MAX_DIMS if self.kind == DIMS else 1
+
+    @property
+    def is_float(self) -> bool:
+        return self.kind == F32
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    abi_id: int | None  # None: a view op, resolved into layouts before any backend sees it
+    srcs: tuple[str, ...]  # source roles in ABI order; a trailing "?" marks an optional one (NULL when absent)
+    params: tuple[Param, ...] = ()
+    rule: str = ""  # the shape rule, for the docs
+    inplace: bool = False  # may overwrite its first source when that dies with it (same shape, type, layout)
+    max_nmse: float = NMSE_DEFAULT  # the kit's threshold (conversions use per-type ones, see testing/cases.py)
+    max_nmse_float: float | None = None  # the threshold when no source is block-quantized (None: max_nmse)
+    family: str = ""  # ops that share a builder and a kernel: "unary", "binary", "glu", "view"
+    aliases: int | None = None  # the source whose memory dst is (CPY's destination, SET_ROWS's dst)
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.params)
+
+    def slot(self, name: str) -> int:
+        """The first ABI slot of parameter `name`."""
+        s = 0
+        for p in self.params:
+            if p.name == name:
+                return s
+            s += p.n_slots
+        raise KeyError(f"{self.name} has no parameter {name!r}")
+
+    def encode(self, params: Mapping[str, object], ndim: int) -> list[tuple[int, bool, int | float]]:
+        """(slot, is_float, value) of every ABI slot this op's parameters fill; `ndim` is the node's rank."""
+        out: list[tuple[int, bool, int | float]] = []
+        s = 0
+        for p in self.params:
+            v = params[p.name]
+            if p.kind == F32:
+                out.append((s, True, float(v)))  # type: ignore[arg-type]
+            elif p.kind == I32:
+                out.append((s, False, int(v)))  # type: ignore[call-overload]
+            elif p.kind == AXIS:
+                out.append((s, False, ndim - 1 - int(v)))  # type: ignore[call-overload]
+            else:
+                vals = [int(x) for x in v]  # type: ignore[attr-defined]
+                for k in range(MAX_DIMS):
+                    out.append((s + k, False, vals[len(vals) - 1 - k] if k < len(vals) else 0))
+            s += p.n_slots
+        return out
+
+
+def _f(*names: str) -> tuple[Param, ...]:
+    return tuple(Param(n, F32) for n in names)
+
+
+_UNARY_RULE = "`a.shape`"
+_BINARY_RULE = "`b` tiles `a`; result `a.shape`"
+
+OPS_LIST: tuple[OpDef, ...] = (
+    OpDef("ADD", 1, ("a", "b"), rule=_BINARY_RULE, inplace=True, family="binary"),
+    OpDef("SUB", 2, ("a", "b"), rule=_BINARY_RULE, inplace=True, family="binary"),
+    OpDef("MUL", 3, ("a", "b"), rule=_BINARY_RULE, inplace=True, family="binary"),
+    OpDef("DIV", 4, ("a", "b"), rule=_BINARY_RULE, inplace=True, family="binary"),
+    OpDef("SCALE", 5, ("a",), _f("s", "b"), "`a.shape`; `a * s + b`", inplace=True),
+    OpDef("SQR", 6, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
+    OpDef("SQRT", 7, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
+    OpDef("NEG", 8, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
+    OpDef("ABS", 9, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
+    OpDef("EXP", 10, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
+    OpDef("LOG", 11, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
+    OpDef("SILU", 12, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
+    OpDef("GELU", 13, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
+    OpDef("RELU", 14, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
+    OpDef("TANH", 15, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
+    OpDef("SIGMOID", 16, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
+    OpDef("CLAMP", 17, ("a",), _f("min", "max"), "`a.shape`; `min <= max`", inplace=True),
+    OpDef("SWIGLU", 18, ("a", "b?"), rule="`a.shape`, or `(..., n/2)` without `b`", family="glu"),
+    OpDef("GEGLU", 19, ("a", "b?"), rule="`a.shape`, or `(..., n/2)` without `b`", family="glu"),
+    OpDef("NORM", 20, ("a",), _f("eps"), "`a.shape`, over the last dim"),
+    OpDef("RMS_NORM", 21, ("a",), _f("eps"), "`a.shape`, over the last dim"),
+    OpDef("SUM_ROWS", 22, ("a",), rule="`(..., 1)`"),
+    OpDef("MEAN", 23, ("a",), rule="`(..., 1)`"),
+    OpDef("ARGMAX", 24, ("a",), rule="`a.shape[:-1]`, I32", max_nmse=NMSE_EXACT),
+    OpDef("MUL_MAT", 25, ("a", "b"), rule="`a (..., M, K)`, `b (..., N, K)` -> `(..., N, M)`",
+          max_nmse=NMSE_MUL_MAT, max_nmse_float=NMSE_MUL_MAT_FLOAT),
+    OpDef("SOFT_MAX", 26, ("a", "mask?"), _f("scale", "max_bias"), "`a.shape`", inplace=True,
+          max_nmse=NMSE_SOFT_MAX),
+    OpDef("DIAG_MASK_INF", 27, ("a",), (Param("n_past", I32),), "`a.shape`", inplace=True),
+    OpDef("ROPE", 28, ("a", "pos"),
+          (Param("n_dims", I32), Param("mode", I32), Param("freq_base", F32), Param("freq_scale", F32)),
+          "`a (..., T, H, D)`, `pos (T,)` -> `a.shape`"),
+    OpDef("FLASH_ATTN_EXT", 29, ("q", "k", "v", "mask?"), _f("scale", "max_bias", "softcap"),
+          "`q (B, H, Nq, D)`, `k (B, Hk, Nkv, D)`, `v (B, Hk, Nkv, Dv)` -> `(B, Nq, H, Dv)`",
+          max_nmse=NMSE_MUL_MAT),
+    OpDef("GET_ROWS", 30, ("a", "idx"), rule="`a (..., R, C)`, `idx (..., n)` -> `(..., n, C)`",
+          max_nmse=NMSE_EXACT),
+    OpDef("SET_ROWS", 31, ("dst", "rows", "idx"), rule="`dst (R, C)`, `rows (n, C)`, `idx (n,)` -> `dst`",
+          max_nmse=NMSE_EXACT, aliases=0),
+    OpDef("CPY", 32, ("a", "dst?"), rule="`dst.shape` (same element count), or `a.shape` as a new tensor",
+          max_nmse=NMSE_EXACT, aliases=1),
+    OpDef("CONT", 33, ("a",), rule="`a.shape`, contiguous", max_nmse=NMSE_EXACT),
+    OpDef("CONCAT", 34, ("a", "b"), (Param("axis", AXIS),), "sizes along `axis` added", max_nmse=NMSE_EXACT),
+    OpDef("REPEAT", 35, ("a",), rule="the target shape (tiled by `a`)", max_nmse=NMSE_EXACT),
+    OpDef("PAD", 36, ("a",), (Param("pads", DIMS),), "`a.shape` plus `pads`", max_nmse=NMSE_EXACT),
+    OpDef("TOP_K", 37, ("a",), (Param("k", I32),),
+          "`a (..., n)` -> `(..., k)` I32: indices of the k largest, largest first, the lower index first on ties, "
+          "NaN above everything (as ARGMAX)", max_nmse=NMSE_EXACT),
+    # views: no kernel, no ABI id; backends see their results as layouts (ne, nb, data)
+    OpDef("VIEW", None, ("a",), rule="given shape, strides and offset", family="view"),
+    OpDef("RESHAPE", None, ("a",), rule="given shape, same element count", family="view"),
+    OpDef("PERMUTE", None, ("a",), rule="`a.shape` permuted", family="view"),
+    OpDef("TRANSPOSE", None, ("a",), rule="last two dims swapped", family="view"),
+)
+
+OPS: dict[str, OpDef] = {o.name: o for o in OPS_LIST}
+COMPUTE_OPS: tuple[str, ...] = tuple(o.name for o in OPS_LIST if o.abi_id is not None)
+VIEW_OPS: frozenset[str] = frozenset(o.name for o in OPS_LIST if o.family == "view")
+INPLACE_OPS: frozenset[str] = frozenset(o.name for o in OPS_LIST if o.inplace)
+UNARY_OPS: tuple[str, ...] = tuple(o.name for o in OPS_LIST if o.family == "unary")
+BINARY_OPS: tuple[str, ...] = tuple(o.name for o in OPS_LIST if o.family == "binary")
+ABI_IDS: dict[str, int] = {o.name: o.abi_id for o in OPS_LIST if o.abi_id is not None}
+
+
+def get(name: str | None) -> OpDef:
+    try:
+        return OPS[name or ""]
+    except KeyError:
+        raise KeyError(f"unknown op {name!r}; known: {', '.join(OPS)}") from None
+
+
+# -- the C header's generated regions ---------------------------------------------------------------------------------
+BEGIN = "/* GGML_PY_SCHEMA_BEGIN: generated by `python -m ggml_py.ir.schema header`, do not edit */"
+END = "/* GGML_PY_SCHEMA_END */"
+NAMES_BEGIN = "/* GGML_PY_OP_NAMES_BEGIN: generated by `python -m ggml_py.ir.schema header`, do not edit */"
+NAMES_END = "/* GGML_PY_OP_NAMES_END */"
+
+
+def _c_enum(name: str, items: Sequence[tuple[str, int]]) -> list[str]:
+    lines = [f"enum {name} {{"]
+    lines += [f"    {k} = {v}," for k, v in items[:-1]] + [f"    {items[-1][0]} = {items[-1][1]}", "};"]
+    return lines
+
+
+def render_abi_schema() -> str:
+    """The header text between BEGIN and END: type ids, op ids and each op's parameter slots."""
+    types = sorted(dtypes.ALL, key=lambda t: t.ggml_id)
+    out = ["/* Element types: ggml's type ids (also GGUF's). */"]
+    out += _c_enum("ggml_py_type", [(f"GGML_PY_TYPE_{t.name}", t.ggml_id) for t in types])
+    ops = sorted((o for o in OPS_LIST if o.abi_id is not None), key=lambda o: o.abi_id or 0)
+    out += ["", "/* Op ids: only ever appended to. Sources (src[0], src[1], ...; '?' = optional, NULL when absent):"]
+    out += [f" *   {o.name:<15} {', '.join(o.srcs)}" + (f"  (dst aliases src[{o.aliases}])" if o.aliases is not None
+                                                          else "") for o in ops]
+    out += [" */"]
+    out += _c_enum("ggml_py_op", [("GGML_PY_OP_NONE", 0), *((f"GGML_PY_OP_{o.name}", o.abi_id or 0) for o in ops),
+                                  ("GGML_PY_OP_COUNT", max(o.abi_id or 0 for o in ops) + 1)])
+    out += ["", "/* Op parameters: GGML_PY_P_<OP>_<PARAM> is the first slot of ggml_py_op_params it fills, read",
+            " * as .f[] (float) or .i[] (int32) as noted; DIMS fill MAX_DIMS int slots in ggml order (innermost",
+            " * first). */"]
+    for o in ops:
+        for p in o.params:
+            kind = {F32: "f", I32: "i", AXIS: "i, ggml dim", DIMS: "i, MAX_DIMS slots"}[p.kind]
+            out.append(f"#define GGML_PY_P_{o.name}_{p.name.upper()} {o.slot(p.name)} /* {kind} */")
+    return "\n".join(out)
+
+
+def render_op_names() -> str:
+    """The header text between NAMES_BEGIN and NAMES_END: an initializer of op names indexed by op id (C only)."""
+    ops = {o.abi_id: o.name for o in OPS_LIST if o.abi_id is not None}
+    names = [f'"{ops.get(i, "NONE" if i == 0 else "?")}"' for i in range(max(ops) + 1)]
+    rows = [", ".join(names[i:i + 8]) for i in range(0, len(names), 8)]
+    return "#define GGML_PY_OP_NAMES_INIT { \\\n    " + ", \\\n    ".join(rows) + " }"
+
+
+def _replace_region(text: str, begin: str, end: str, body: str) -> str:
+    try:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+    except ValueError:
+        raise ValueError(f"the header has no {begin} ... {end} region") from None
+    return f"{head}{begin}\n{body}\n{end}{tail}"
+
+
+def render_header(text: str) -> str:
+    """The header text with both generated regions refreshed from this schema."""
+    text = _replace_region(text, BEGIN, END, render_abi_schema())
+    return _replace_region(text, NAMES_BEGIN, NAMES_END, render_op_names())
+
+
+def header_path() -> Path:
+    return Path(__file__).parents[1] / "include" / "ggml_py" / "backend_abi.h"
+
+
+def _main(argv: Sequence[str]) -> int:
+    if list(argv) in (["header"], ["header", "--check"]):
+        path = header_path()
+        old = path.read_text()
+        new = render_header(old)
+        if "--check" in argv:
+            print("up to date" if new == old else f"{path} is out of date: run python -m ggml_py.ir.schema header")
+            return 0 if new == old else 1
+        path.write_text(new)
+        return 0
+    print("usage: python -m ggml_py.ir.schema header [--check]", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))

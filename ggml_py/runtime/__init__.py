@@ -1,0 +1,1 @@
+"""How a graph runs: backend interfaces, the registry, allocation, scheduling, plans, the native ABI."""

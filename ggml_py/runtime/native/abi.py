@@ -1,0 +1,92 @@
+"""The C ABI as cffi sees it: declarations parsed from the installed backend_abi.h, its constants, version checks."""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any
+
+from ggml_py.errors import BackendError
+from ggml_py.ir import schema
+
+SYMBOLS = ("ggml_py_plugin_abi_version", "ggml_py_plugin_init")
+
+# Function pointers a plugin must provide, as "struct.field".
+REQUIRED_FUNCTIONS = ("buffer_type.alloc_buffer", "buffer.free_buffer", "backend.init", "backend.free",
+                      "backend.supports_op", "backend.graph_compute")
+NON_HOST_FUNCTIONS = ("buffer.set_tensor", "buffer.get_tensor", "buffer.memset_tensor")
+
+STATUS = {0: "OK", 1: "FAILED", 2: "UNSUPPORTED", 3: "NO_MEMORY", 4: "ABORTED"}
+_CDEF_BEGIN = "/* GGML_PY_CDEF_BEGIN */"
+_CDEF_END = "/* GGML_PY_CDEF_END */"
+
+
+def get_include() -> str:
+    """The folder to put on a native plugin's include path: it holds ggml_py/backend_abi.h."""
+    return str(schema.header_path().parents[1])
+
+
+# -- the cffi declarations: read from the header itself ---------------------------------------------------------------
+def strip_comments(text: str) -> str:
+    """C text without comments and blank lines (line structure otherwise kept)."""
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    text = re.sub(r"//[^\n]*", "", text)
+    return "\n".join(line.rstrip() for line in text.splitlines() if line.strip()) + "\n"
+
+
+def cdef_from_header(header_text: str) -> str:
+    """The cffi declarations of a backend_abi.h: its CDEF region without comments."""
+    try:
+        region = header_text.split(_CDEF_BEGIN, 1)[1].split(_CDEF_END, 1)[0]
+    except IndexError:
+        raise BackendError(f"header has no {_CDEF_BEGIN} ... {_CDEF_END} region") from None
+    return strip_comments(region)
+
+
+_ffi_lock = threading.Lock()
+_ffi_obj: Any = None
+_consts: dict[str, int] = {}
+
+
+def ffi() -> Any:
+    """The shared cffi.FFI holding the ABI's declarations (parsed from the installed header)."""
+    global _ffi_obj
+    with _ffi_lock:
+        if _ffi_obj is None:
+            import cffi
+
+            cdef = cdef_from_header(schema.header_path().read_text())
+            f = cffi.FFI()
+            f.cdef(cdef)
+            _consts.update((k, int(v)) for k, v in re.findall(r"^#define (GGML_PY_\w+) (\d+)", cdef, flags=re.M))
+            _ffi_obj = f
+        return _ffi_obj
+
+
+def const(name: str) -> int:
+    """An integer #define of the header (GGML_PY_...)."""
+    ffi()
+    return _consts[name]
+
+
+def abi_version() -> tuple[int, int]:
+    """(major, minor) of the ABI this ggml_py speaks."""
+    return const("GGML_PY_ABI_MAJOR"), const("GGML_PY_ABI_MINOR")
+
+
+def version_str(v: int) -> str:
+    return f"{v >> 16}.{v & 0xFFFF}" if v >= 1 << 16 else str(v)
+
+
+def check_version(version: int, where: str) -> None:
+    """Refuse a plugin this ggml_py cannot run, saying what to rebuild or upgrade."""
+    major, minor = abi_version()
+    ours = f"{major}.{minor}"
+    if version >> 16 == major and version & 0xFFFF <= minor:
+        return
+    if version >> 16 == major:
+        raise BackendError(f"{where}: plugin built against ggml_py backend ABI {version_str(version)}, newer than "
+                           f"this ggml_py's {ours}: upgrade ggml_py")
+    raise BackendError(f"{where}: plugin built for ggml_py backend ABI version {version_str(version)}, but this "
+                       f"ggml_py speaks {ours} (any {major}.x up to {ours}); rebuild it against the header in "
+                       "ggml_py.get_include() (`ggml-py config --include`)")

@@ -1,0 +1,140 @@
+"""A plugin's function table, checked against this ggml_py's ABI, and the loaders (a library path, or a table
+inside an extension module already loaded)."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from typing import Any
+
+from ggml_py.errors import BackendError
+from ggml_py.runtime.backend import Backend
+from ggml_py.runtime.native.abi import NON_HOST_FUNCTIONS, REQUIRED_FUNCTIONS, SYMBOLS, check_version, ffi, version_str
+from ggml_py.runtime.native.backend import NativeRegistration
+from ggml_py.runtime.native.buffers import NativeBufferType
+
+
+# -- the library------------------------------------------------------------------------------------------------------
+class NativeLibrary:
+    """One plugin table, checked against this ggml_py's ABI."""
+
+    def __init__(self, plugin: Any, where: str, path: str, keepalive: Any = None) -> None:
+        f = ffi()
+        self.path = path
+        self._where = where
+        self._keepalive = keepalive  # the dlopen'd library or the extension module that owns the table
+        if plugin == f.NULL:
+            raise BackendError(f"{where}: ggml_py_plugin_init() returned NULL")
+        check_version(int(plugin.abi_version), where)
+        size = int(plugin.struct_size)
+        v2_0 = f.offsetof("ggml_py_plugin", "buffer_from_host_ptr")  # every 2.0 field precedes this one
+        if size < v2_0 or size > f.sizeof("ggml_py_plugin"):
+            raise BackendError(f"{where}: ggml_py_plugin is {size} bytes in the plugin, which ABI "
+                               f"{version_str(int(plugin.abi_version))} does not allow (2.0: {v2_0}, this ggml_py: "
+                               f"{f.sizeof('ggml_py_plugin')}); it was built against another backend_abi.h")
+        self.struct_size = size
+        self.plugin = plugin
+        self.name = self._string(plugin.name, "name")
+        if not re.fullmatch(r"[a-z0-9_]+", self.name):
+            raise BackendError(f"{where}: backend name {self.name!r} must match [a-z0-9_]+")
+        self.version = self._string(plugin.version, "version", "0")
+        self.description = self._string(plugin.description, "description", "")
+        self.abi_version = version_str(int(plugin.abi_version))
+        self.score = int(plugin.score)
+        self.default_threads = max(1, int(plugin.n_threads))
+        self.is_host = bool(plugin.buffer_type.is_host)
+        need = REQUIRED_FUNCTIONS + (() if self.is_host else NON_HOST_FUNCTIONS)
+        null = [fn for fn in need if self.fn(fn) is None]
+        if null:
+            raise BackendError(f"{where} (backend {self.name!r}): required plugin function(s) {', '.join(null)} "
+                               "are NULL")
+        self.buffer_type = NativeBufferType(self)
+        self._registration: NativeRegistration | None = None
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> NativeLibrary:
+        """dlopen a plugin library and read its table."""
+        f = ffi()
+        spath = os.fspath(path)
+        if not os.path.exists(spath):
+            raise BackendError(f"native backend library {spath} does not exist")
+        try:
+            lib = f.dlopen(os.path.abspath(spath))
+        except OSError as e:
+            raise BackendError(f"cannot load native backend library {spath}: {e}") from e
+        missing = [s for s in SYMBOLS if not hasattr(lib, s)]
+        if missing:
+            raise BackendError(f"{spath} is not a ggml_py backend plugin: missing symbol(s) {', '.join(missing)} "
+                               "(see ggml_py/backend_abi.h in ggml_py.get_include())")
+        check_version(int(lib.ggml_py_plugin_abi_version()), spath)  # before reading any struct
+        return cls(lib.ggml_py_plugin_init(), spath, spath, keepalive=lib)
+
+    def fn(self, dotted: str) -> Any:
+        """A function pointer of the table, or None when NULL or past the plugin's struct_size."""
+        f = ffi()
+        parts = dotted.split(".")
+        field = dict(f.typeof("ggml_py_plugin").fields)[parts[0]]
+        if field.offset + f.sizeof(field.type) > self.struct_size:
+            return None
+        obj = self.plugin
+        for p in parts:
+            obj = getattr(obj, p)
+        return None if obj == f.NULL else obj
+
+    def _string(self, ptr: Any, what: str, default: str | None = None) -> str:
+        if ptr == ffi().NULL:
+            if default is None:
+                raise BackendError(f"{self._where}: the plugin's {what} is NULL")
+            return default
+        return ffi().string(ptr).decode("utf-8", "replace")
+
+    @property
+    def registration(self) -> NativeRegistration:
+        if self._registration is None:
+            self._registration = NativeRegistration(self)
+        return self._registration
+
+    def where(self) -> str:
+        return f"native backend {self.name!r} ({self.path})"
+
+    def __repr__(self) -> str:
+        return f"<NativeLibrary {self.name} {self.version} ABI {self.abi_version} {self.path}>"
+
+
+# -- loading and discovery ---------------------------------------------------------------------------------------------
+_libraries: dict[str, NativeLibrary] = {}
+_libraries_lock = threading.Lock()
+
+
+def load_library(path: str | os.PathLike[str]) -> NativeLibrary:
+    """Open and check a plugin library (once per real path)."""
+    key = os.path.realpath(os.fspath(path))
+    with _libraries_lock:
+        lib = _libraries.get(key)
+        if lib is None:
+            lib = NativeLibrary.open(path)
+            _libraries[key] = lib
+        return lib
+
+
+def load_table(address: int, owner: Any, where: str) -> NativeLibrary:
+    """The plugin table at `address` inside an already loaded extension module `owner` (kept alive with it)."""
+    f = ffi()
+    key = f"table:{where}:{address}"
+    with _libraries_lock:
+        lib = _libraries.get(key)
+        if lib is None:
+            lib = NativeLibrary(f.cast("const ggml_py_plugin *", address), where, where, keepalive=owner)
+            _libraries[key] = lib
+        return lib
+
+
+def load(path: str | os.PathLike[str]) -> NativeRegistration:
+    """The BackendRegistration of the plugin library at `path`."""
+    return load_library(path).registration
+
+
+def backend(path: str | os.PathLike[str], **options: Any) -> Backend:
+    """A new Backend from the plugin library at `path` (options such as n_threads go to its init)."""
+    return load(path).create(**options)

@@ -1,0 +1,478 @@
+"""Plans: a graph scheduled (schedule.py), its memory planned (alloc.py) and each split lowered, once.
+
+`prepare()` does all of that once; `Plan.compute()` then only writes inputs, copies split inputs that cross
+buffer types, and calls each backend's lowered plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ggml_py import counters
+from ggml_py.errors import PlanError
+from ggml_py.ir.graph import Graph
+from ggml_py.ir.symbolic import Expr, evaluate
+from ggml_py.ir.tensor import INPUT, OUTPUT, PARAM, STATE, Tensor, nbytes_upper
+from ggml_py.runtime.alloc import plan_memory
+from ggml_py.runtime.backend import Backend, Buffer, Split
+from ggml_py.runtime.placement import check_host_alloc, place_static
+from ggml_py.runtime.registry import resolve_backends
+from ggml_py.runtime.schedule import root, schedule, symbols_of
+
+log = logging.getLogger("ggml_py")
+
+# A plan cut into more splits than this, averaging fewer nodes than TINY_SPLIT_NODES each, gets a warning: every
+# split boundary costs a backend call and maybe copies (a plugin claiming scattered elementwise ops, say).
+MANY_SPLITS = 16
+TINY_SPLIT_NODES = 4
+
+
+@dataclass
+class _Copy:
+    """Before a split runs: copy a root tensor's bytes from the buffer it lives in to one the backend can read."""
+
+    src: tuple[Buffer, int]
+    dst: tuple[Buffer, int]
+    size: int
+
+
+@dataclass
+class _SplitRun:
+    split: Split
+    plan: Any
+    copies: list[_Copy] = field(default_factory=list)
+
+
+class Plan:
+    """A graph prepared for repeated execution on a list of backends. Create with `ggml_py.prepare`."""
+
+    def __init__(self, graph: Graph, backends: Sequence[Backend]) -> None:
+        t0 = time.perf_counter()
+        self.graph = graph
+        self.backends = list(backends)
+        self._lock = threading.Lock()
+        self._computing: int | None = None  # the thread inside compute(), to refuse re-entry instead of deadlocking
+        self._closed = False
+        self._pending: dict[str, int] = {}
+        # per-tensor facts that never change for a plan, so a decode step's few set_input/get_output calls stay cheap
+        self._concrete: dict[int, bool] = {}
+        self._out_views: dict[int, np.ndarray] = {}
+        self.symbols = symbols_of((*graph.leafs, *graph.nodes))
+        self._n_computes = 0
+        self._build_splits()
+        self.warnings: list[str] = []
+        n_compute = sum(len(r.split.nodes) for r in self.runs)
+        if len(self.runs) > MANY_SPLITS and n_compute < TINY_SPLIT_NODES * len(self.runs):
+            self.warnings.append(f"the plan is cut into {len(self.runs)} splits of {n_compute / len(self.runs):.1f} "
+                                 f"nodes on average ({', '.join(b.name for b in self.backends)}): every split costs "
+                                 "a backend call and maybe copies; see plan.profile() and plan.assignment()")
+        for w in self.warnings:
+            log.warning("ggml_py: %s", w)
+        self.prepare_seconds = time.perf_counter() - t0
+        counters.bump("plans_prepared")
+
+    # -- preparation ------------------------------------------------------------------------------------------
+    def _build_splits(self) -> None:
+        sch = schedule(self.graph, self.backends)
+        self.backend_of = sch.backend_of
+        self._pinned = sch.pinned
+        groups, home, split_copies, copies = sch.groups, sch.home, sch.split_copies, sch.copies
+
+        bts = {bt.name: bt for bt in home.values()}
+        leafs = [t for t in self.graph.leafs if not t.flags & (PARAM | STATE)] + copies
+        alloc = plan_memory(self.graph.nodes, leafs, buffer_type_of=lambda t: home[root(t).id].name,
+                            alignment_of=lambda name: bts[name].alignment,
+                            size_of=lambda t: bts[home[root(t).id].name].alloc_size(t))
+        self.buffers: dict[str, Buffer] = {}
+        for name, size in alloc.sizes.items():
+            bt = bts[name]
+            if size > bt.max_size:
+                raise PlanError(f"compute buffer of {size} bytes exceeds the maximum of {bt.name} ({bt.max_size})")
+            check_host_alloc(bt, size, "the compute buffer")
+            self.buffers[name] = bt.alloc_buffer(max(size, 1))
+            counters.bump("buffers_allocated")
+        self.alloc = alloc
+
+        self.locations: dict[int, tuple[Buffer, int]] = {}
+        for tid, (bt_name, off) in alloc.offsets.items():
+            self.locations[tid] = (self.buffers[bt_name], off)
+
+        self.runs: list[_SplitRun] = []
+        for (b, nodes), pairs in zip(groups, split_copies):
+            locs = _SplitLocations(self.locations, b)
+            run_copies = []
+            for n in nodes:
+                for t in (n, *n.src):
+                    if t is not None and root(t).flags & (PARAM | STATE):
+                        locs.override[root(t).id] = self._location(t, b)
+            for r, c in pairs:
+                locs.override[r.id] = self.locations[c.id]
+                run_copies.append(_Copy(self._location(r), self.locations[c.id], r.nbytes))
+            split = Split(b, nodes, self.symbols, locs)
+            try:
+                bplan = b.graph_plan_create(split)
+            except PlanError:
+                raise
+            except Exception as e:
+                raise PlanError(f"backend {b.name!r} failed to lower a split of {len(nodes)} nodes: "
+                                f"{type(e).__name__}: {e}") from e
+            self.runs.append(_SplitRun(split, bplan, run_copies))
+        self.n_copies = sum(len(p) for p in split_copies)
+
+    def _location(self, t: Tensor, backend: Backend | None = None) -> tuple[Buffer, int]:
+        r = root(t)
+        if r.flags & (PARAM | STATE):
+            b = backend or self.backends[0]
+            for placed in r._static.values():
+                if b.supports_buffer_type(placed[0].buffer_type):
+                    return placed
+            if r.flags & STATE and r._static:
+                raise PlanError(f"state {r.name!r} lives in {list(r._static)}, which backend {b.name!r} cannot "
+                                "read; a state must stay in one buffer type")
+            return place_static(r, b.default_buffer_type)
+        try:
+            return self.locations[r.id]
+        except KeyError:
+            raise PlanError(f"tensor {t.name!r} is not part of this plan") from None
+
+    # -- execution ----------------------------------------------------------------------------------------------
+    def _tensor(self, key: str | Tensor, want: int) -> Tensor:
+        if isinstance(key, Tensor):
+            t = key
+            if t.id not in self._ids():
+                raise PlanError(f"tensor {t.name!r} is not part of this plan")
+        else:
+            try:
+                t = self.graph.find(key)
+            except KeyError:
+                kind = "inputs" if want == INPUT else "outputs"
+                known = [x.name for x in (self.graph.inputs if want == INPUT else self.graph.outputs)]
+                raise PlanError(f"no tensor named {key!r} in this plan; {kind}: {', '.join(known)}") from None
+        return t
+
+    def _ids(self) -> set[int]:
+        if not hasattr(self, "_id_set"):
+            self._id_set: set[int] = {t.id for t in (*self.graph.leafs, *self.graph.nodes)}
+        return self._id_set
+
+    def _enter(self, what: str) -> None:
+        """Checks before taking the lock: a closed plan refuses every call; a call from a signal handler that
+        interrupted this plan's compute on the same thread would wait for the lock forever."""
+        if self._closed:
+            raise PlanError(f"{what}() on a closed plan")
+        if self._computing == threading.get_ident():
+            raise PlanError(f"{what}() re-entered on the thread that is computing this plan (from a signal handler?)")
+
+    def set_input(self, key: str | Tensor, value: Any) -> None:
+        """Write an input's values. A symbolic dimension is bound from the array's shape.
+
+        Values are converted to the input's type; integers that do not fit it, and complex, object or string
+        arrays, raise PlanError rather than wrap or lose their imaginary part."""
+        self._enter("set_input")
+        with self._lock:
+            self._set_input_locked(key, value)
+
+    def _set_input_locked(self, key: str | Tensor, value: Any) -> None:
+        if self._closed:
+            raise PlanError("set_input() on a closed plan")
+        t = self._tensor(key, INPUT)
+        if not t.flags & (INPUT | STATE):
+            raise PlanError(f"{t.name!r} is not an input of this plan")
+        arr = np.asarray(value)
+        if t.dtype.is_quantized or t.dtype.np_dtype is None or t.dtype.name == "BF16":
+            expect_bytes = t.nbytes
+            if arr.dtype != np.uint8 or arr.nbytes != expect_bytes:
+                raise PlanError(f"input {t.name!r} ({t.dtype}) expects {expect_bytes} raw bytes, "
+                                f"got {arr.dtype} with {arr.nbytes}")
+        else:
+            if arr.dtype.kind not in "biuf":
+                raise PlanError(f"input {t.name!r} is {t.dtype}: expected real numbers, got {arr.dtype}")
+            if not self._is_concrete(t) or arr.shape != t.shape:
+                self._bind_shape(t, arr.shape)
+            npd = t.dtype.np_dtype
+            if npd.kind in "iu":
+                if arr.dtype.kind not in "iu":
+                    raise PlanError(f"input {t.name!r} is {t.dtype}: expected integer values, got {arr.dtype}")
+                if arr.size and not np.can_cast(arr.dtype, npd):
+                    info = np.iinfo(npd)
+                    if arr.min() < info.min or arr.max() > info.max:
+                        bad = arr[(arr < info.min) | (arr > info.max)].flat[0]
+                        raise PlanError(f"input {t.name!r} is {t.dtype}: value {bad} is outside "
+                                        f"[{info.min}, {info.max}]")
+            arr = np.ascontiguousarray(arr, dtype=npd)
+        buf, off = self._location(t)
+        buf.set_tensor(off + evaluate(t.view_offs, self._pending), arr.reshape(-1).view(np.uint8))
+
+    def _is_concrete(self, t: Tensor) -> bool:
+        """No symbol in its shape, strides or offset (cached: a tensor's layout never changes)."""
+        c = self._concrete.get(t.id)
+        if c is None:
+            c = self._concrete[t.id] = not any(isinstance(d, Expr) for d in (*t.shape, *t.strides, t.view_offs))
+        return c
+
+    def _bind_shape(self, t: Tensor, given: tuple[int, ...]) -> tuple[int, ...]:
+        expected = t.shape
+        if len(given) != len(expected):
+            raise PlanError(f"input {t.name!r}: expected shape {list(expected)}, got {list(given)}")
+        trial = dict(self._pending)
+        for d, g in zip(expected, given):
+            if isinstance(d, Expr) and len(d.terms) == 1:
+                s, c = d.terms[0]
+                v, rem = divmod(g - d.const, c)
+                if rem == 0 and s.name not in trial:
+                    trial[s.name] = v
+        try:
+            bound = tuple(evaluate(d, trial) for d in expected)
+        except KeyError:
+            bound = ()
+        if bound != tuple(given):
+            raise PlanError(f"input {t.name!r}: expected shape {list(expected)} (bound: {trial}), got {list(given)}")
+        self._check_bindings(trial)
+        self._pending = trial
+        return bound
+
+    def _check_bindings(self, b: Mapping[str, int]) -> None:
+        for s in self.symbols:
+            if s.name in b and not 1 <= b[s.name] <= s.max:
+                raise PlanError(f"symbol {s.name}={b[s.name]} is outside 1..{s.max}")
+
+    def compute(self, **bindings: int) -> None:
+        """Run every split. Symbols are bound by keyword (e.g. n_kv=17) or from inputs set since the last call."""
+        self._enter("compute")
+        for k, v in bindings.items():
+            if isinstance(v, bool) or not isinstance(v, int | np.integer):
+                raise PlanError(f"symbol {k} must be bound to an integer, got {v!r}")
+        with self._lock:
+            if self._closed:
+                raise PlanError("compute() on a closed plan")
+            self._computing = threading.get_ident()
+            try:
+                self._compute_locked(bindings)
+            finally:
+                self._computing = None
+
+    def _compute_locked(self, bindings: Mapping[str, int], split_seconds: list[float] | None = None) -> None:
+        b = dict(self._pending)
+        for k, v in bindings.items():
+            if k in b and b[k] != v:
+                raise PlanError(f"symbol {k}={v} conflicts with {b[k]} implied by an input's shape")
+            b[k] = int(v)
+        names = {s.name for s in self.symbols}
+        unknown = set(b) - names
+        if unknown:
+            raise PlanError(f"unknown symbol(s) {sorted(unknown)}; this plan has {sorted(names) or 'none'}")
+        missing = names - set(b)
+        if missing:
+            raise PlanError(f"symbol(s) {sorted(missing)} must be bound, e.g. compute({next(iter(missing))}=...)")
+        self._check_bindings(b)
+        # once running, the inputs' bindings are used up even if a split fails or Ctrl-C stops it: the next
+        # set_input may bind other sizes (outputs are then undefined until a compute completes)
+        self._pending = {}
+        for k, run in enumerate(self.runs):
+            t0 = time.perf_counter() if split_seconds is not None else 0.0
+            for c in run.copies:
+                (sb, so), (db, do) = c.src, c.dst
+                if not db.copy_tensor(sb, so, do, c.size):
+                    db.set_tensor(do, sb.get_tensor(so, c.size))
+            run.split.backend.graph_plan_compute(run.plan, b)
+            if split_seconds is not None:
+                split_seconds[k] += time.perf_counter() - t0
+        self.bindings = b
+        self._n_computes += 1
+        counters.bump("plan_computes")
+
+    def get_output(self, key: str | Tensor) -> np.ndarray:
+        """A copy of a tensor's values after the last compute (outputs, inputs and states).
+
+        Taken under the plan's lock, so it never mixes two computes; with several threads computing one plan, the
+        copy is of whichever compute finished last."""
+        self._enter("get_output")
+        with self._lock:
+            if self._closed:
+                raise PlanError("get_output() on a closed plan")
+            return self._get_output_locked(key)
+
+    def _get_output_locked(self, key: str | Tensor) -> np.ndarray:
+        t = self._tensor(key, OUTPUT)
+        view = self._out_views.get(t.id)
+        if view is not None:
+            return view.copy()
+        if not (t.flags & (OUTPUT | INPUT | STATE | PARAM) or root(t).flags & (STATE | PARAM)):
+            raise PlanError(f"{t.name!r} is an intermediate whose memory may be reused; mark it as an output")
+        view, is_host = self._view(t, getattr(self, "bindings", {}))
+        if is_host and self._is_concrete(t):
+            self._out_views[t.id] = view  # the same memory at every compute
+        return np.array(view)
+
+    def _view(self, t: Tensor, b: Mapping[str, int]) -> tuple[np.ndarray, bool]:
+        """A tensor's values at bindings `b` as an array over its memory (a copy if it is not in host memory), and
+        whether it is in host memory."""
+        shape = tuple(evaluate(d, b) for d in t.shape)
+        strides = tuple(evaluate(s, b) for s in t.strides)
+        buf, off = self._location(t)
+        off += evaluate(t.view_offs, b)
+        span = nbytes_upper(shape, strides, t.dtype)  # concrete shape: the bytes it spans
+        is_host = buf.buffer_type.is_host
+        raw = buf.host_view()[off: off + span] if is_host else buf.get_tensor(off, span)
+        if t.dtype.is_quantized:
+            return np.lib.stride_tricks.as_strided(raw, (*shape[:-1], t.dtype.row_size(shape[-1])),
+                                                   (*strides[:-1], 1)), is_host
+        npd = t.dtype.np_dtype
+        return np.lib.stride_tricks.as_strided(raw.view(npd) if span % npd.itemsize == 0 and raw.nbytes else raw,
+                                               shape, strides), is_host
+
+    def input_array(self, key: str | Tensor, **symbols: int) -> np.ndarray:
+        """A writable array over an input's memory, for a loop that writes the same inputs before every compute (a
+        decode step): what is written there is what the next compute reads, without set_input's conversion, checks
+        and binding (bind the symbols with compute(...)). The array has the input's type and its shape at `symbols`
+        (needed when the shape is symbolic). Inputs in host memory only (PlanError otherwise: use set_input); the
+        array is valid while the plan is open."""
+        self._enter("input_array")
+        with self._lock:
+            t = self._tensor(key, INPUT)
+            if not t.flags & INPUT or t.dtype.np_dtype is None or t.dtype.name == "BF16":
+                raise PlanError(f"{t.name!r} is not an input of a numpy type (use set_input)")
+            missing = {x.name for d in (*t.shape, *t.strides, t.view_offs) if isinstance(d, Expr)
+                       for x, _ in d.terms} - set(symbols)
+            if missing:
+                raise PlanError(f"input {t.name!r} has a symbolic shape: give {sorted(missing)} as keywords")
+            self._check_bindings(symbols)
+            if not self._location(t)[0].buffer_type.is_host:
+                raise PlanError(f"input {t.name!r} is not in host memory (use set_input)")
+            return self._view(t, symbols)[0]
+
+    def output_array(self, key: str | Tensor) -> np.ndarray:
+        """A read-only array over an output's memory: the values of the last compute, overwritten by the next (copy
+        what must outlive it). For a loop that reads the same outputs after every compute without get_output's
+        checks; outputs of a concrete shape in host memory only (PlanError otherwise: use get_output)."""
+        self._enter("output_array")
+        with self._lock:
+            t = self._tensor(key, OUTPUT)
+            if not t.flags & OUTPUT or not self._is_concrete(t):
+                raise PlanError(f"{t.name!r} is not an output of a concrete shape (use get_output)")
+            if not self._location(t)[0].buffer_type.is_host:
+                raise PlanError(f"output {t.name!r} is not in host memory (use get_output)")
+            view = self._view(t, {})[0]
+            view.flags.writeable = False
+            return view
+
+    def profile(self, computes: int = 1, **bindings: int) -> dict[str, Any]:
+        """Compute `computes` times and say where the time went: per split (with its copies), per backend, per op
+        type (from backends that time their nodes: every native plugin), and the host's share (time outside the
+        splits: input bindings, checks, Python). Inputs must be set as for compute(); without bindings and inputs
+        set since the last compute, the last compute's bindings are used again."""
+        self._enter("profile")
+        if not bindings and not self._pending:
+            bindings = dict(getattr(self, "bindings", {}))
+        profilers = [(run, run.split.backend) for run in self.runs
+                     if hasattr(run.split.backend, "graph_plan_profile")]
+        for run, be in profilers:
+            be.graph_plan_profile(run.plan, True)  # type: ignore[attr-defined]
+        split_s = [0.0] * len(self.runs)
+        total = 0.0
+        by_op: dict[str, float] = {}
+        try:
+            for _ in range(max(1, int(computes))):
+                pending = dict(self._pending)  # every compute uses the inputs' bindings
+                t0 = time.perf_counter()
+                with self._lock:
+                    self._pending = pending
+                    self._computing = threading.get_ident()
+                    try:
+                        self._compute_locked(bindings, split_s)
+                    finally:
+                        self._computing = None
+                total += time.perf_counter() - t0
+            for run, be in profilers:
+                secs = be.graph_plan_node_seconds(run.plan) or []  # type: ignore[attr-defined]
+                for n, sec in zip(run.split.nodes, secs):
+                    by_op[n.op or ""] = by_op.get(n.op or "", 0.0) + sec
+        finally:
+            for run, be in profilers:
+                be.graph_plan_profile(run.plan, False)  # type: ignore[attr-defined]
+        by_backend: dict[str, float] = {}
+        splits = []
+        for run, sec in zip(self.runs, split_s):
+            name = run.split.backend.name
+            by_backend[name] = by_backend.get(name, 0.0) + sec
+            splits.append({"backend": name, "nodes": len(run.split.nodes), "copies": len(run.copies), "seconds": sec})
+        n = max(1, int(computes))
+        return {"computes": n, "seconds_per_compute": total / n,
+                "host_seconds_per_compute": (total - sum(split_s)) / n,
+                "by_backend": {k: v / n for k, v in by_backend.items()},
+                "by_op": {k: v / n for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])},
+                "splits": [{**s, "seconds": s["seconds"] / n} for s in splits], "warnings": list(self.warnings)}
+
+    # -- reports ------------------------------------------------------------------------------------------------
+    def assignment(self) -> list[dict[str, str]]:
+        """Backend of every compute node, in execution order."""
+        return [{"node": n.name, "op": n.op or "", "backend": run.split.backend.name}
+                for run in self.runs for n in run.split.nodes]
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "nodes": len(self.graph.nodes),
+            "splits": len(self.runs),
+            "copies": self.n_copies,
+            "inplace": self.alloc.inplace,
+            "buffer_sizes": dict(self.alloc.sizes),
+            "backends": [b.name for b in self.backends],
+            "symbols": {s.name: s.max for s in self.symbols},
+            "computes": self._n_computes,
+            "prepare_seconds": self.prepare_seconds,
+            "counters": counters.snapshot(),
+        }
+
+    def close(self) -> None:
+        """Free the backends' plans; every later call on this plan raises PlanError. Waits for a running compute."""
+        if self._computing == threading.get_ident():
+            raise PlanError("close() on the thread that is computing this plan (from a signal handler?)")
+        with self._lock:
+            self._closed = True
+            self._out_views = {}
+            for run in self.runs:
+                run.split.backend.graph_plan_free(run.plan)
+            self.runs = []
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+class _SplitLocations(Mapping[int, tuple[Buffer, int]]):
+    """Root locations as one split sees them: copies override sources, statics resolve for its backend."""
+
+    def __init__(self, base: dict[int, tuple[Buffer, int]], backend: Backend) -> None:
+        self.base = base
+        self.backend = backend
+        self.override: dict[int, tuple[Buffer, int]] = {}
+
+    def __getitem__(self, tid: int) -> tuple[Buffer, int]:
+        if tid in self.override:
+            return self.override[tid]
+        if tid in self.base:
+            return self.base[tid]
+        raise KeyError(tid)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter({**self.base, **self.override})
+
+    def __len__(self) -> int:
+        return len({**self.base, **self.override})
+
+
+def prepare(outputs: Tensor | Sequence[Tensor] | Graph, backends: Any = None, **options: Any) -> Plan:
+    """Schedule, allocate and lower a graph once; compute it any number of times.
+
+    `backends`: names, Backend objects or a comma-separated string, in order of preference (default: the registry's
+    order, `GGML_PY_BACKENDS` if set). Options (e.g. n_threads) go to backends created by name.
+    """
+    graph = outputs if isinstance(outputs, Graph) else Graph(outputs)
+    return Plan(graph, resolve_backends(backends, **options))

@@ -1,0 +1,462 @@
+"""Continuous batching: requests admitted, prefilled, decoded, finished and cancelled on one BatchDecoder.
+
+A `Engine` runs the model on one worker thread (or, with `run_until_idle`, on the caller's). `submit` and
+`cancel` are thread-safe and return at once; a bounded queue of waiting requests gives back-pressure
+(`QueueFullError`). Each step of the worker:
+
+1. frees the sequences of cancelled requests and admits waiting ones while a sequence slot is free;
+2. builds one batch within the token budget `n_batch`: every decoding request's next token first, then chunks of
+   the prompts being prefilled (oldest first) in what remains, so a long prompt never stalls the others' decoding;
+3. runs one `BatchDecoder.decode` (one prepared plan whatever the mix) and samples, per request with its own
+   sampler and seed, from the logits of the rows that need them (greedy rows take one vectorised argmax);
+4. streams each new token's text (UTF-8 safe deltas, `stop` strings held back until they cannot match) through the
+   request's `on_event` callback, and finishes requests on EOS, `stop`, `max_tokens` or their context.
+
+Every sequence may use `n_ctx // n_parallel` positions (prompt + generated), so admitted requests never run out of
+cells whatever the others do, and each request's tokens are those it would get alone (greedy: up to near-ties).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ggml_py.errors import GgmlPyError, ModelError
+from ggml_py.models.batch import BatchDecoder
+from ggml_py.models.sampling import Sampler
+
+if TYPE_CHECKING:
+    from ggml_py.models.model import Model
+
+log = logging.getLogger("ggml_py.serve")
+
+
+class QueueFullError(GgmlPyError):
+    """Too many requests are waiting (back-pressure): try again later."""
+
+
+class EngineClosedError(GgmlPyError):
+    """The engine is draining or closed and takes no new requests."""
+
+
+@dataclass
+class GenParams:
+    """What and how to generate for one request (sampling as `Sampler`; `seed` None = fresh entropy)."""
+
+    max_tokens: int | None = 128  # None: until the end of the request's context
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    stop_at_eos: bool = True
+
+    def sampler(self) -> Sampler:
+        return Sampler(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                       repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n, seed=self.seed,
+                       frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
+
+
+@dataclass
+class Event:
+    """What a request streams: a text delta with its token ("token"), then one "done" with the finish reason
+    ("stop", "length", "cancelled" or "error")."""
+
+    kind: str
+    text: str = ""
+    token: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Completion:
+    """A finished request: its text, tokens, why it ended, and token counts."""
+
+    id: str
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    error: str | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
+
+_ids = itertools.count(1)
+
+
+class Request:
+    """One submitted request. Read its state only after `done` is set (or through its events)."""
+
+    def __init__(self, prompt: Sequence[int], params: GenParams, on_event: Callable[[Event], None] | None,
+                 decoder: Any) -> None:
+        from ggml_py.models.stream_decoder import StreamDecoder
+
+        self.id = f"req-{next(_ids)}"
+        self.prompt = [int(t) for t in prompt]
+        self.params = params
+        self.sampler = params.sampler()
+        self.on_event = on_event
+        self.stream = StreamDecoder(decoder, special=False) if decoder is not None else None
+        self.seq: int | None = None
+        self.n_prefilled = 0
+        self.limit = 0  # positions this request may use (set at admission)
+        self.next_token: int | None = None  # sampled, not yet in the cache
+        self.tokens: list[int] = []
+        self.text = ""
+        self._pending = ""  # text held back while it may be the start of a stop string
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.cancelled = False
+        self.done = threading.Event()
+        self.t_submit = time.perf_counter()
+        self.t_first: float | None = None
+
+    @property
+    def greedy(self) -> bool:
+        s = self.sampler
+        return s.temperature == 0 and (s.repeat_last_n == 0 or (
+            s.repeat_penalty == 1.0 and s.frequency_penalty == 0.0 and s.presence_penalty == 0.0))
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Wait for the request to finish; its Completion."""
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        return Completion(self.id, self.text, list(self.tokens), self.finish_reason or "error", len(self.prompt),
+                          self.error)
+
+    def _emit(self, ev: Event) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(ev)
+            except Exception:  # a consumer's bug must not stop the others' generation
+                log.exception("on_event of %s raised", self.id)
+
+
+class Engine:
+    """Continuous batching of requests over `n_parallel` sequences of one model (see the module docstring).
+
+    n_ctx: KV cells shared by all sequences (each may use n_ctx // n_parallel); max_queue: waiting requests beyond
+    which `submit` raises QueueFullError; n_batch: tokens per step (decode tokens + prefill chunks).
+    """
+
+    def __init__(self, model: Model, n_parallel: int = 4, n_ctx: int | None = None, max_queue: int = 64,
+                 n_batch: int = 128, kv_type: str | None = None) -> None:
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
+            raise ModelError(f"max_queue must be a non-negative integer, got {max_queue!r}")
+        if isinstance(n_parallel, bool) or not isinstance(n_parallel, int) or n_parallel < 1:
+            raise ModelError(f"n_parallel must be a positive integer, got {n_parallel!r}")
+        n_ctx = n_ctx or model.n_ctx * n_parallel
+        if n_ctx < n_parallel * 2:
+            raise ModelError(f"n_ctx {n_ctx} leaves fewer than 2 positions per sequence ({n_parallel} parallel)")
+        n_batch = max(n_batch, n_parallel)
+        self.model = model
+        self.n_parallel = n_parallel
+        self.n_ctx_seq = min(n_ctx // n_parallel, model.hparams.n_ctx_train)
+        self.max_queue = max_queue
+        self.decoder = BatchDecoder(model, n_ctx=n_ctx, n_seq_max=n_parallel, n_batch=n_batch, kv_type=kv_type)
+        self.n_batch = n_batch
+        self._tok = model.tokenizer_or_none
+        self._cond = threading.Condition()
+        self._queue: deque[Request] = deque()
+        self._active: list[Request] = []
+        self._closing = False
+        self._drain = True
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        # counters (read by metrics())
+        self.requests_total = 0
+        self.requests_finished = 0
+        self.requests_cancelled = 0
+        self.requests_rejected = 0
+        self.tokens_generated = 0
+        self.tokens_prompt = 0
+        self.t_start = time.perf_counter()
+        self.busy_s = 0.0
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) of recent steps
+
+    # -- client side (any thread) ------------------------------------------------------------------------------------
+    def submit(self, prompt: Sequence[int], params: GenParams | None = None,
+               on_event: Callable[[Event], None] | None = None) -> Request:
+        """Queue a request (prompt token ids); returns at once. Raises ModelError / SamplingError for a bad
+        request, QueueFullError when `max_queue` requests are waiting, EngineClosedError when draining."""
+        params = params or GenParams()
+        mt = params.max_tokens
+        if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 0):
+            raise ModelError(f"max_tokens must be a non-negative integer, got {mt!r}")
+        if isinstance(params.stop, str) or any(not isinstance(s, str) for s in params.stop):
+            raise ModelError("stop must be a list of strings")
+        ids = self.model.check_ids(prompt, n_past=0, check_ctx=False).tolist()
+        if not ids:
+            raise ModelError("the prompt is empty (no tokens)")
+        if len(ids) >= self.n_ctx_seq:
+            raise ModelError(f"the prompt has {len(ids)} tokens; a sequence holds at most {self.n_ctx_seq} "
+                             f"(context {self.decoder.n_ctx} / {self.n_parallel} parallel), prompt and completion")
+        req = Request(ids, params, on_event, self._tok)
+        with self._cond:
+            if self._closing:
+                raise EngineClosedError("the server is shutting down")
+            # a request the worker has not admitted yet into a free sequence is not waiting for one
+            waiting = len(self._queue) - max(0, self.n_parallel - len(self._active))
+            if waiting >= self.max_queue:
+                self.requests_rejected += 1
+                raise QueueFullError(f"{waiting} requests are waiting (max_queue {self.max_queue})")
+            self._queue.append(req)
+            self.requests_total += 1
+            self._cond.notify_all()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request: its sequence is freed before the next step (at once when the worker is idle)."""
+        with self._cond:
+            if not req.done.is_set():
+                req.cancelled = True
+                self._cond.notify_all()
+
+    # -- worker --------------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Run the engine on a worker thread of its own."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="ggml_py-engine", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._work_locked() and not self._closing:
+                        self._cond.wait()
+                    if self._closing and (not self._drain or not (self._queue or self._active)):
+                        break
+                self.step()
+        except BaseException as e:  # a failed step: fail every request rather than hang them
+            log.exception("the engine stopped")
+            self._error = e
+            with self._cond:
+                self._closing = True
+        finally:
+            self._fail_all("the server stopped" if self._error is None else f"the server failed: {self._error}")
+
+    def _work_locked(self) -> bool:
+        return bool(self._queue or self._active)
+
+    def run_until_idle(self) -> None:
+        """Step on the calling thread until no request is waiting or running (offline batching)."""
+        while True:
+            with self._cond:
+                if not self._work_locked():
+                    return
+            self.step()
+
+    def step(self) -> bool:
+        """One scheduling step (admit, one batched decode, sample, stream, finish); False when idle."""
+        t0 = time.perf_counter()
+        with self._cond:
+            for r in [r for r in self._active if r.cancelled]:
+                self._finish(r, "cancelled")
+            for r in [r for r in self._queue if r.cancelled]:
+                self._queue.remove(r)
+                self._finish(r, "cancelled")
+            while self._queue and len(self._active) < self.n_parallel:
+                r = self._queue.popleft()
+                if r.params.max_tokens == 0:
+                    self._finish(r, "length")
+                    continue
+                r.seq = self.decoder.new_sequence()
+                r.limit = self.n_ctx_seq
+                self._active.append(r)
+            active = list(self._active)
+        if not active:
+            return False
+        entries: list[tuple[int, Any, bool]] = []
+        wanting: list[Request] = []
+        budget = self.n_batch
+        for r in active:  # decoding first: one token each
+            if r.next_token is not None:
+                entries.append((r.seq, [r.next_token], True))
+                wanting.append(r)
+                budget -= 1
+        n_decode = len(entries)
+        for r in active:  # then prompt chunks, oldest first
+            left = len(r.prompt) - r.n_prefilled
+            if r.next_token is None and left > 0 and budget > 0:
+                k = min(left, budget)
+                last = k == left
+                entries.append((r.seq, r.prompt[r.n_prefilled:r.n_prefilled + k], last))
+                if last:
+                    wanting.append(r)
+                r.n_prefilled += k
+                budget -= k
+        try:
+            if not entries:
+                raise ModelError("internal error: active requests but nothing to compute")
+            logits = self.decoder.decode(entries)
+        except BaseException as e:  # the step did not happen: its requests cannot go on
+            with self._cond:
+                for r in active:
+                    self._finish(r, "error", f"{type(e).__name__}: {e}")
+            raise
+        n_prompt = sum(len(e[1]) for e in entries) - n_decode
+        ids = self._sample(wanting, logits)
+        new = 0
+        with self._cond:
+            for r, t in zip(wanting, ids):
+                if r.next_token is not None:
+                    r.next_token = None
+                if r.cancelled or r.done.is_set():
+                    continue
+                new += self._accept(r, int(t))
+            self.tokens_prompt += n_prompt
+            self.tokens_generated += new
+            now = time.perf_counter()
+            self.busy_s += now - t0
+            self._recent.append((now, new))
+            while self._recent and now - self._recent[0][0] > 10.0:
+                self._recent.popleft()
+        return True
+
+    def _sample(self, reqs: list[Request], logits: np.ndarray) -> list[int]:
+        out = [0] * len(reqs)
+        greedy = [i for i, r in enumerate(reqs) if r.greedy]
+        if greedy:
+            best = logits[greedy].argmax(axis=1)
+            for i, t in zip(greedy, best.tolist()):
+                out[i] = t
+        for i, r in enumerate(reqs):
+            if not r.greedy:
+                out[i] = r.sampler.sample(logits[i], r.prompt + r.tokens)
+        return out
+
+    def _accept(self, r: Request, t: int) -> int:
+        """A sampled token for r (under the lock): stream it, finish r if it ends here; 1 if the token counts."""
+        p = r.params
+        if r.t_first is None:
+            r.t_first = time.perf_counter()
+        if p.stop_at_eos and self._tok is not None and self._tok.is_eog(t):
+            self._finish(r, "stop")
+            return 0
+        r.tokens.append(t)
+        delta = r.stream.push(t) if r.stream is not None else ""
+        pos_next = len(r.prompt) + len(r.tokens)  # the position this token will take in the cache
+        ends = (p.max_tokens is not None and len(r.tokens) >= p.max_tokens) or pos_next >= r.limit
+        if ends and r.stream is not None:
+            delta += r.stream.flush()
+        if self._text(r, delta, final=ends):
+            self._finish(r, "stop")
+        elif ends:
+            self._finish(r, "length")
+        else:
+            r.next_token = t
+        return 1
+
+    def _text(self, r: Request, delta: str, final: bool) -> bool:
+        """Add text to r and stream what is safe; True when a stop string was found (text cut before it)."""
+        stops = r.params.stop
+        if not stops:
+            if delta:
+                r.text += delta
+                r._emit(Event("token", delta, r.tokens[-1]))
+            return False
+        buf = r._pending + delta
+        hits = [(buf.find(s), s) for s in stops if s and s in buf]
+        if hits:
+            cut = min(h[0] for h in hits)
+            out, r._pending = buf[:cut], ""
+            if out:
+                r.text += out
+                r._emit(Event("token", out, r.tokens[-1]))
+            return True
+        keep = 0 if final else max((k for s in stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
+        out, r._pending = buf[:len(buf) - keep], buf[len(buf) - keep:]
+        if out:
+            r.text += out
+            r._emit(Event("token", out, r.tokens[-1]))
+        return False
+
+    def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
+        """End r (under the lock): free its sequence, record, emit "done"."""
+        if r.done.is_set():
+            return
+        if r.seq is not None:
+            if r in self._active:
+                self._active.remove(r)
+            try:
+                self.decoder.free_sequence(r.seq)
+            except GgmlPyError:
+                pass
+            r.seq = None
+        if r._pending and reason != "cancelled":
+            r.text += r._pending
+            r._emit(Event("token", r._pending, r.tokens[-1] if r.tokens else None))
+            r._pending = ""
+        r.finish_reason = reason
+        r.error = error
+        if reason == "cancelled":
+            self.requests_cancelled += 1
+        else:
+            self.requests_finished += 1
+        r.done.set()
+        r._emit(Event("done", finish_reason=reason, error=error))
+
+    def _fail_all(self, why: str) -> None:
+        with self._cond:
+            for r in list(self._active) + list(self._queue):
+                self._finish(r, "error", why)
+            self._queue.clear()
+
+    # -- state -------------------------------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, Any]:
+        """Counters and gauges: queue length, active sequences, tokens, tok/s (last 10 s and overall busy time),
+        plans prepared."""
+        with self._cond:
+            now = time.perf_counter()
+            recent = list(self._recent)
+            span = now - recent[0][0] if len(recent) > 1 else 0.0
+            return {
+                "queue_length": len(self._queue), "active_sequences": len(self._active),
+                "n_parallel": self.n_parallel, "n_ctx": self.decoder.n_ctx, "n_ctx_per_sequence": self.n_ctx_seq,
+                "requests_total": self.requests_total, "requests_finished": self.requests_finished,
+                "requests_cancelled": self.requests_cancelled, "requests_rejected": self.requests_rejected,
+                "tokens_generated": self.tokens_generated, "tokens_prompt": self.tokens_prompt,
+                "tokens_per_second": sum(n for _, n in recent[1:]) / span if span > 0 else 0.0,
+                "tokens_per_busy_second": self.tokens_generated / self.busy_s if self.busy_s else 0.0,
+                "kv_cells_used": self.decoder.cells.n_used, "steps": self.decoder.steps,
+                "plans_prepared": self.decoder.plans_prepared, "uptime_s": now - self.t_start,
+            }
+
+    def close(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop taking requests; with `drain` finish the waiting and running ones first, else fail them. Then stop
+        the worker and free the decoder."""
+        with self._cond:
+            self._closing = True
+            self._drain = drain
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        elif drain:
+            self.run_until_idle()
+        self._fail_all("the server stopped")
+        self.decoder.close()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+
+__all__ = ["Completion", "Event", "GenParams", "QueueFullError", "Request", "Engine", "EngineClosedError"]
