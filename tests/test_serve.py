@@ -21,6 +21,7 @@ import pytest
 from arch_factory import write_tiny
 
 from ggml_py import load_model
+from ggml_py.errors import ModelError
 from ggml_py.serving import generate_batch
 from ggml_py.serving.engine import Engine, GenParams, QueueFullError
 
@@ -57,6 +58,25 @@ def test_model_batch_equals_single_runs(tiny):
         a = generate_batch(m, PROMPTS[:4], 8, n_parallel=4, temperature=1.0, seed=5, stop_at_eos=False)
         b = generate_batch(m, PROMPTS[:4], 8, n_parallel=1, temperature=1.0, seed=5, stop_at_eos=False)
         assert [c.tokens for c in a] == [c.tokens for c in b]
+
+
+def test_long_stop_strings_cost_nothing_per_token(tiny):
+    """16 stop strings of 4096 characters that never match: generating costs what it costs without them (the old
+    search took O(length^2) per token on the engine thread: seconds here, ~15 s a token for one 1 MB string), and
+    a longer stop string is refused at submit."""
+    stops = ["\u2603" * 4095 + chr(65 + i) for i in range(16)]
+    with load_model(tiny, n_ctx=256, progress=False) as m:
+        ids = m.tokenize(PROMPTS[1])
+        generate_batch(m, [ids], 32, temperature=0, stop_at_eos=False)  # warm: plans prepared
+        t0 = time.perf_counter()
+        plain = generate_batch(m, [ids], 160, temperature=0, stop_at_eos=False)[0]
+        t1 = time.perf_counter()
+        stopped = generate_batch(m, [ids], 160, temperature=0, stop_at_eos=False, stop=stops)[0]
+        t2 = time.perf_counter()
+        assert stopped.tokens == plain.tokens and stopped.text == plain.text
+        assert (t2 - t1) - (t1 - t0) < 0.5, f"{t2 - t1:.2f} s with the stop strings, {t1 - t0:.2f} s without"
+        with pytest.raises(ModelError, match="at most 4096"):
+            generate_batch(m, [ids], 4, stop=["x" * 2**20])
 
 
 def test_scheduler_queue_cancel_stop_and_budget(tiny):

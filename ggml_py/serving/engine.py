@@ -32,6 +32,7 @@ import numpy as np
 from ggml_py.errors import GgmlPyError, ModelError
 from ggml_py.models.batch import BatchDecoder
 from ggml_py.models.sampling import Sampler
+from ggml_py.serving.stop_strings import StopMatcher, check_stops
 
 if TYPE_CHECKING:
     from ggml_py.models.model import Model
@@ -121,6 +122,7 @@ class Request:
         self.tokens: list[int] = []
         self.text = ""
         self._pending = ""  # text held back while it may be the start of a stop string
+        self.stops = StopMatcher(params.stop)  # built here, on the submitting thread: O(stop lengths)
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.cancelled = False
@@ -200,8 +202,7 @@ class Engine:
         mt = params.max_tokens
         if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 0):
             raise ModelError(f"max_tokens must be a non-negative integer, got {mt!r}")
-        if isinstance(params.stop, str) or any(not isinstance(s, str) for s in params.stop):
-            raise ModelError("stop must be a list of strings")
+        check_stops(params.stop)
         ids = self.model.check_ids(prompt, n_past=0, check_ctx=False).tolist()
         if not ids:
             raise ModelError("the prompt is empty (no tokens)")
@@ -366,28 +367,19 @@ class Engine:
         return 1
 
     def _text(self, r: Request, delta: str, final: bool) -> bool:
-        """Add text to r and stream what is safe; True when a stop string was found (text cut before it)."""
-        stops = r.params.stop
-        if not stops:
-            if delta:
-                r.text += delta
-                r._emit(Event("token", delta, r.tokens[-1]))
-            return False
-        buf = r._pending + delta
-        hits = [(buf.find(s), s) for s in stops if s and s in buf]
-        if hits:
-            cut = min(h[0] for h in hits)
-            out, r._pending = buf[:cut], ""
-            if out:
-                r.text += out
-                r._emit(Event("token", out, r.tokens[-1]))
-            return True
-        keep = 0 if final else max((k for s in stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
-        out, r._pending = buf[:len(buf) - keep], buf[len(buf) - keep:]
+        """Add text to r and stream what is safe; True when a stop string was found (text cut before it). Linear in
+        the text whatever the stop strings' lengths (stop_strings.py)."""
+        if r.stops:
+            start, held = r.stops.feed(delta)
+            buf = r._pending + delta
+            cut = len(buf) - (0 if final else held) if start is None else len(buf) + start
+            out, r._pending = buf[:cut], ("" if start is not None else buf[cut:])
+        else:
+            start, out = None, delta
         if out:
             r.text += out
             r._emit(Event("token", out, r.tokens[-1]))
-        return False
+        return start is not None
 
     def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
         """End r (under the lock): free its sequence, record, emit "done"."""
