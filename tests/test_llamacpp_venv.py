@@ -4,6 +4,8 @@ marker names another wheel directory is rebuilt, not trusted."""
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,20 +24,35 @@ def run():
 """
 
 
+def _made_here(python: str) -> bool:
+    """The peer's venv was made by `make llamacpp-venv` (its marker names our wheel directory), not handed in."""
+    return os.path.isfile(os.path.join(os.path.dirname(os.path.dirname(python)), llamacpp_venv.MARKER))
+
+
 @needs_llamacpp
-def test_peer_is_the_pinned_version_without_amx():
+def test_peer_is_the_pinned_version_and_ours_is_built_without_amx():
+    """Any llama-cpp-python of the pinned version may be the peer (LLAMA_CPP_PYTHON); the one `make test` builds
+    must also be free of AMX, whose product faults on this kind of machine."""
     version, info = llamacpp_peer.run(SYSTEM_INFO_WORKER)
     assert version == llamacpp_venv.VERSION
-    assert "AMX_INT8 = 1" not in info, info  # its AMX product faults on this kind of machine
-    assert "AVX2 = 1" in info or "AVX2" not in open("/proc/cpuinfo").read().upper(), info  # still built native
+    if _made_here(os.environ.get("LLAMA_CPP_PYTHON", "")):
+        assert "AMX_INT8 = 1" not in info, info
+        assert "AVX2 = 1" in info or "AVX2" not in open("/proc/cpuinfo").read().upper(), info  # still built native
 
 
 @needs_llamacpp
-def test_a_venv_from_another_wheel_is_not_ready(monkeypatch):
-    python = os.environ.get("LLAMA_CPP_PYTHON")
-    if not python:
-        pytest.skip("llama_cpp is importable here: no side venv to look at")
-    venv = os.path.dirname(os.path.dirname(python))
-    assert llamacpp_venv.is_ready(venv)
+def test_a_venv_from_another_wheel_is_not_ready(monkeypatch, tmp_path):
+    """is_ready trusts a venv only when its marker names this module's wheel directory and llama_cpp imports there:
+    a venv made from another build is rebuilt. Shown on a stand-in venv whose python is the peer's, whichever way the
+    peer was made."""
+    python = os.environ.get("LLAMA_CPP_PYTHON") or sys.executable
+    venv = tmp_path / "venv"
+    exe = Path(llamacpp_venv.venv_python(str(venv)))
+    exe.parent.mkdir(parents=True)
+    exe.write_text(f'#!/bin/sh\nexec "{python}" "$@"\n')
+    exe.chmod(0o755)
+    assert not llamacpp_venv.is_ready(str(venv))  # no marker
+    (venv / llamacpp_venv.MARKER).write_text(llamacpp_venv.WHEELS + "\n")
+    assert llamacpp_venv.is_ready(str(venv))
     monkeypatch.setattr(llamacpp_venv, "WHEELS", llamacpp_venv.WHEELS + "-other")
-    assert not llamacpp_venv.is_ready(venv)
+    assert not llamacpp_venv.is_ready(str(venv))
