@@ -22,23 +22,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from ggml_py.errors import ModelError
 from ggml_py.ir import dtypes
-from ggml_py.ir.symbolic import sym
-from ggml_py.models.blocks import StepGraph
-from ggml_py.models.kv_cache import KVCache, KVCells
-from ggml_py.models.memory import require_memory
-from ggml_py.runtime.plan import prepare
+from ggml_py.models.kv_cache import KVCells
+from ggml_py.models.stage import Stage, StepMeta
 
 if TYPE_CHECKING:
     from ggml_py.models.model import Model
-    from ggml_py.runtime.plan import Plan
 
 DEFAULT_N_BATCH = 128  # tokens per step at most (the plan's bound on T)
+
+
+class StageLike(Protocol):
+    """What the decoder asks of a stage: a local `Stage`, or one in another process (ggml_py/cluster/)."""
+
+    def step(self, meta: StepMeta, x: np.ndarray) -> np.ndarray: ...
+
+    def close(self) -> None: ...
 
 
 class BatchDecoder:
@@ -54,7 +58,7 @@ class BatchDecoder:
     """
 
     def __init__(self, model: Model, n_ctx: int | None = None, n_seq_max: int = 8, n_batch: int = DEFAULT_N_BATCH,
-                 kv_type: str | dtypes.DType | None = None) -> None:
+                 kv_type: str | dtypes.DType | None = None, stages: Sequence[StageLike] | None = None) -> None:
         for name, v in (("n_seq_max", n_seq_max), ("n_batch", n_batch)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ModelError(f"{name} must be a positive integer, got {v!r}")
@@ -66,20 +70,17 @@ class BatchDecoder:
         self.n_ctx = n_ctx
         self.n_seq_max = n_seq_max
         self.n_batch = n_batch
-        hp = model.hparams
-        require_memory([(f"batch KV cache ({hp.n_layer} layers x {n_ctx} cells, {kv})",
-                         KVCache.nbytes_for(hp, n_ctx, kv))], "use a smaller n_ctx or kv_type F16")
-        self.cache = KVCache(hp, n_ctx, kv)
         self.cells = KVCells(n_ctx, n_seq_max)
+        # the blocks run as one local stage beside the decoder (sharing its cells), or as the given pipeline stages,
+        # each with its own record of the cells kept from the step metas (stage.py)
+        self.stages: list[StageLike] = list(stages) if stages is not None else [
+            Stage(model, range(model.hparams.n_layer), n_ctx, n_seq_max, n_batch, kv, cells=self.cells)]
         self._free_ids = list(range(n_seq_max))
         self._next_pos: dict[int, int] = {}  # sequence id -> its next position (= tokens it holds)
-        self._graph: StepGraph | None = None
-        self._plan: Plan | None = None
-        self.plans_prepared = 0
-        self.prepare_s = 0.0
+        self._freed: list[int] = []  # sequences ended since the last step (the stages' records free them then)
+        self._released = np.zeros(0, np.int32)  # cells of a failed step (likewise)
         self.steps = 0
         self.tokens = 0
-        self.compute_s = 0.0
         self.step_s = 0.0
         self._closed = False
         model._attach(self)
@@ -104,6 +105,7 @@ class BatchDecoder:
             if seq_id not in self._next_pos:
                 raise ModelError(f"sequence {seq_id} is not active")
             self.cells.free(seq_id)
+            self._freed.append(seq_id)
             del self._next_pos[seq_id]
             self._free_ids.append(seq_id)
             self._free_ids.sort()
@@ -111,20 +113,6 @@ class BatchDecoder:
     def seq_len(self, seq_id: int) -> int:
         """Tokens the sequence holds (= position of its next token)."""
         return self._next_pos[seq_id]
-
-    # -- the plan --------------------------------------------------------------------------------------------------
-    def _prepared(self) -> tuple[StepGraph, Plan]:
-        if self._plan is None:
-            m = self.model
-            t0 = time.perf_counter()
-            g = m.arch.build_step(m.hparams, m.weights, self.cache, sym("n_tok", self.n_batch),
-                                  sym("n_kv", self.n_ctx), n_out=sym("n_out", self.n_seq_max))
-            self._plan = prepare(g.logits, backends=m.backends)
-            self._graph = g
-            self.prepare_s += time.perf_counter() - t0
-            self.plans_prepared += 1
-        assert self._graph is not None
-        return self._graph, self._plan
 
     # -- a step ----------------------------------------------------------------------------------------------------
     def decode(self, entries: Sequence[tuple[int, Sequence[int] | np.ndarray, bool]]) -> np.ndarray:
@@ -160,26 +148,19 @@ class BatchDecoder:
             pos = (np.repeat(starts - (ends - lens), lens) + np.arange(n)).astype(np.int32)
             want = np.array([bool(e[2]) for e in entries])
             out_rows = (ends - 1)[want].astype(np.int32)
-            g, plan = self._prepared()
             cells = self.cells.alloc(seqs, pos)  # CacheFullError when the cache is full
+            meta = StepMeta(seqs, pos, cells, out_rows, tuple(self._freed), self._released)
             try:
-                n_kv = self.cells.n_kv
-                plan.set_input(g.tokens, ids)
-                plan.set_input(g.pos, pos)
-                plan.set_input(g.kv_idx, cells)
-                if g.mask is not None:
-                    plan.set_input(g.mask, self.cells.mask(seqs, pos, n_kv))
-                if g.mask_swa is not None:
-                    plan.set_input(g.mask_swa, self.cells.mask(seqs, pos, n_kv, g.n_swa))
-                assert g.out_idx is not None
-                plan.set_input(g.out_idx, out_rows if out_rows.size else np.array([n - 1], np.int32))
-                t0 = time.perf_counter()
-                plan.compute(n_kv=n_kv)
-                self.compute_s += time.perf_counter() - t0
-                logits = plan.get_output(g.logits) if out_rows.size else np.zeros((0, m.n_vocab), np.float32)
+                x: np.ndarray = ids
+                for st in self.stages:
+                    x = st.step(meta, x)
             except BaseException:
                 self.cells.release(cells)  # the step did not happen: its cells are free again
-                raise
+                self._released = np.concatenate([self._released, cells])  # and the stages' records are told
+                raise  # (so are the sequences freed before it: a stage the step did not reach has not seen them)
+            self._freed.clear()
+            self._released = np.zeros(0, np.int32)
+            logits = x
             for s, k in zip(seq_list, lens.tolist()):
                 self._next_pos[s] += k
             self.steps += 1
@@ -188,18 +169,28 @@ class BatchDecoder:
             return logits
 
     def stats(self) -> dict[str, Any]:
+        local = [st for st in self.stages if isinstance(st, Stage)]
         return {"n_ctx": self.n_ctx, "n_seq_max": self.n_seq_max, "n_batch": self.n_batch,
                 "active_sequences": self.n_active, "cells_used": self.cells.n_used, "n_kv": self.cells.n_kv,
-                "steps": self.steps, "tokens": self.tokens, "compute_s": self.compute_s, "step_s": self.step_s,
-                "plans_prepared": self.plans_prepared, "prepare_s": self.prepare_s}
+                "steps": self.steps, "tokens": self.tokens, "step_s": self.step_s, "stages": len(self.stages),
+                "compute_s": sum(st.compute_s for st in local),
+                "plans_prepared": sum(st.plans_prepared for st in local),
+                "prepare_s": sum(st.prepare_s for st in local)}
+
+    @property
+    def plans_prepared(self) -> int:
+        return int(self.stats()["plans_prepared"])
+
+    @property
+    def compute_s(self) -> float:
+        return float(self.stats()["compute_s"])
 
     def close(self) -> None:
         """Free the plan (the model's close() closes its decoders too)."""
         with self.model._lock:
             self._closed = True
-            if self._plan is not None:
-                self._plan.close()
-                self._plan = None
+            for st in self.stages:
+                st.close()
             self.model._detach(self)
 
     def __enter__(self) -> BatchDecoder:

@@ -35,10 +35,10 @@ class StepGraph:
 
     n_tokens: int
     last_only: bool
-    tokens: Tensor
+    tokens: Tensor | None  # None on a pipeline stage that does not start at the embedding
     pos: Tensor
     kv_idx: Tensor
-    logits: Tensor
+    logits: Tensor  # a pipeline stage before the last: its hidden states (T, n_embd) instead
     mask: Tensor | None  # causal; None when every layer slides
     mask_swa: Tensor | None = None  # causal within the sliding window; None without sliding layers
     n_swa: int = 0
@@ -47,6 +47,7 @@ class StepGraph:
     # needs no more: reading them instead of the whole vocabulary's logits saves the host a copy per token
     top_ids: Tensor | None = None
     top_logits: Tensor | None = None
+    hidden: Tensor | None = None  # a pipeline stage after the first: its input hidden states (T, n_embd)
 
     def outputs(self) -> list[Tensor]:
         return [t for t in (self.logits, self.top_ids, self.top_logits) if t is not None]
@@ -79,6 +80,8 @@ class StepBuilder:
         self.pos = input((n_tokens,), dtypes.I32, name="pos")
         self.kv_idx = input((n_tokens,), dtypes.I32, name="kv_idx")  # cache rows to write
         self._masks: dict[bool, Tensor] = {}
+        self._hidden: Tensor | None = None
+        self._tokens_used: Tensor | None = None
 
     def mask(self, swa: bool) -> Tensor:
         """The (T, n_kv) F32 mask input, made on first use: causal, or causal within the sliding window."""
@@ -89,6 +92,7 @@ class StepBuilder:
     # -- blocks ------------------------------------------------------------------------------------------------------
     def embed(self) -> Tensor:
         """(T, E): rows of token_embd (any weight type, dequantized row by row by get_rows), times embd_scale."""
+        self._tokens_used = self.tokens
         x = ops.get_rows(self.w.tok_embd, self.tokens)
         return x if self.hp.embd_scale == 1.0 else ops.scale(x, self.hp.embd_scale)
 
@@ -165,6 +169,17 @@ class StepBuilder:
             ff = glu(ops.mul_mat(ly.gate, h), ops.mul_mat(ly.up, h))
         return ops.mul_mat(ly.down, ff)
 
+    def hidden_in(self) -> Tensor:
+        """(T, E) F32: a pipeline stage's input, the hidden states the stage before it computed."""
+        self._hidden = input((self.T, self.hp.n_embd), dtypes.F32, name="hidden")
+        return self._hidden
+
+    def hidden_out(self, x: Tensor) -> StepGraph:
+        """The StepGraph of a pipeline stage before the last: its output is the hidden states x (T, E)."""
+        x = x.set_name("hidden_out").set_output()
+        return StepGraph(self.T, False, self._tokens_used, self.pos, self.kv_idx, x, self._masks.get(False),
+                         self._masks.get(True), self.hp.n_swa, None, hidden=self._hidden)
+
     def finish(self, x: Tensor) -> StepGraph:
         """The final norm, the head (token_embd when tied) and the optional soft cap; the StepGraph."""
         hp = self.hp
@@ -179,8 +194,9 @@ class StepBuilder:
             top_ids = ops.top_k(logits, min(TOP_CANDIDATES, n_vocab)).set_name("top_ids").set_output()
             top_logits = ops.get_rows(ops.reshape(logits, (n_vocab, 1)), ops.reshape(top_ids, (top_ids.shape[-1],)))
             top_logits = top_logits.set_name("top_logits").set_output()
-        return StepGraph(self.T, self.last_only, self.tokens, self.pos, self.kv_idx, logits,
-                         self._masks.get(False), self._masks.get(True), hp.n_swa, self.out_idx, top_ids, top_logits)
+        return StepGraph(self.T, self.last_only, self._tokens_used, self.pos, self.kv_idx, logits,
+                         self._masks.get(False), self._masks.get(True), hp.n_swa, self.out_idx, top_ids, top_logits,
+                         self._hidden)
 
 
 # One transformer block of an architecture: (builder, its weights, layer index, input x (T, E)) -> output x.
@@ -188,18 +204,23 @@ LayerFn = Callable[[StepBuilder, Layer, int, Tensor], Tensor]
 
 
 def build_step(hp: HParams, w: Weights, cache: KVCache, layer: LayerFn, n_tokens: Dim, n_kv: Dim,
-               last_only: bool = False, n_out: Dim | None = None) -> StepGraph:
+               last_only: bool = False, n_out: Dim | None = None, layers: range | None = None) -> StepGraph:
     """The graph of one forward step: embedding, the architecture's `layer` for every block, the head.
 
     Inputs: tokens (T,) I32, pos (T,) I32, kv_idx (T,) I32, the mask(s) (T, n_kv) F32, and with `n_out` out_idx
     (n_out,) I32. Output: logits (T, n_vocab), (1, n_vocab) for the last token only when `last_only`, or
     (n_out, n_vocab) for the rows out_idx names.
+
+    `layers`, a range of the blocks, makes a pipeline stage: one that does not start at block 0 takes the hidden
+    states (T, n_embd) as its input `hidden` instead of the tokens, and one that does not end at the last block
+    outputs its hidden states (`hidden_out`) instead of the logits.
     """
-    b = StepBuilder(hp, w, cache, n_tokens, n_kv, last_only, n_out)
-    x = b.embed()
-    for il, ly in enumerate(w.layers):
-        x = layer(b, ly, il, x)
-    return b.finish(x)
+    layers = range(hp.n_layer) if layers is None else layers
+    b = StepBuilder(hp, w, cache, n_tokens, n_kv, last_only, n_out if layers.stop == hp.n_layer else None)
+    x = b.embed() if layers.start == 0 else b.hidden_in()
+    for il in layers:
+        x = layer(b, w.layers[il], il, x)
+    return b.finish(x) if layers.stop == hp.n_layer else b.hidden_out(x)
 
 
 def pre_norm_layer(act: str = "silu") -> LayerFn:

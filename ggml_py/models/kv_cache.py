@@ -115,6 +115,18 @@ class KVCells:
             self.n_kv = max(self.n_kv, int(cells.max()) + 1)
         return cells
 
+    def occupy(self, cells: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray) -> None:
+        """Record that `cells` now hold tokens (seq_ids[i], positions[i]): a mirror of another KVCells, kept from the
+        cells that one allocated (a pipeline stage's record). ModelError if a cell is taken (the mirror diverged)."""
+        if cells.size and (self.seq[cells] >= 0).any():
+            raise ModelError(f"cells {cells[self.seq[cells] >= 0][:8].tolist()} are already taken in this record of "
+                             "the KV cache: it no longer mirrors the decoder's")
+        self.seq[cells] = seq_ids
+        self.pos[cells] = positions
+        self.n_used += int(cells.size)
+        if cells.size:
+            self.n_kv = max(self.n_kv, int(cells.max()) + 1)
+
     def _cells_of(self, s: int, k: int) -> np.ndarray:
         free = self.seq < 0
         own = np.flatnonzero(free & (self.owner[self._cell_block] == s))[:k]

@@ -1,0 +1,160 @@
+"""Pipeline stages: a contiguous range of a model's blocks on one prepared plan, with the KV cache of those blocks.
+
+A `BatchDecoder` (batch.py) keeps the books of a step (which sequences, positions and cache cells its tokens take,
+which rows' logits are wanted) and hands every stage the same `StepMeta`, a few bytes a token. The first stage takes
+the token ids, the others the hidden states (T, n_embd) of the stage before; the last returns the logits of the
+wanted rows, the others their hidden states. Each stage masks attention from its own record of the cells (a mirror
+of the decoder's, kept from the metas), so only hidden states and metadata ever cross between stages: a stage may
+live in another process or on another machine (ggml_py/cluster/), where it prepares its plan once and computes it
+every step like any local plan.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ggml_py.errors import ModelError
+from ggml_py.ir import dtypes
+from ggml_py.ir.symbolic import sym
+from ggml_py.models.blocks import StepGraph
+from ggml_py.models.kv_cache import KVCache, KVCells
+from ggml_py.models.memory import require_memory
+from ggml_py.runtime.plan import prepare
+
+if TYPE_CHECKING:
+    from ggml_py.models.model import Model
+    from ggml_py.runtime.plan import Plan
+
+
+@dataclass(frozen=True)
+class StepMeta:
+    """What every stage needs for one step besides its input (all int32 arrays)."""
+
+    seqs: np.ndarray  # (T,) the sequence of each token
+    pos: np.ndarray  # (T,) its position
+    cells: np.ndarray  # (T,) the cache cell it is written to
+    out_rows: np.ndarray  # (n_out,) the rows whose logits are wanted (may be empty)
+    freed: tuple[int, ...] = ()  # sequences ended since the previous step: their cells are free before this one
+    released: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # cells of a step that failed
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.seqs.size)
+
+    def nbytes(self) -> int:
+        """The bytes this meta is made of (what crosses a stage boundary besides the hidden states)."""
+        return (self.seqs.nbytes + self.pos.nbytes + self.cells.nbytes + self.out_rows.nbytes + 4 * len(self.freed)
+                + self.released.nbytes)
+
+
+def split_layers(n_layer: int, shares: Sequence[float]) -> list[range]:
+    """Contiguous block ranges, one per stage, in proportion to `shares` (e.g. each node's free memory); every
+    stage gets at least one block."""
+    if not shares or len(shares) > n_layer or any(not s > 0 for s in shares):
+        raise ModelError(f"cannot split {n_layer} blocks into stages with shares {list(shares)}: one positive share "
+                         "per stage, at most one stage per block")
+    total = float(sum(shares))
+    bounds = [0]
+    acc = 0.0
+    for i, s in enumerate(shares[:-1]):
+        acc += s
+        left = len(shares) - 1 - i  # stages after this one, each needs a block
+        bounds.append(min(max(round(n_layer * acc / total), bounds[-1] + 1), n_layer - left))
+    bounds.append(n_layer)
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+class Stage:
+    """Blocks `layers` of `model` on one prepared plan with at most `n_batch` tokens a step over `n_ctx` cells.
+
+    `cells`: the decoder's own KVCells when the stage runs beside it (one local stage: nothing mirrored); None for a
+    stage that keeps its own mirror from the metas (any stage of a pipeline)."""
+
+    def __init__(self, model: Model, layers: range, n_ctx: int, n_seq_max: int, n_batch: int,
+                 kv_type: dtypes.DType | None = None, cells: KVCells | None = None) -> None:
+        hp = model.hparams
+        if not (0 <= layers.start < layers.stop <= hp.n_layer and layers.step == 1):
+            raise ModelError(f"stage layers {layers} are not a contiguous range of the model's {hp.n_layer} blocks")
+        kv = model.cache.dtype if kv_type is None else kv_type
+        self.model = model
+        self.layers = layers
+        self.first = layers.start == 0
+        self.last = layers.stop == hp.n_layer
+        self.n_ctx, self.n_seq_max, self.n_batch = n_ctx, n_seq_max, n_batch
+        per_layer = KVCache.nbytes_for(hp, n_ctx, kv) // hp.n_layer
+        require_memory([(f"KV cache of blocks {layers.start}-{layers.stop - 1} ({n_ctx} cells, {kv})",
+                         per_layer * len(layers))], "use a smaller n_ctx or kv_type F16")
+        self.cache = KVCache(hp, n_ctx, kv)  # state tensors: only this stage's blocks are ever allocated
+        self._mirror = cells is None
+        self.cells = KVCells(n_ctx, n_seq_max) if cells is None else cells
+        self._graph: StepGraph | None = None
+        self._plan: Plan | None = None
+        self.plans_prepared = 0
+        self.prepare_s = 0.0
+        self.compute_s = 0.0
+        self.steps = 0
+
+    def _prepared(self) -> tuple[StepGraph, Plan]:
+        if self._plan is None:
+            m = self.model
+            t0 = time.perf_counter()
+            g = m.arch.build_step(m.hparams, m.weights, self.cache, sym("n_tok", self.n_batch),
+                                  sym("n_kv", self.n_ctx), n_out=sym("n_out", self.n_seq_max), layers=self.layers)
+            self._plan = prepare(g.logits, backends=m.backends)
+            self._graph = g
+            self.prepare_s += time.perf_counter() - t0
+            self.plans_prepared += 1
+        assert self._graph is not None
+        return self._graph, self._plan
+
+    def step(self, meta: StepMeta, x: np.ndarray) -> np.ndarray:
+        """Compute one step: `x` is the token ids (first stage) or the hidden states (T, n_embd) of the stage before.
+        Returns the logits of meta.out_rows (last stage) or this stage's hidden states (T, n_embd)."""
+        g, plan = self._prepared()
+        if self._mirror:
+            for s in meta.freed:
+                self.cells.free(s)
+            if meta.released.size:
+                self.cells.release(meta.released)
+            self.cells.occupy(meta.cells, meta.seqs, meta.pos)
+        n = meta.n_tokens
+        try:
+            n_kv = self.cells.n_kv
+            if self.first:
+                assert g.tokens is not None
+                plan.set_input(g.tokens, x)
+            else:
+                assert g.hidden is not None
+                plan.set_input(g.hidden, x)
+            plan.set_input(g.pos, meta.pos)
+            plan.set_input(g.kv_idx, meta.cells)
+            if g.mask is not None:
+                plan.set_input(g.mask, self.cells.mask(meta.seqs, meta.pos, n_kv))
+            if g.mask_swa is not None:
+                plan.set_input(g.mask_swa, self.cells.mask(meta.seqs, meta.pos, n_kv, g.n_swa))
+            if self.last:
+                assert g.out_idx is not None
+                plan.set_input(g.out_idx, meta.out_rows if meta.out_rows.size else np.array([n - 1], np.int32))
+            t0 = time.perf_counter()
+            plan.compute(n_kv=n_kv)
+            self.compute_s += time.perf_counter() - t0
+            if self.last and not meta.out_rows.size:
+                out = np.zeros((0, self.model.n_vocab), np.float32)
+            else:
+                out = plan.get_output(g.logits)
+        except BaseException:
+            if self._mirror:
+                self.cells.release(meta.cells)  # the step did not happen here
+            raise
+        self.steps += 1
+        return out
+
+    def close(self) -> None:
+        if self._plan is not None:
+            self._plan.close()
+            self._plan = None

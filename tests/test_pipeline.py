@@ -1,0 +1,108 @@
+"""Pipeline stages in one process (ggml_py/models/stage.py): a model's blocks split into 2 and 3 stages, each a plan
+of its own with its own record of the KV cells, give the logits of the model run whole, for every architecture, with
+sequences joining, leaving and prefilled in chunks; only hidden states and a few bytes of metadata cross a stage."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from arch_factory import write_tiny
+from gguf import GGMLQuantizationType as QT
+
+from ggml_py import load_model
+from ggml_py.errors import ModelError
+from ggml_py.models import SUPPORTED_ARCHITECTURES
+from ggml_py.models.batch import BatchDecoder
+from ggml_py.models.stage import Stage, StepMeta, split_layers
+
+from conftest import available_backends
+from model_factory import nmse
+
+BACKENDS = available_backends()
+SHAPES = {"gemma3": dict(head_dim=128, n_swa=8, swa_pattern=2, rope_base=1e6, rope_base_swa=10000.0)}
+N_CTX, N_SEQ, N_BATCH = 128, 4, 32
+
+
+def _script(dec: BatchDecoder, rng: np.random.Generator) -> list[np.ndarray]:
+    """Sequences of different lengths joining, prefilled in chunks beside others' decoding, one leaving early; the
+    logits of every step."""
+    out = []
+    a, b = dec.new_sequence(), dec.new_sequence()
+    pa, pb = rng.integers(0, 200, 23), rng.integers(0, 200, 9)
+    out.append(dec.decode([(a, pa[:12], True), (b, pb, True)]))
+    out.append(dec.decode([(a, pa[12:], True), (b, [int(out[-1][1].argmax())], True)]))
+    c = dec.new_sequence()
+    for step in range(6):
+        entries = [(a, [int(out[-1][0].argmax())], True), (b, [int(out[-1][1].argmax())], True)]
+        if step == 0:
+            entries.append((c, rng.integers(0, 200, 5), False))
+        elif step > 0:
+            entries.append((c, [7 + step], True))
+        out.append(dec.decode(entries))
+        if step == 3:
+            dec.free_sequence(b)
+            d = dec.new_sequence()
+            out.append(dec.decode([(a, [3], True), (c, [4], True), (d, rng.integers(0, 200, 6), True)]))
+            b = d
+    return out
+
+
+def _run(m, stages: list[range] | None) -> list[np.ndarray]:
+    made = None if stages is None else [Stage(m, r, N_CTX, N_SEQ, N_BATCH) for r in stages]
+    with BatchDecoder(m, n_ctx=N_CTX, n_seq_max=N_SEQ, n_batch=N_BATCH, stages=made) as dec:
+        return _script(dec, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", sorted(set(SUPPORTED_ARCHITECTURES) - {"xverse"}))
+def test_two_and_three_stages_equal_the_whole_model(arch, backend, tmp_path):
+    path = write_tiny(tmp_path / f"{arch}.gguf", arch, seed=4, n_layer=3, **SHAPES.get(arch, {}))
+    with load_model(path, backends=[backend], n_ctx=N_CTX, progress=False) as m:
+        whole = _run(m, None)
+        for shares in ([1, 2], [1, 1, 1]):
+            split = _run(m, split_layers(3, shares))
+            assert len(split) == len(whole)
+            for i, (x, y) in enumerate(zip(split, whole)):
+                assert x.shape == y.shape
+                assert nmse(x, y) < 1e-6, f"{arch} on {backend}, {len(shares)} stages, step {i}: {nmse(x, y):.2e}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_quantized_stages_give_the_same_greedy_tokens(backend, tmp_path):
+    path = write_tiny(tmp_path / "q.gguf", "llama", seed=6, n_layer=4, weight_type=QT.Q4_0, embd_type=QT.Q8_0)
+    with load_model(path, backends=[backend], n_ctx=N_CTX, progress=False) as m:
+        whole = _run(m, None)
+        split = _run(m, split_layers(4, [1, 1]))
+        assert [x.argmax(-1).tolist() for x in split] == [x.argmax(-1).tolist() for x in whole]
+
+
+def test_what_crosses_a_stage_boundary_is_small(tmp_path):
+    """Per token and boundary: the hidden states (n_embd floats) and at most 64 bytes of metadata."""
+    path = write_tiny(tmp_path / "m.gguf", "llama", seed=1, n_layer=2)
+    with load_model(path, backends=["numpy"], n_ctx=N_CTX, progress=False) as m:
+        seen: list[tuple[StepMeta, np.ndarray]] = []
+        first = Stage(m, range(0, 1), N_CTX, N_SEQ, N_BATCH)
+        last = Stage(m, range(1, 2), N_CTX, N_SEQ, N_BATCH)
+        orig = last.step
+
+        def spy(meta: StepMeta, x: np.ndarray) -> np.ndarray:
+            seen.append((meta, x))
+            return orig(meta, x)
+
+        last.step = spy  # type: ignore[method-assign]
+        with BatchDecoder(m, n_ctx=N_CTX, n_seq_max=N_SEQ, n_batch=N_BATCH, stages=[first, last]) as dec:
+            _script(dec, np.random.default_rng(2))
+        assert len(seen) > 5
+        for meta, x in seen:
+            assert x.dtype == np.float32 and x.shape == (meta.n_tokens, m.hparams.n_embd)
+            assert meta.nbytes() <= 64 * meta.n_tokens
+
+
+def test_split_layers():
+    assert split_layers(30, [1, 1]) == [range(0, 15), range(15, 30)]
+    assert split_layers(30, [1, 2]) == [range(0, 10), range(10, 30)]
+    assert split_layers(3, [100, 1, 1]) == [range(0, 1), range(1, 2), range(2, 3)]  # at least one block each
+    assert split_layers(24, [0.6, 0.4]) == [range(0, 14), range(14, 24)]
+    for bad in ([], [1, 0], [1] * 4):
+        with pytest.raises(ModelError):
+            split_layers(3, bad)
