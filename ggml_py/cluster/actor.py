@@ -1,0 +1,82 @@
+"""The process side of a stage: what runs inside its Ray actor, on the node that holds the model file.
+
+`StageHost` is a plain class (Ray wraps it with `ray.remote` when a pipeline starts, so importing this module does
+not import Ray): it maps the node's own copy of the GGUF file, checks it is the coordinator's (size and SHA-256),
+loads the model there (weights are mapped, only the stage's blocks are ever read) and prepares the stage's plan on
+the first step. Nothing but the spec crosses the network at start, and per step the meta and the hidden states.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+import numpy as np
+
+from ggml_py.errors import ModelError
+from ggml_py.models.stage import Stage, StepMeta
+
+ABI_STAGE = 1  # the version of what a stage host and a coordinator say to each other (bumped on any change)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Everything a node needs to run one stage: a few hundred bytes, never weights or plans."""
+
+    path: str  # the model file on that node
+    size: int
+    sha256: str
+    layers: tuple[int, int]  # blocks [start, stop)
+    n_ctx: int
+    n_seq_max: int
+    n_batch: int
+    kv_type: str = "F16"
+    backends: str | None = None  # as load_model takes them; None: the node's default order
+    n_threads: int | None = None
+
+
+def file_sha256(path: str, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+class StageHost:
+    """One stage of a pipeline in its own process."""
+
+    def __init__(self, spec: StageSpec, index: int) -> None:
+        from ggml_py.models import load_model
+
+        self.spec, self.index = spec, index
+        where = f"stage {index} on {socket.gethostname()}"
+        try:
+            size = os.path.getsize(spec.path)
+        except OSError as e:
+            raise ModelError(f"{where}: the model file {spec.path} is not there: {e}") from None
+        if size != spec.size or file_sha256(spec.path) != spec.sha256:
+            raise ModelError(f"{where}: {spec.path} is not the coordinator's model file (size or SHA-256 differ)")
+        # the model's own single-sequence cache is never used here: the stage has one of its own blocks only
+        self.model = load_model(spec.path, backends=spec.backends, n_threads=spec.n_threads, n_ctx=1,
+                                kv_type=spec.kv_type, progress=False)
+        self.stage = Stage(self.model, range(*spec.layers), spec.n_ctx, spec.n_seq_max, spec.n_batch,
+                           self.model.cache.dtype)
+
+    def info(self) -> dict[str, Any]:
+        return {"index": self.index, "host": socket.gethostname(), "pid": os.getpid(),
+                "ggml_py": metadata.version("ggml_py"), "stage_abi": ABI_STAGE,
+                "layers": list(self.spec.layers), "backends": self.model.backend_names,
+                "plans_prepared": self.stage.plans_prepared, "steps": self.stage.steps,
+                "compute_s": self.stage.compute_s}
+
+    def step(self, meta: StepMeta, x: np.ndarray) -> np.ndarray:
+        return self.stage.step(meta, x)
+
+    def close(self) -> None:
+        self.stage.close()
+        self.model.close()

@@ -1,0 +1,189 @@
+"""The coordinator side of a pipeline: stage actors placed one per node, chained step by step.
+
+`start_pipeline` connects to (or starts) a Ray cluster, splits the model's blocks over the nodes (in proportion to
+their memory unless told), starts one `StageHost` actor per stage on its node and checks each one (versions, file
+hash). The `Pipeline` it returns is one stage to a `BatchDecoder` (models/batch.py): a step sends the meta to every
+stage and the token ids to the first; each stage's output goes to the next as a Ray object reference, so hidden
+states move from node to node without passing through the coordinator, and only the logits of the wanted rows come
+back. Every wait has a timeout; a stage that dies or does not answer fails the step with a `ClusterError` naming the
+stage and its node.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import time
+from collections.abc import Sequence
+from importlib import metadata
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+import numpy as np
+
+from ggml_py.cluster.actor import ABI_STAGE, StageHost, StageSpec, file_sha256
+from ggml_py.errors import GgmlPyError
+from ggml_py.models.stage import StepMeta, split_layers
+
+if TYPE_CHECKING:
+    from ggml_py.models.model import Model
+
+__all__ = ["ClusterError", "Pipeline", "StageSpec", "start_pipeline"]
+
+STEP_TIMEOUT_S = 60.0  # one step through every stage (a prefill chunk of a large model on a slow node included)
+START_TIMEOUT_S = 300.0  # a stage's start: hashing and mapping its file, loading the model
+
+
+class ClusterError(GgmlPyError):
+    """A pipeline stage cannot start, died, or did not answer in time."""
+
+
+def _is_loopback(address: str) -> bool:
+    host = urlparse(address if "://" in address else f"ray://{address}").hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def connect(address: str | None = None) -> Any:
+    """Ray, connected: to the cluster at `address` ("auto": the one `ray start` made on this machine), or a new local
+    instance when None. A cluster beyond this machine is refused unless Ray's token authentication is on
+    (RAY_AUTH_MODE=token on every node), since anyone who can reach an unauthenticated Ray can run code on it."""
+    try:
+        import ray
+    except ImportError:
+        raise ClusterError("the cluster needs Ray: pip install 'ggml_py[cluster]'") from None
+    if address not in (None, "auto", "local") and not _is_loopback(address):
+        if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+            raise ClusterError(f"refusing the cluster at {address}: it is not on this machine and Ray's token "
+                               "authentication is off; start every node with RAY_AUTH_MODE=token (and RAY_AUTH_TOKEN "
+                               "or a token file), see docs/cluster.md")
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+                 configure_logging=False)
+    return ray
+
+
+class Pipeline:
+    """The stage actors of one model, as one stage of a BatchDecoder (`step`, `close`)."""
+
+    def __init__(self, ray: Any, actors: list[Any], specs: list[StageSpec], nodes: list[str], n_embd: int,
+                 timeout_s: float = STEP_TIMEOUT_S) -> None:
+        self._ray, self.actors, self.specs, self.nodes, self.timeout_s = ray, actors, specs, nodes, timeout_s
+        self.n_embd = n_embd
+        self.steps = 0
+        self.boundary_bytes = 0  # hidden states and metas handed from a stage to the next (what crosses a boundary)
+        self.start_s = 0.0
+
+    def _where(self, i: int) -> str:
+        a, b = self.specs[i].layers
+        return f"stage {i} (blocks {a}-{b - 1}) on node {self.nodes[i]}"
+
+    def step(self, meta: StepMeta, x: np.ndarray) -> np.ndarray:
+        ray = self._ray
+        ref, refs = x, []
+        for actor in self.actors:  # each output goes on to the next stage as a reference: node to node
+            ref = actor.step.remote(meta, ref)
+            refs.append(ref)
+        try:
+            out = ray.get(ref, timeout=self.timeout_s)
+        except Exception as e:
+            raise self._failure(refs, e) from None
+        self.steps += 1
+        self.boundary_bytes += (len(self.actors) - 1) * (meta.n_tokens * self.n_embd * 4 + meta.nbytes())
+        return out
+
+    def _failure(self, refs: list[Any], e: BaseException) -> ClusterError:
+        """The first stage whose step failed, named, with what happened to it."""
+        ray = self._ray
+        if isinstance(e, ray.exceptions.GetTimeoutError):
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            i = len(ready) if len(ready) < len(refs) else len(refs) - 1
+            return ClusterError(f"{self._where(i)} did not answer within {self.timeout_s:g} s")
+        for i, r in enumerate(refs):
+            try:
+                ray.get(r, timeout=0)
+            except ray.exceptions.RayActorError:
+                return ClusterError(f"{self._where(i)} died: its process or node is gone")
+            except ray.exceptions.RayTaskError as te:
+                cause = te.cause if getattr(te, "cause", None) is not None else te
+                if isinstance(cause, ray.exceptions.RayActorError):
+                    continue  # an upstream stage's death, seen from here
+                return ClusterError(f"{self._where(i)} failed: {type(cause).__name__}: {cause}")
+            except Exception:
+                continue
+        return ClusterError(f"the pipeline failed: {type(e).__name__}: {e}")
+
+    def info(self) -> list[dict[str, Any]]:
+        """Each stage's report (host, pid, blocks, backends, plans prepared, steps, compute seconds)."""
+        return self._ray.get([a.info.remote() for a in self.actors], timeout=self.timeout_s)
+
+    def close(self) -> None:
+        ray = self._ray
+        for a in self.actors:
+            try:
+                ray.get(a.close.remote(), timeout=10)
+            except Exception:
+                pass
+            ray.kill(a)
+        self.actors = []
+
+
+def _alive_nodes(ray: Any) -> list[dict[str, Any]]:
+    return sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: (not n.get("IsHead"), n["NodeID"]))
+
+
+def start_pipeline(model: Model, n_ctx: int, n_seq_max: int, n_batch: int, *, address: str | None = None,
+                   n_stages: int | None = None, shares: Sequence[float] | None = None,
+                   nodes: Sequence[str] | None = None, backends: str | None = None, n_threads: int | None = None,
+                   timeout_s: float = STEP_TIMEOUT_S) -> Pipeline:
+    """Start one stage actor per node of the cluster (or per node id in `nodes`) for `model` (the coordinator's:
+    its file, which every node must hold at the same path), its blocks split in proportion to `shares` (default:
+    each node's memory), and check that each one runs: its ggml_py, stage protocol and file (size and SHA-256) are
+    the coordinator's. `n_stages` takes the first nodes (the head first). Use the result as the stages of a
+    BatchDecoder of `n_ctx` cells, `n_seq_max` sequences and `n_batch` tokens a step (the same numbers)."""
+    path, n_layer, kv_type = model.path, model.hparams.n_layer, model.cache.dtype.name
+    ray = connect(address)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    alive = _alive_nodes(ray)
+    by_id = {n["NodeID"]: n for n in alive}
+    if nodes is not None:
+        missing = [n for n in nodes if n not in by_id]
+        if missing:
+            raise ClusterError(f"nodes {missing} are not alive in the cluster")
+        chosen = [by_id[n] for n in nodes]
+    else:
+        chosen = alive[: n_stages or len(alive)]
+    if n_stages is not None and len(chosen) < n_stages:
+        raise ClusterError(f"{n_stages} stages need {n_stages} nodes; the cluster has {len(alive)} alive")
+    shares = list(shares) if shares is not None else [float(n["Resources"].get("memory", 1.0)) for n in chosen]
+    if len(shares) != len(chosen):
+        raise ClusterError(f"{len(shares)} shares for {len(chosen)} stages")
+    ranges = split_layers(n_layer, shares)
+    size, digest = os.path.getsize(path), file_sha256(path)
+    specs = [StageSpec(os.path.abspath(path), size, digest, (r.start, r.stop), n_ctx, n_seq_max, n_batch, kv_type,
+                       backends, n_threads) for r in ranges]
+    remote = ray.remote(StageHost)
+    actors = [remote.options(num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+        node["NodeID"], soft=False)).remote(spec, i) for i, (spec, node) in enumerate(zip(specs, chosen))]
+    names = [f"{n['NodeManagerAddress']}:{n['NodeID'][:8]}" for n in chosen]
+    pipe = Pipeline(ray, actors, specs, names, model.hparams.n_embd, timeout_s)
+    t0 = time.perf_counter()
+    try:
+        infos = ray.get([a.info.remote() for a in actors], timeout=START_TIMEOUT_S)
+    except Exception as e:
+        err = pipe._failure([a.info.remote() for a in actors], e) if actors else e
+        pipe.close()
+        raise ClusterError(f"the pipeline did not start: {err}") from None
+    version = metadata.version("ggml_py")
+    for i, info in enumerate(infos):
+        if info["ggml_py"] != version or info["stage_abi"] != ABI_STAGE:
+            pipe.close()
+            raise ClusterError(f"{pipe._where(i)} runs ggml_py {info['ggml_py']} (stage protocol "
+                               f"{info['stage_abi']}); this coordinator {version} ({ABI_STAGE})")
+    pipe.start_s = time.perf_counter() - t0
+    return pipe

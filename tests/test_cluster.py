@@ -1,0 +1,122 @@
+"""Pipeline stages on a real Ray cluster on 127.0.0.1 (a head and two worker nodes, each its own raylet): the logits
+and tokens of the model run in one process, from 2 and 3 stages on different nodes; one plan prepared per stage;
+only activations and metadata cross; a stage whose process is killed fails the step naming it within a second; a
+cluster beyond this machine without Ray's token authentication is refused. The same pipeline code chained in one
+process is tests/test_pipeline.py (every architecture)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import time
+
+import numpy as np
+import pytest
+from arch_factory import write_tiny
+from test_pipeline import N_BATCH, N_CTX, N_SEQ, SHAPES, _script
+
+from ggml_py import load_model
+from ggml_py.models.batch import BatchDecoder
+from ggml_py.serving.engine import Engine, GenParams
+
+from model_factory import nmse
+
+ray = pytest.importorskip("ray", reason="the cluster extra: pip install 'ggml_py[cluster]'")
+from ggml_py.cluster import ClusterError, start_pipeline  # noqa: E402
+from ggml_py.cluster.pipeline import connect  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    for _ in range(2):
+        c.add_node(num_cpus=1)
+    ray.init(address=c.address, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+             configure_logging=False)
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def _pipeline(m, n_stages: int):
+    return start_pipeline(m, N_CTX, N_SEQ, N_BATCH, n_stages=n_stages, backends="simd", n_threads=1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_two_and_three_nodes_equal_one_process(cluster, arch, tmp_path):
+    path = write_tiny(tmp_path / f"{arch}.gguf", arch, seed=4, n_layer=3, **SHAPES.get(arch, {}))
+    with load_model(path, backends=["simd"], n_ctx=N_CTX, progress=False) as m:
+        with BatchDecoder(m, n_ctx=N_CTX, n_seq_max=N_SEQ, n_batch=N_BATCH) as dec:
+            whole = _script(dec, np.random.default_rng(0))
+        for n_stages in (2, 3):
+            pipe = _pipeline(m, n_stages)
+            try:
+                infos = pipe.info()
+                assert len({i["pid"] for i in infos}) == n_stages and os.getpid() not in {i["pid"] for i in infos}
+                with BatchDecoder(m, n_ctx=N_CTX, n_seq_max=N_SEQ, n_batch=N_BATCH, stages=[pipe]) as dec:
+                    got = _script(dec, np.random.default_rng(0))
+                    n_tokens = dec.tokens
+                    infos = pipe.info()  # the decoder closes its stages with it
+                for i, (x, y) in enumerate(zip(got, whole)):
+                    assert nmse(x, y) < 1e-6, f"{arch}, {n_stages} stages, step {i}: {nmse(x, y):.2e}"
+                    assert (x.argmax(-1) == y.argmax(-1)).all()
+                assert [i["plans_prepared"] for i in infos] == [1] * n_stages  # prepared once, executed every step
+                assert [i["steps"] for i in infos] == [pipe.steps] * n_stages
+                assert [tuple(i["layers"]) for i in infos] == [s.layers for s in pipe.specs]
+                # per token and boundary: the hidden states and a few bytes of metadata; the start: a small spec each
+                assert pipe.boundary_bytes <= (n_stages - 1) * (m.hparams.n_embd * 4 + 64) * n_tokens
+                assert all(len(pickle.dumps(s)) < 1024 for s in pipe.specs)
+            finally:
+                pipe.close()
+
+
+def test_the_engine_serves_from_a_pipeline(cluster, tmp_path):
+    """Continuous batching over two nodes: eight requests, the tokens they get from one process."""
+    path = write_tiny(tmp_path / "e.gguf", "llama", seed=3, n_layer=2)
+    with load_model(path, backends=["simd"], n_ctx=N_CTX, progress=False) as m:
+        prompts = [m.tokenize(p) for p in ("Hello there", "the cat is on", "one two three", "x y z", "a b", "q",
+                                           "and so on and", "What is")]
+
+        def run(stages):
+            eng = Engine(m, n_parallel=N_SEQ, n_ctx=N_CTX, max_queue=len(prompts), n_batch=N_BATCH, stages=stages)
+            try:
+                reqs = [eng.submit(p, GenParams(max_tokens=6, temperature=0, stop_at_eos=False)) for p in prompts]
+                eng.run_until_idle()
+                return [r.result().tokens for r in reqs]
+            finally:
+                eng.close()
+
+        pipe = _pipeline(m, 2)
+        try:
+            assert run([pipe]) == run(None)
+        finally:
+            pipe.close()
+
+
+def test_a_killed_stage_fails_the_step_naming_it_within_a_second(cluster, tmp_path):
+    path = write_tiny(tmp_path / "k.gguf", "llama", seed=5, n_layer=2)
+    with load_model(path, backends=["simd"], n_ctx=N_CTX, progress=False) as m:
+        pipe = _pipeline(m, 2)
+        try:
+            with BatchDecoder(m, n_ctx=N_CTX, n_seq_max=N_SEQ, n_batch=N_BATCH, stages=[pipe]) as dec:
+                s = dec.new_sequence()
+                dec.decode([(s, [1, 2, 3], True)])
+                os.kill(pipe.info()[1]["pid"], signal.SIGKILL)
+                t0 = time.perf_counter()
+                with pytest.raises(ClusterError, match=r"stage 1 \(blocks 1-1\) on node .* died"):
+                    dec.decode([(s, [4], True)])
+                assert time.perf_counter() - t0 < 1.0
+        finally:
+            pipe.close()
+
+
+def test_a_remote_cluster_without_token_authentication_is_refused(monkeypatch):
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    for address in ("10.0.0.7:6379", "ray://192.168.1.20:10001", "example.org:6379"):
+        with pytest.raises(ClusterError, match="token authentication is off"):
+            connect(address)
