@@ -5,20 +5,24 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "common.h"
 
 #if defined(GP_LEVEL_AVX512)
 #define GP_NS avx512
+#define GP_LEVEL_NAME "avx512"
 #define GP_AVX2 1
 #define GP_AVX512 1
 #elif defined(GP_LEVEL_AVX2)
 #define GP_NS avx2
+#define GP_LEVEL_NAME "avx2"
 #define GP_AVX2 1
 #define GP_AVX512 0
 #else
 #define GP_NS scalar
+#define GP_LEVEL_NAME "scalar"
 #define GP_AVX2 0
 #define GP_AVX512 0
 #endif
@@ -148,6 +152,14 @@ GP_INLINE void set_error(const ExecCtx& ctx, const char* msg) {
         memcpy(ctx.errmsg, msg, n);
         ctx.errmsg[n] = 0;
     }
+}
+
+// A kernel's dispatch switch reached an op it has no case for (the kernel table gave it an op of another kernel):
+// a bug, stop loudly rather than compute something else.
+[[noreturn]] GP_INLINE void no_kernel_case(const char* kernel, int op) {
+    fprintf(stderr, "ggml_py simd (%s level): %s has no case for op %s (id %d)\n", GP_LEVEL_NAME, kernel, op_name(op),
+            op);
+    abort();
 }
 
 // Scalar math of the activations (double where cheap for accuracy).

@@ -297,20 +297,20 @@ std::string validate_node(const Node& n) {
             if ((b.ne[1] == 0 || a.ne[2] % b.ne[1]) && a.ne[2]) return fail("index broadcast does not fit");
             if ((b.ne[2] == 0 || a.ne[3] % b.ne[2]) && a.ne[3]) return fail("index broadcast does not fit");
             return "";
-        case GGML_PY_OP_ADD: case GGML_PY_OP_SUB: case GGML_PY_OP_MUL: case GGML_PY_OP_DIV:
+        GGML_PY_OPS_BINARY(GP_OP_CASE)
             if (!need(2)) return fail("needs 2 sources");
             if (!f32(a) || !f32(b) || !f32(d)) return fail("only F32");
             if (!same_shape(a, d)) return fail("dst shape differs from src0");
             if (!tiles(b, a)) return fail("src1 " + shape_str(b) + " does not tile src0 " + shape_str(a));
             return "";
-        case GGML_PY_OP_SCALE: case GGML_PY_OP_SQR: case GGML_PY_OP_SQRT: case GGML_PY_OP_NEG: case GGML_PY_OP_ABS: case GGML_PY_OP_EXP: case GGML_PY_OP_LOG: case GGML_PY_OP_SILU:
-        case GGML_PY_OP_GELU: case GGML_PY_OP_RELU: case GGML_PY_OP_TANH: case GGML_PY_OP_SIGMOID: case GGML_PY_OP_CLAMP: case GGML_PY_OP_NORM: case GGML_PY_OP_RMS_NORM:
+        GGML_PY_OPS_UNARY(GP_OP_CASE)
+        case GGML_PY_OP_SCALE: case GGML_PY_OP_CLAMP: case GGML_PY_OP_NORM: case GGML_PY_OP_RMS_NORM:
         case GGML_PY_OP_DIAG_MASK_INF:
             if (!need(1)) return fail("needs a source");
             if (!f32(a) || !f32(d)) return fail("only F32");
             if (!same_shape(a, d)) return fail("dst shape differs from src0");
             return "";
-        case GGML_PY_OP_SWIGLU: case GGML_PY_OP_GEGLU:
+        GGML_PY_OPS_GLU(GP_OP_CASE)
             if (!need(1)) return fail("needs a source");
             if (!f32(a) || !f32(d) || (n.has[1] && !f32(b))) return fail("only F32");
             if (n.has[1]) {
@@ -516,8 +516,7 @@ bool node_is_small(const Node& n) {
             work = a.ne[1] * a.ne[2] * a.ne[3] * n.src[1].ne[1] * (a.ne[0] + n.src[2].ne[0]);
             threshold = 64 * 1024;
             break;
-        case GGML_PY_OP_EXP: case GGML_PY_OP_SILU: case GGML_PY_OP_GELU: case GGML_PY_OP_TANH: case GGML_PY_OP_SIGMOID: case GGML_PY_OP_SWIGLU: case GGML_PY_OP_GEGLU:
-        case GGML_PY_OP_SOFT_MAX: case GGML_PY_OP_ROPE: case GGML_PY_OP_LOG:
+        GGML_PY_OPS_TRANSCENDENTAL(GP_OP_CASE)  // the schema's: exp, tanh, sin, ... per element
             work = nelements(d) * 4;
             threshold = 64 * 1024;
             break;
