@@ -5,7 +5,7 @@ Shapes are numpy order (last dim innermost); see docs/ops.md for every op's shap
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from . import dtypes, schema
 from .dtypes import F16, F32, I32, I64, DType
@@ -93,49 +93,21 @@ def scale(a: Tensor, s: float, b: float = 0.0) -> Tensor:
     return _unary("SCALE", a, s=float(s), b=float(b))
 
 
-def sqr(a: Tensor) -> Tensor:
-    return _unary("SQR", a)
+def _unary_builder(o: schema.OpDef) -> Callable[[Tensor], Tensor]:
+    def build(a: Tensor) -> Tensor:
+        return _unary(o.name, a)
+
+    build.__name__ = build.__qualname__ = o.name.lower()
+    build.__doc__ = f"{o.name}, elementwise: {o.doc.replace('`', '')}."
+    return build
 
 
-def sqrt(a: Tensor) -> Tensor:
-    return _unary("SQRT", a)
-
-
-def neg(a: Tensor) -> Tensor:
-    return _unary("NEG", a)
-
-
-def abs(a: Tensor) -> Tensor:  # noqa: A001
-    return _unary("ABS", a)
-
-
-def exp(a: Tensor) -> Tensor:
-    return _unary("EXP", a)
-
-
-def log(a: Tensor) -> Tensor:
-    return _unary("LOG", a)
-
-
-def silu(a: Tensor) -> Tensor:
-    return _unary("SILU", a)
-
-
-def gelu(a: Tensor) -> Tensor:
-    """GELU, tanh approximation (as ggml)."""
-    return _unary("GELU", a)
-
-
-def relu(a: Tensor) -> Tensor:
-    return _unary("RELU", a)
-
-
-def tanh(a: Tensor) -> Tensor:
-    return _unary("TANH", a)
-
-
-def sigmoid(a: Tensor) -> Tensor:
-    return _unary("SIGMOID", a)
+# The unary family's builders come from the schema: ops.<name in lower case>(a) for each of its OpDefs (sqr, sqrt,
+# neg, abs, exp, log, silu, gelu, ...; `python -m ggml_py.schema ops` lists them with their formulas).
+for _o in schema.OPS_LIST:
+    if _o.family == "unary":
+        globals()[_o.name.lower()] = _unary_builder(_o)
+del _o
 
 
 def clamp(a: Tensor, min: float, max: float) -> Tensor:  # noqa: A002

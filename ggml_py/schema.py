@@ -68,6 +68,7 @@ class OpDef:
     aliases: int | None = None  # the source whose memory dst is (CPY's destination, SET_ROWS's dst)
     # evaluates exp, log, tanh, erf, sin or cos per element: a backend's work estimate weighs its elements heavier
     transcendental: bool = False
+    doc: str = ""  # what it computes, for the docs (the unary family's builders take it as their docstring)
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -109,23 +110,32 @@ def _f(*names: str) -> tuple[Param, ...]:
 _UNARY_RULE = "`a.shape`"
 _BINARY_RULE = "`b` tiles `a`; result `a.shape`"
 
+
+def _unary(name: str, abi_id: int, doc: str, transcendental: bool = False) -> OpDef:
+    """An op of the unary family: elementwise F32 -> F32 without parameters, built by `ops.<name in lower case>(a)`
+    (ops.py makes the builder from this entry) and computed by each backend's unary kernel."""
+    return OpDef(name, abi_id, ("a",), rule=_UNARY_RULE, inplace=True, family="unary", transcendental=transcendental,
+                 doc=doc)
+
+
 OPS_LIST: tuple[OpDef, ...] = (
     OpDef("ADD", 1, ("a", "b"), rule=_BINARY_RULE, inplace=True, family="binary"),
     OpDef("SUB", 2, ("a", "b"), rule=_BINARY_RULE, inplace=True, family="binary"),
     OpDef("MUL", 3, ("a", "b"), rule=_BINARY_RULE, inplace=True, family="binary"),
     OpDef("DIV", 4, ("a", "b"), rule=_BINARY_RULE, inplace=True, family="binary"),
     OpDef("SCALE", 5, ("a",), _f("s", "b"), "`a.shape`; `a * s + b`", inplace=True),
-    OpDef("SQR", 6, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
-    OpDef("SQRT", 7, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
-    OpDef("NEG", 8, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
-    OpDef("ABS", 9, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
-    OpDef("EXP", 10, ("a",), rule=_UNARY_RULE, inplace=True, family="unary", transcendental=True),
-    OpDef("LOG", 11, ("a",), rule=_UNARY_RULE, inplace=True, family="unary", transcendental=True),
-    OpDef("SILU", 12, ("a",), rule=_UNARY_RULE, inplace=True, family="unary", transcendental=True),
-    OpDef("GELU", 13, ("a",), rule=_UNARY_RULE, inplace=True, family="unary", transcendental=True),
-    OpDef("RELU", 14, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
-    OpDef("TANH", 15, ("a",), rule=_UNARY_RULE, inplace=True, family="unary", transcendental=True),
-    OpDef("SIGMOID", 16, ("a",), rule=_UNARY_RULE, inplace=True, family="unary", transcendental=True),
+    _unary("SQR", 6, "`x * x`"),
+    _unary("SQRT", 7, "`sqrt(x)`"),
+    _unary("NEG", 8, "`-x`"),
+    _unary("ABS", 9, "`abs(x)`"),
+    _unary("EXP", 10, "`e^x`", transcendental=True),
+    _unary("LOG", 11, "natural logarithm `ln(x)`", transcendental=True),
+    _unary("SILU", 12, "`x / (1 + e^-x)`", transcendental=True),
+    _unary("GELU", 13, "tanh approximation `0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))` (as ggml)",
+           transcendental=True),
+    _unary("RELU", 14, "`x > 0 ? x : 0` (as ggml: `relu(NaN) = 0`)"),
+    _unary("TANH", 15, "`tanh(x)`", transcendental=True),
+    _unary("SIGMOID", 16, "`1 / (1 + e^-x)`", transcendental=True),
     OpDef("CLAMP", 17, ("a",), _f("min", "max"), "`a.shape`; `min <= max`", inplace=True),
     OpDef("SWIGLU", 18, ("a", "b?"), rule="`a.shape`, or `(..., n/2)` without `b`", family="glu",
           transcendental=True),
@@ -279,6 +289,18 @@ def header_path() -> Path:
     return Path(__file__).parent / "include" / "ggml_py" / "backend_abi.h"
 
 
+def render_ops_table() -> str:
+    """Every op as a markdown table: its family, sources, parameters, shape rule and formula, kit NMSE."""
+    rows = ["| op | family | sources | params | shape rule; what it computes | kit NMSE |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for o in OPS_LIST:
+        what = "; ".join(x for x in (o.rule, o.doc) if x)
+        params = ", ".join(f"`{p.name}`" for p in o.params)
+        nmse = "" if o.abi_id is None else f"{o.max_nmse:g}"
+        rows.append(f"| `{o.name}` | {o.family} | {', '.join(o.srcs)} | {params} | {what} | {nmse} |")
+    return "\n".join(rows)
+
+
 def _main(argv: Sequence[str]) -> int:
     if list(argv) in (["header"], ["header", "--check"]):
         path = header_path()
@@ -289,7 +311,10 @@ def _main(argv: Sequence[str]) -> int:
             return 0 if new == old else 1
         path.write_text(new)
         return 0
-    print("usage: python -m ggml_py.schema header [--check]", file=sys.stderr)
+    if list(argv) == ["ops"]:
+        print(render_ops_table())
+        return 0
+    print("usage: python -m ggml_py.schema header [--check] | ops", file=sys.stderr)
     return 2
 
 
