@@ -136,6 +136,7 @@ OPS_LIST: tuple[OpDef, ...] = (
     _unary("RELU", 14, "`x > 0 ? x : 0` (as ggml: `relu(NaN) = 0`)"),
     _unary("TANH", 15, "`tanh(x)`", transcendental=True),
     _unary("SIGMOID", 16, "`1 / (1 + e^-x)`", transcendental=True),
+    _unary("GELU_ERF", 38, "exact GELU `0.5 * x * (1 + erf(x / sqrt(2)))` (ggml's GELU_ERF)", transcendental=True),
     OpDef("CLAMP", 17, ("a",), _f("min", "max"), "`a.shape`; `min <= max`", inplace=True),
     OpDef("SWIGLU", 18, ("a", "b?"), rule="`a.shape`, or `(..., n/2)` without `b`", family="glu",
           transcendental=True),
