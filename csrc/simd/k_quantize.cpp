@@ -41,91 +41,63 @@ static void q_q8_0(const float* x, blk_q8_0* y, int64_t nb) {
     }
 }
 
-static void q_q4_0(const float* x, blk_q4_0* y, int64_t nb) {
-    for (int64_t i = 0; i < nb; ++i) {
-        const float max = signed_absmax32(x + 32 * i);
-        const float d = max / -8.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        y[i].d = fp32_to_fp16(d);
-        for (int j = 0; j < 16; ++j) {
-            const float x0 = x[32 * i + j] * id;
-            const float x1 = x[32 * i + 16 + j] * id;
-            int a = (int)(int8_t)(x0 + 8.5f), b = (int)(int8_t)(x1 + 8.5f);
-            a = a > 15 ? 15 : a;
-            b = b > 15 ? 15 : b;
-            y[i].qs[j] = (uint8_t)((uint8_t)a | ((uint8_t)b << 4));
-        }
+// The code of one value of Q4_0 / Q4_1 / Q5_0 / Q5_1: v is x / d for the symmetric types, (x - min) / d for the
+// others. ggml's expressions type for type: rounded by adding 0.5 (and the offset 2^(Bits-1) of the symmetric ones)
+// and truncating through int8, clamped to the top code; Q5_1's reference truncates through uint8 without a clamp.
+template <int Bits, bool Min>
+GP_INLINE int q45_code(float v) {
+    constexpr int top = (1 << Bits) - 1;
+    if constexpr (Bits == 5 && Min) {
+        return (uint8_t)(v + 0.5f);
+    } else {
+        const int q = (int)(int8_t)(v + (Min ? 0.5f : (float)(1 << (Bits - 1)) + 0.5f));
+        return q > top ? top : q;
     }
 }
 
-static void q_q4_1(const float* x, blk_q4_1* y, int64_t nb) {
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 (block B of Bits-bit codes; Min: with a minimum m, else symmetric). Per 32 values: the
+// symmetric types take d = max / -2^(Bits-1) from the value of largest magnitude (sign kept), the others
+// d = (max - min) / (2^Bits - 1) and m = min; codes of elements j and j + 16 share byte j of qs (low, high nibble),
+// Q5's fifth bits go to qh (bit j, bit j + 16).
+template <class B, int Bits, bool Min>
+static void q_q45(const float* x, B* y, int64_t nb) {
     for (int64_t i = 0; i < nb; ++i) {
-        float min, max;
-        min_max32(x + 32 * i, &min, &max);
-        const float d = (max - min) / 15.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        y[i].d = fp32_to_fp16(d);
-        y[i].m = fp32_to_fp16(min);
-        for (int j = 0; j < 16; ++j) {
-            const float x0 = (x[32 * i + j] - min) * id;
-            const float x1 = (x[32 * i + 16 + j] - min) * id;
-            int a = (int)(int8_t)(x0 + 0.5f), b = (int)(int8_t)(x1 + 0.5f);
-            a = a > 15 ? 15 : a;
-            b = b > 15 ? 15 : b;
-            y[i].qs[j] = (uint8_t)((uint8_t)a | ((uint8_t)b << 4));
+        const float* xb = x + 32 * i;
+        float d, min = 0.0f;
+        if constexpr (Min) {
+            float max;
+            min_max32(xb, &min, &max);
+            d = (max - min) / (float)((1 << Bits) - 1);
+            y[i].m = fp32_to_fp16(min);
+        } else {
+            d = signed_absmax32(xb) / -(float)(1 << (Bits - 1));
         }
-    }
-}
-
-static void q_q5_0(const float* x, blk_q5_0* y, int64_t nb) {
-    for (int64_t i = 0; i < nb; ++i) {
-        const float max = signed_absmax32(x + 32 * i);
-        const float d = max / -16.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         y[i].d = fp32_to_fp16(d);
         uint32_t qh = 0;
         for (int j = 0; j < 16; ++j) {
-            const float x0 = x[32 * i + j] * id;
-            const float x1 = x[32 * i + 16 + j] * id;
-            int a = (int)(int8_t)(x0 + 16.5f), b = (int)(int8_t)(x1 + 16.5f);
-            a = a > 31 ? 31 : a;
-            b = b > 31 ? 31 : b;
-            y[i].qs[j] = (uint8_t)((a & 0x0f) | ((b & 0x0f) << 4));
-            qh |= (uint32_t)((a & 0x10) >> 4) << j;
-            qh |= (uint32_t)((b & 0x10) >> 4) << (j + 16);
+            const float x0 = Min ? (xb[j] - min) * id : xb[j] * id;
+            const float x1 = Min ? (xb[16 + j] - min) * id : xb[16 + j] * id;
+            const int a = q45_code<Bits, Min>(x0), b = q45_code<Bits, Min>(x1);
+            if constexpr (Bits == 4) {
+                y[i].qs[j] = (uint8_t)((uint8_t)a | ((uint8_t)b << 4));
+            } else {
+                y[i].qs[j] = (uint8_t)((a & 0x0f) | ((b & 0x0f) << 4));
+                qh |= (uint32_t)((a & 0x10) >> 4) << j;
+                qh |= (uint32_t)((b & 0x10) >> 4) << (j + 16);
+            }
         }
-        memcpy(y[i].qh, &qh, 4);
-    }
-}
-
-static void q_q5_1(const float* x, blk_q5_1* y, int64_t nb) {
-    for (int64_t i = 0; i < nb; ++i) {
-        float min, max;
-        min_max32(x + 32 * i, &min, &max);
-        const float d = (max - min) / 31.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        y[i].d = fp32_to_fp16(d);
-        y[i].m = fp32_to_fp16(min);
-        uint32_t qh = 0;
-        for (int j = 0; j < 16; ++j) {
-            const float x0 = (x[32 * i + j] - min) * id;
-            const float x1 = (x[32 * i + 16 + j] - min) * id;
-            const uint8_t a = (uint8_t)(x0 + 0.5f), b = (uint8_t)(x1 + 0.5f);
-            y[i].qs[j] = (uint8_t)((a & 0x0f) | ((b & 0x0f) << 4));
-            qh |= (uint32_t)((a & 0x10) >> 4) << j;
-            qh |= (uint32_t)((b & 0x10) >> 4) << (j + 16);
-        }
-        memcpy(y[i].qh, &qh, 4);
+        if constexpr (Bits == 5) memcpy(y[i].qh, &qh, 4);
     }
 }
 
 void quantize_row_ref(int type, const float* src, void* dst, int64_t n) {
     switch (type) {
         case T_Q8_0: q_q8_0(src, (blk_q8_0*)dst, n / 32); return;
-        case T_Q4_0: q_q4_0(src, (blk_q4_0*)dst, n / 32); return;
-        case T_Q4_1: q_q4_1(src, (blk_q4_1*)dst, n / 32); return;
-        case T_Q5_0: q_q5_0(src, (blk_q5_0*)dst, n / 32); return;
-        case T_Q5_1: q_q5_1(src, (blk_q5_1*)dst, n / 32); return;
+        case T_Q4_0: q_q45<blk_q4_0, 4, false>(src, (blk_q4_0*)dst, n / 32); return;
+        case T_Q4_1: q_q45<blk_q4_1, 4, true>(src, (blk_q4_1*)dst, n / 32); return;
+        case T_Q5_0: q_q45<blk_q5_0, 5, false>(src, (blk_q5_0*)dst, n / 32); return;
+        case T_Q5_1: q_q45<blk_q5_1, 5, true>(src, (blk_q5_1*)dst, n / 32); return;
         default: return;
     }
 }
