@@ -2,13 +2,18 @@
 
 Each `OpDef` says an op's name, its id in the C ABI, its sources, its parameters (name, type, ABI slot), its shape
 rule (as text for the docs; `ggml_py.ops` implements it), whether the allocator may compute it in place over its first
-source, and the conformance kit's NMSE threshold. Everything else is derived from this table or checked against it by
-a test: the C header's op enum and parameter slots (`render_abi_schema`), the allocator's in-place set, the view ops,
-the parameters a node must carry, the ABI encoding of a node's parameters, the kit's op list and default thresholds,
-the numpy backend's kernel table, and docs/ops.md.
+source, the conformance kit's NMSE threshold, its family, whether it is transcendental, and (unary family) its
+formula. Everything else is derived from this table or checked against it by a test: the C header's op enum,
+parameter slots and X-macro op lists (`render_header`), which the simd backend's kernel table, validation, cost
+classes and dispatch expand, the allocator's in-place set, the view ops, the parameters a node must carry, the ABI
+encoding of a node's parameters, the kit's op list and default thresholds, the unary family's builders in ops.py, the
+numpy backend's kernel table, and docs/ops.md.
 
-Adding an op: one `OpDef` here (a new ABI id is appended, never reused), its builder in ops.py, its kernels, then
-`python -m ggml_py.schema header` to refresh the header.
+Adding an op (docs/architecture.md, "Adding an op"): one `OpDef` here (a new ABI id is appended, never reused), then
+`python -m ggml_py.schema header` to refresh the header, its numpy kernel and its simd kernel. An op of the unary
+family is one `_unary(...)` line: its builder, docs and kit cases follow, and its simd kernel is a `UnaryOp`
+specialisation in csrc/simd/k_elementwise.cpp (without one the build fails naming the op). Other ops also need a
+builder in ops.py, a row in docs/ops.md, kit cases and, in simd, a kernel, a `kernel_of` entry and a validation case.
 """
 
 from __future__ import annotations
