@@ -76,8 +76,8 @@ static inline int type_size(int t) {
 static inline bool type_is_quant(int t) { return type_block(t) > 1; }
 static inline int64_t row_bytes(int t, int64_t n) { return n / type_block(t) * type_size(t); }
 
-// Op ids, names, parameter slots and op lists are the ABI's (generated from ggml_py's op schema). A family of ops is
-// never listed by hand here: switches take their case labels from the header's X-macro lists,
+// Op ids, names, parameter slots and op lists are the ABI's (generated from ggml_py's op schema). This backend never
+// lists the ops of a family by hand: switches take their case labels from the header's X-macro lists,
 //   switch (op) { GGML_PY_OPS_UNARY(GP_OP_CASE) ... }
 static inline const char* op_name(int op) {
     static const char* const names[] = GGML_PY_OP_NAMES_INIT;
