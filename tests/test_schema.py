@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import ggml_py
-from ggml_py.ir import schema
+from ggml_py.ir import ops, schema
 from ggml_py.runtime import alloc, native
 from ggml_py.testing import ALL_OPS, cases
 
@@ -63,9 +63,70 @@ def test_header_is_generated_from_the_schema() -> None:
             assert native.const(f"GGML_PY_P_{o.name}_{p.name.upper()}") == o.slot(p.name)
 
 
+def header_lists(text: str) -> dict[str, list[str]]:
+    """The X-macro lists of the header, GGML_PY_OPS_<LIST>(X), parsed from its C text: {LIST: [op, ...]}."""
+    text = text.replace("\\\n", " ")  # join continued lines
+    return {m[1]: re.findall(r"X\((\w+)\)", m[2]) for m in re.finditer(r"#define GGML_PY_OPS_(\w+)\(X\)(.*)", text)}
+
+
+def test_header_lists_are_the_schemas() -> None:
+    text = (Path(ggml_py.get_include()) / "ggml_py" / "backend_abi.h").read_text()
+    by_id = sorted(schema.ABI_IDS, key=schema.ABI_IDS.__getitem__)
+    expected = {
+        "COMPUTE": by_id,
+        "UNARY": [n for n in by_id if schema.OPS[n].family == "unary"],
+        "BINARY": [n for n in by_id if schema.OPS[n].family == "binary"],
+        "GLU": [n for n in by_id if schema.OPS[n].family == "glu"],
+        "TRANSCENDENTAL": [n for n in by_id if schema.OPS[n].transcendental],
+    }
+    assert header_lists(text) == expected
+    assert all(expected.values())
+
+
+# How C code may name an op of a family: only in the head of its own math's specialisation (k_elementwise.cpp).
+_SPECIALISATION = re.compile(r"\b(?:Unary|Binary|Glu)Op<GGML_PY_OP_(\w+)>")
+_CASE_RUN = re.compile(r"(?:case\s+GGML_PY_OP_\w+\s*:\s*){2,}")
+
+
+def test_csrc_takes_op_families_from_the_header_lists() -> None:
+    """No C/C++ file lists the ops of a family or a class by hand: kernel tables, validation and cost switches
+    iterate the header's X-macro lists."""
+    lists = header_lists((Path(ggml_py.get_include()) / "ggml_py" / "backend_abi.h").read_text())
+    family = set(lists["UNARY"]) | set(lists["BINARY"]) | set(lists["GLU"])
+    classes = {k: set(v) for k, v in lists.items() if k != "COMPUTE"}
+    found = []
+    specialised = set()
+    for path in sorted((ROOT / "csrc").rglob("*")):
+        if path.suffix not in (".h", ".cpp", ".c"):
+            continue
+        text = path.read_text()
+        specialised |= set(_SPECIALISATION.findall(text))
+        rel = path.relative_to(ROOT)
+        for m in re.finditer(r"GGML_PY_OP_(\w+)", _SPECIALISATION.sub("", text)):
+            if m[1] in family:
+                found.append(f"{rel}:{text.count(chr(10), 0, m.start()) + 1} names {m[1]}")
+        for m in _CASE_RUN.finditer(text):  # case labels of two ops of one list: that list written by hand
+            ops = re.findall(r"GGML_PY_OP_(\w+)", m[0])
+            for k, members in classes.items():
+                if len(members.intersection(ops)) >= 2:
+                    found.append(f"{rel}:{text.count(chr(10), 0, m.start()) + 1} lists {k} ops by hand: {ops}")
+    assert found == []
+    assert family <= specialised  # the check above sees every family op's math
+
+
 def test_docs_list_every_op_with_its_params() -> None:
+    """docs/ops.md names every op, except the unary family's, which are documented by their OpDef.doc (what
+    `python -m ggml_py.ir.schema ops` prints and the builder's docstring), so that adding one touches no doc page."""
     text = (ROOT / "docs" / "ops.md").read_text()
+    assert "python -m ggml_py.ir.schema ops" in text
+    listing = schema.render_ops_table()
     for o in schema.OPS_LIST:
+        assert f"| `{o.name}` |" in listing
+        if o.family == "unary":
+            assert o.doc, f"{o.name} needs a doc (its formula)"
+            builder = getattr(ops, o.name.lower())
+            assert builder.__doc__ and o.name in builder.__doc__
+            continue
         assert f"`{o.name}`" in text, f"docs/ops.md does not mention {o.name}"
         for p in o.params:
             assert f"`{p.name}`" in text, f"docs/ops.md does not mention {o.name}'s parameter {p.name}"

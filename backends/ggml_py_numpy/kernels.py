@@ -46,6 +46,15 @@ def gelu(x: Arr) -> Arr:
     return f32(0.5 * x * (1.0 + np.tanh(SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x))))
 
 
+_erfc = np.vectorize(math.erfc, otypes=[np.float64])  # numpy has no erf; math's is exact to double
+
+
+def gelu_erf(x: Arr) -> Arr:
+    """0.5 x (1 + erf(x / sqrt(2))), written with erfc so that large negative x keep their relative precision."""
+    x64 = x.astype(np.float64)
+    return f32(0.5 * x64 * _erfc(-x64 / math.sqrt(2.0)))
+
+
 def silu(x: Arr) -> Arr:
     return f32(x / (1.0 + np.exp(-x.astype(np.float64))))
 
@@ -257,6 +266,7 @@ KERNELS: dict[str, Kernel] = {
     "RELU": _unary(lambda x: np.where(x > 0, x, np.float32(0))),  # ggml: x > 0 ? x : 0, so relu(NaN) = 0
     "TANH": _unary(np.tanh),
     "SIGMOID": _unary(lambda x: 1.0 / (1.0 + np.exp(-x.astype(np.float64)))),
+    "GELU_ERF": _unary(gelu_erf),
     "CLAMP": lambda n, s, o: np.clip(s[0], n.params["min"], n.params["max"]),
     "SWIGLU": _glu(silu),
     "GEGLU": _glu(gelu),

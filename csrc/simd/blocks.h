@@ -1,8 +1,10 @@
-// ggml block layouts (storage formats of the quantized types). Plain structs, no code.
+// ggml block layouts (storage formats of the quantized types). Plain structs and ISA-neutral static inline helpers.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+
+#include "common.h"
 
 namespace gp {
 
@@ -39,6 +41,15 @@ static_assert(sizeof(blk_q5_K) == 176, "q5_K");
 static_assert(sizeof(blk_q6_K) == 210, "q6_K");
 static_assert(sizeof(blk_iq4_nl) == 18, "iq4_nl");
 static_assert(sizeof(blk_iq4_xs) == 136, "iq4_xs");
+
+// The block of a 32-element type id, for kernels templated on the type: Blk<T_Q4_0>::size == sizeof(blk_q4_0).
+template <int T>
+struct Blk;
+template <> struct Blk<T_Q4_0> { enum { size = sizeof(blk_q4_0) }; };
+template <> struct Blk<T_Q4_1> { enum { size = sizeof(blk_q4_1) }; };
+template <> struct Blk<T_Q5_0> { enum { size = sizeof(blk_q5_0) }; };
+template <> struct Blk<T_Q5_1> { enum { size = sizeof(blk_q5_1) }; };
+template <> struct Blk<T_Q8_0> { enum { size = sizeof(blk_q8_0) }; };
 
 // ggml's kvalues_iq4nl
 alignas(16) static const int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,

@@ -76,10 +76,20 @@ static inline int type_size(int t) {
 static inline bool type_is_quant(int t) { return type_block(t) > 1; }
 static inline int64_t row_bytes(int t, int64_t n) { return n / type_block(t) * type_size(t); }
 
-// Op ids, names and parameter slots are the ABI's (generated from ggml_py's op schema).
+// Op ids, names, parameter slots and op lists are the ABI's (generated from ggml_py's op schema). This backend never
+// lists the ops of a family by hand: switches take their case labels from the header's X-macro lists,
+//   switch (op) { GGML_PY_OPS_UNARY(GP_OP_CASE) ... }
 static inline const char* op_name(int op) {
     static const char* const names[] = GGML_PY_OP_NAMES_INIT;
     return op > 0 && op < GGML_PY_OP_COUNT ? names[op] : "?";
+}
+#define GP_OP_CASE(NAME) case GGML_PY_OP_##NAME:
+
+// The schema's TRANSCENDENTAL ops: exp, log, tanh, erf, sin or cos per element (work estimates weigh them heavier).
+static constexpr bool op_is_transcendental(int op) {
+#define GP_OP_IS(NAME) op == GGML_PY_OP_##NAME ||
+    return GGML_PY_OPS_TRANSCENDENTAL(GP_OP_IS) false;
+#undef GP_OP_IS
 }
 
 // One operand as a kernel sees it: ggml order (ne[0] innermost), strides in bytes.

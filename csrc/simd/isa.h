@@ -5,20 +5,24 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "common.h"
 
 #if defined(GP_LEVEL_AVX512)
 #define GP_NS avx512
+#define GP_LEVEL_NAME "avx512"
 #define GP_AVX2 1
 #define GP_AVX512 1
 #elif defined(GP_LEVEL_AVX2)
 #define GP_NS avx2
+#define GP_LEVEL_NAME "avx2"
 #define GP_AVX2 1
 #define GP_AVX512 0
 #else
 #define GP_NS scalar
+#define GP_LEVEL_NAME "scalar"
 #define GP_AVX2 0
 #define GP_AVX512 0
 #endif
@@ -148,6 +152,14 @@ GP_INLINE void set_error(const ExecCtx& ctx, const char* msg) {
         memcpy(ctx.errmsg, msg, n);
         ctx.errmsg[n] = 0;
     }
+}
+
+// A kernel's dispatch switch reached an op it has no case for (the kernel table gave it an op of another kernel):
+// a bug, stop loudly rather than compute something else.
+[[noreturn]] GP_INLINE void no_kernel_case(const char* kernel, int op) {
+    fprintf(stderr, "ggml_py simd (%s level): %s has no case for op %s (id %d)\n", GP_LEVEL_NAME, kernel, op_name(op),
+            op);
+    abort();
 }
 
 // Scalar math of the activations (double where cheap for accuracy).
@@ -287,22 +299,24 @@ void k_top_k(Node&, int, int, int, const ExecCtx&);
 void k_repeat(Node&, int, int, int, const ExecCtx&);
 void k_pad(Node&, int, int, int, const ExecCtx&);
 
-// quants (k_quants.cpp)
+// block formats: k_dequant.cpp
 void dequantize_row(int type, const void* src, float* dst, int64_t n);
+// k_quantize.cpp
 void quantize_row_ref(int type, const float* src, void* dst, int64_t n);
 void convert_row_from_f32(int type, const float* src, void* dst, int64_t n);  // F32/F16/BF16/quant dst
 void quantize_a32(const float* x, uint8_t* row, int64_t k);
 void quantize_a256(const float* x, uint8_t* row, int64_t k);
-// dot of one weight row with one activation row in the weight's vec_dot format
+// k_dot.cpp: dot of one weight row with one activation row in the weight's vec_dot format
 float vec_dot_w(int type, const void* w, const uint8_t* act, int64_t k);
 // nr consecutive weight rows (stride wstride) against one activation row -> out[nr]
 void gemv_rows(int type, const uint8_t* w, int64_t wstride, int64_t nr, const uint8_t* act, int64_t k, float* out);
 #if GP_AVX2
-// ngroups groups of 8 repacked rows ("x8", see common.h) against nrows activation rows (astride bytes apart) ->
-// out[8 * ngroups] per row, output rows ostride bytes apart
+// k_gemv_x8.cpp: ngroups groups of 8 repacked rows ("x8", see common.h) against nrows activation rows (astride
+// bytes apart) -> out[8 * ngroups] per row, output rows ostride bytes apart
 void gemv_x8(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int nrows, int64_t k,
              float* out, size_t ostride);
 #endif
+// k_dot.cpp
 float dot_f32(const float* a, const float* b, int64_t n);
 float dot_f16_f32(const uint16_t* a, const float* b, int64_t n);
 float dot_bf16_f32(const uint16_t* a, const float* b, int64_t n);

@@ -46,17 +46,26 @@ GP_INLINE __m256 load8(const uint8_t* p, bool f16) {
     return f16 ? load_f16x8((const uint16_t*)p) : _mm256_loadu_ps((const float*)p);
 }
 
-// One query row against keys [0, Nkv), accumulator of DV8*8 floats in registers. Returns the softmax denominator S;
-// the unnormalised output is left in out[0..Dv) and the running maximum in *m_out.
+// One query row against keys [0, Nkv): the online softmax over tiles of 8 keys. DV8 > 0: Dv = 8 * DV8, the output
+// accumulated in registers; DV8 == 0: any Dv that is a multiple of 8, accumulated in out[0..Dv), which the caller
+// zeroes. Returns the softmax denominator S; the unnormalised output is left in out[0..Dv) and the running maximum in
+// *m_out. The two forms differ only in the order of two sums, each kept as it was so that results do not change: a
+// key's q.k (DV8 > 0: two partial sums over alternate blocks of 8; DV8 == 0: one) and S (DV8 > 0: a tile's
+// probabilities summed in a register, then added; DV8 == 0: added one by one).
 template <int DV8>
-static double fa_row_reg(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bool kf16, const uint8_t* vb,
-                         int64_t vs, bool vf16, int64_t Nkv, const uint8_t* mp, int64_t ms_stride, int mtype,
-                         float slope, float scale, float softcap, float* out, float* m_out) {
-    __m256 acc[DV8];
-    for (int i = 0; i < DV8; ++i) acc[i] = _mm256_setzero_ps();
+static double fa_row_tiles(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bool kf16, const uint8_t* vb,
+                           int64_t vs, bool vf16, int64_t Nkv, const uint8_t* mp, int64_t ms_stride, int mtype,
+                           float slope, float scale, float softcap, int64_t Dv, float* out, float* m_out) {
+    constexpr bool regs = DV8 > 0;
+    __m256 acc[regs ? DV8 : 1];
+    if constexpr (regs) {
+        for (int i = 0; i < DV8; ++i) acc[i] = _mm256_setzero_ps();
+        Dv = 8 * DV8;
+    }
     float M = -INFINITY;
     double S = 0.0;
-    const int64_t kbytes = D * (kf16 ? 2 : 4), vbytes = DV8 * 8 * (vf16 ? 2 : 4);
+    const int64_t es = kf16 ? 2 : 4;
+    const int64_t kbytes = D * es, vbytes = Dv * (vf16 ? 2 : 4);
     for (int64_t j0 = 0; j0 < Nkv; j0 += 8) {
         const int64_t nt = imin(8, Nkv - j0);
         prefetch_kv_rows(kb, ks, kbytes, vb, vs, vbytes, j0 + 16, imin(j0 + 24, Nkv));  // the tile after next
@@ -64,12 +73,7 @@ static double fa_row_reg(const float* qf, int64_t D, const uint8_t* kb, int64_t 
         bool any = false;
         for (int t = 0; t < 8; ++t) {
             if (t < nt) {
-                if (mp) {
-                    const uint8_t* e = mp + (j0 + t) * ms_stride;
-                    mv[t] = slope * (mtype == T_F16 ? fp16_to_fp32(*(const uint16_t*)e) : *(const float*)e);
-                } else {
-                    mv[t] = 0.0f;
-                }
+                mv[t] = mp ? slope * load_elem(mp + (j0 + t) * ms_stride, mtype) : 0.0f;
                 any |= mv[t] != -INFINITY;
             } else {
                 mv[t] = -INFINITY;
@@ -81,21 +85,29 @@ static double fa_row_reg(const float* qf, int64_t D, const uint8_t* kb, int64_t 
             part[t] = _mm256_setzero_ps();
             if (mv[t] == -INFINITY) continue;
             const uint8_t* kr = kb + (j0 + t) * ks;
-            const int64_t es = kf16 ? 2 : 4;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            int64_t i = 0;
-            for (; i + 16 <= D; i += 16) {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load8(kr + i * es, kf16), a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i + 8), load8(kr + (i + 8) * es, kf16), a1);
+            if constexpr (regs) {
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                int64_t i = 0;
+                for (; i + 16 <= D; i += 16) {
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load8(kr + i * es, kf16), a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i + 8), load8(kr + (i + 8) * es, kf16), a1);
+                }
+                for (; i < D; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load8(kr + i * es, kf16), a0);
+                part[t] = _mm256_add_ps(a0, a1);
+            } else if (kf16) {
+                for (int64_t i = 0; i < D; i += 8)
+                    part[t] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load_f16x8((const uint16_t*)kr + i), part[t]);
+            } else {
+                for (int64_t i = 0; i < D; i += 8)
+                    part[t] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), _mm256_loadu_ps((const float*)kr + i), part[t]);
             }
-            for (; i < D; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load8(kr + i * es, kf16), a0);
-            part[t] = _mm256_add_ps(a0, a1);
         }
         __m256 sc = hsum_lanes8(part);
         sc = _mm256_mul_ps(sc, _mm256_set1_ps(scale));
         if (softcap != 0.0f) sc = _mm256_mul_ps(_mm256_set1_ps(softcap), tanh_ps(sc));
         const __m256 vmv = _mm256_load_ps(mv);
         sc = _mm256_add_ps(sc, vmv);
+        // masked lanes: -inf (the product above is finite there)
         sc = _mm256_blendv_ps(sc, _mm256_set1_ps(-INFINITY), _mm256_cmp_ps(vmv, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
         const float mt = hmax(sc);
         if (!(mt > -INFINITY)) continue;
@@ -104,29 +116,48 @@ static double fa_row_reg(const float* qf, int64_t D, const uint8_t* kb, int64_t 
             M = mt;
             S *= msc;
             const __m256 vms = _mm256_set1_ps(msc);
-            for (int i = 0; i < DV8; ++i) acc[i] = _mm256_mul_ps(acc[i], vms);
+            if constexpr (regs) {
+                for (int i = 0; i < DV8; ++i) acc[i] = _mm256_mul_ps(acc[i], vms);
+            } else {
+                for (int64_t i = 0; i < Dv; i += 8)
+                    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(out + i), vms));
+            }
         }
         const __m256 p = exp_ps(_mm256_sub_ps(sc, _mm256_set1_ps(M)));
         alignas(32) float pv[8];
         _mm256_store_ps(pv, p);
-        S += (double)hsum(p);
+        if constexpr (regs) S += (double)hsum(p);
         for (int t = 0; t < 8; ++t) {
             if (pv[t] == 0.0f) continue;
+            if constexpr (!regs) S += pv[t];
             const __m256 w = _mm256_set1_ps(pv[t]);
             const uint8_t* vr = vb + (j0 + t) * vs;
-            if (vf16) {
-                for (int i = 0; i < DV8; ++i) acc[i] = _mm256_fmadd_ps(w, load_f16x8((const uint16_t*)vr + 8 * i), acc[i]);
+            if constexpr (regs) {
+                if (vf16) {
+                    for (int i = 0; i < DV8; ++i)
+                        acc[i] = _mm256_fmadd_ps(w, load_f16x8((const uint16_t*)vr + 8 * i), acc[i]);
+                } else {
+                    for (int i = 0; i < DV8; ++i)
+                        acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps((const float*)vr + 8 * i), acc[i]);
+                }
+            } else if (vf16) {
+                for (int64_t i = 0; i < Dv; i += 8)
+                    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(w, load_f16x8((const uint16_t*)vr + i),
+                                                              _mm256_loadu_ps(out + i)));
             } else {
-                for (int i = 0; i < DV8; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps((const float*)vr + 8 * i), acc[i]);
+                for (int64_t i = 0; i < Dv; i += 8)
+                    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(w, _mm256_loadu_ps((const float*)vr + i),
+                                                              _mm256_loadu_ps(out + i)));
             }
         }
     }
-    for (int i = 0; i < DV8; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
+    if constexpr (regs)
+        for (int i = 0; i < DV8; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
     *m_out = M;
     return S;
 }
 
-// fa_row_reg for the G query heads that share one KV head (one query row, keys [0, Nkv)): each block of 8 key or
+// fa_row_tiles for the G query heads that share one KV head (one query row, keys [0, Nkv)): each block of 8 key or
 // value elements is converted from F16 once and used by all G heads, which cuts the conversions, the larger part of
 // the per-key work, to 1/G. qf: G x D floats; head g's partial result (acc[Dv], M, pad, S) goes to out + g * ostride.
 template <int DV8, int G>
@@ -176,7 +207,7 @@ static void fa_rows_gqa(const float* qf, int64_t D, const uint8_t* kb, int64_t k
             sc = _mm256_fmadd_ps(_mm256_set1_ps(slope[g]), mzero, sc);
             sc = _mm256_blendv_ps(sc, _mm256_set1_ps(-INFINITY), masked);
             const float mt = hmax(sc);
-            if (!(mt > -INFINITY)) {  // nothing of this tile for this head (as fa_row_reg)
+            if (!(mt > -INFINITY)) {  // nothing of this tile for this head (as fa_row_tiles)
                 _mm256_store_ps(pv[g], _mm256_setzero_ps());
                 continue;
             }
@@ -228,15 +259,18 @@ static void fa_rows_group(int64_t G, const float* qf, int64_t D, const uint8_t* 
 #undef GP_FA_GQA
 }
 
-// fa_row_reg for Dv in {32, 64, 128}
+// fa_row_tiles: accumulators in registers for Dv in {32, 64, 128}, in out[] (zeroed by the caller) for other Dv
 static double fa_row(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bool kf16, const uint8_t* vb,
                      int64_t vs, bool vf16, int64_t Nkv, const uint8_t* mp, int64_t ms_stride, int mtype, float slope,
                      float scale, float softcap, int64_t Dv, float* out, float* m_out) {
-    if (Dv == 64)
-        return fa_row_reg<8>(qf, D, kb, ks, kf16, vb, vs, vf16, Nkv, mp, ms_stride, mtype, slope, scale, softcap, out, m_out);
-    if (Dv == 128)
-        return fa_row_reg<16>(qf, D, kb, ks, kf16, vb, vs, vf16, Nkv, mp, ms_stride, mtype, slope, scale, softcap, out, m_out);
-    return fa_row_reg<4>(qf, D, kb, ks, kf16, vb, vs, vf16, Nkv, mp, ms_stride, mtype, slope, scale, softcap, out, m_out);
+#define GP_FA_ROW(DV8)                                                                                               \
+    return fa_row_tiles<DV8>(qf, D, kb, ks, kf16, vb, vs, vf16, Nkv, mp, ms_stride, mtype, slope, scale, softcap, Dv, \
+                             out, m_out)
+    if (Dv == 32) GP_FA_ROW(4);
+    if (Dv == 64) GP_FA_ROW(8);
+    if (Dv == 128) GP_FA_ROW(16);
+    GP_FA_ROW(0);
+#undef GP_FA_ROW
 }
 #endif
 
@@ -510,77 +544,12 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
         float M = -INFINITY;
         double S = 0.0;
 #if GP_AVX2
-        if (vec && (Dv == 32 || Dv == 64 || Dv == 128)) {
+        if (vec) {
             const bool kf = k.type == T_F16, vf = v.type == T_F16;
             const int64_t ms = has_mask ? mk.nb[0] : 0;
             float m_unused;
             S = fa_row(qf, D, kb, k.nb[1], kf, vb, v.nb[1], vf, Nkv, mp, ms, mk.type, slope, scale, softcap, Dv, acc,
                        &m_unused);
-        } else if (vec) {
-            for (int64_t j0 = 0; j0 < Nkv; j0 += 8) {
-                const int64_t nt = imin(8, Nkv - j0);
-                float mv[8];
-                bool any = false;
-                for (int t = 0; t < 8; ++t) {
-                    if (t < nt) {
-                        mv[t] = mp ? slope * load_elem(mp + (j0 + t) * mk.nb[0], mk.type) : 0.0f;
-                        any |= mv[t] != -INFINITY;
-                    } else {
-                        mv[t] = -INFINITY;
-                    }
-                }
-                if (!any) continue;
-                __m256 part[8];
-                for (int t = 0; t < 8; ++t) {
-                    part[t] = _mm256_setzero_ps();
-                    if (mv[t] == -INFINITY) continue;
-                    const uint8_t* kr = kb + (j0 + t) * k.nb[1];
-                    if (k.type == T_F16) {
-                        for (int64_t i = 0; i < D; i += 8)
-                            part[t] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load_f16x8((const uint16_t*)kr + i),
-                                                      part[t]);
-                    } else {
-                        for (int64_t i = 0; i < D; i += 8)
-                            part[t] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), _mm256_loadu_ps((const float*)kr + i),
-                                                      part[t]);
-                    }
-                }
-                __m256 sc = hsum_lanes8(part);
-                sc = _mm256_mul_ps(sc, _mm256_set1_ps(scale));
-                if (softcap != 0.0f) sc = _mm256_mul_ps(_mm256_set1_ps(softcap), tanh_ps(sc));
-                __m256 vmv = _mm256_loadu_ps(mv);
-                sc = _mm256_add_ps(sc, vmv);
-                // masked lanes: -inf (the product above is finite there)
-                sc = _mm256_blendv_ps(sc, _mm256_set1_ps(-INFINITY),
-                                      _mm256_cmp_ps(vmv, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
-                const float mt = hmax(sc);
-                if (!(mt > -INFINITY)) continue;
-                if (mt > M) {
-                    const float ms = M == -INFINITY ? 0.0f : expf(M - mt);
-                    M = mt;
-                    S *= ms;
-                    const __m256 vms = _mm256_set1_ps(ms);
-                    for (int64_t i = 0; i < Dv; i += 8) _mm256_storeu_ps(acc + i, _mm256_mul_ps(_mm256_loadu_ps(acc + i), vms));
-                }
-                __m256 p = exp_ps(_mm256_sub_ps(sc, _mm256_set1_ps(M)));
-                float pv[8];
-                _mm256_storeu_ps(pv, p);
-                for (int t = 0; t < 8; ++t) {
-                    if (pv[t] == 0.0f) continue;
-                    S += pv[t];
-                    const __m256 w = _mm256_set1_ps(pv[t]);
-                    const uint8_t* vr = vb + (j0 + t) * v.nb[1];
-                    if (v.type == T_F16) {
-                        for (int64_t i = 0; i < Dv; i += 8)
-                            _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(w, load_f16x8((const uint16_t*)vr + i),
-                                                                      _mm256_loadu_ps(acc + i)));
-                    } else {
-                        for (int64_t i = 0; i < Dv; i += 8)
-                            _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(w, _mm256_loadu_ps((const float*)vr + i),
-                                                                      _mm256_loadu_ps(acc + i)));
-                    }
-                }
-            }
         } else
 #endif
         {

@@ -1,8 +1,12 @@
-// ISA-neutral runtime: CPU features and level dispatch, the thread pool, and the plan executor.
+// ISA-neutral runtime: CPU features and level dispatch (cpu.cpp), the thread pool (pool.cpp), node validation
+// (validate.cpp) and the plan executor (plan.cpp).
 #pragma once
+
+#include <sched.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -39,7 +43,32 @@ const KernelTable* level_table(int level);
 int physical_cores();
 
 // ---------------------------------------------------------------------------------------------------------------
-// thread pool
+// thread pool (pool.cpp)
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#else
+    std::this_thread::yield();
+#endif
+}
+
+inline int spin_before_yield() {
+    static int v = [] {
+        const char* e = getenv("GGML_PY_SIMD_SPIN");
+        return e ? atoi(e) : 2000;
+    }();
+    return v;
+}
+
+// spin with pause, then yield the CPU (a descheduled partner must get to run): the pool's and the plan's waits
+struct Backoff {
+    int spins = 0;
+    void pause() {
+        if (++spins < spin_before_yield()) cpu_relax();
+        else sched_yield();
+    }
+};
 
 struct Job {
     // Classic jobs (ThreadPool::run): every thread calls run(ith, nth) once and the caller waits for all.
@@ -84,7 +113,7 @@ class ThreadPool {
 };
 
 // ---------------------------------------------------------------------------------------------------------------
-// plan
+// plan (plan.cpp)
 
 enum { MAX_TERMS = 4 };
 
@@ -247,10 +276,23 @@ bool node_is_small(const Node& n);
 // scratch and phases of a node (also used by validation)
 Scratch node_scratch(const Node& n);
 int node_phases(const Node& n, bool n_rows_symbolic);
-// op-specific validation; returns "" if fine
+
+// validation (validate.cpp): op-specific checks; returns "" if fine, else a message naming the op
 std::string validate_node(const Node& n);
-// bytes spanned by a tensor (0 if empty)
-int64_t tensor_extent(const Tensor& t);
+// "[ne0,ne1,ne2,ne3]" for messages
+std::string shape_str(const Tensor& t);
+
+// bytes spanned by a tensor (0 if empty, -1 if absurdly large)
+inline int64_t tensor_extent(const Tensor& t) {
+    for (int i = 0; i < 4; ++i)
+        if (t.ne[i] == 0) return 0;
+    __int128 e;
+    if (type_is_quant(t.type)) e = row_bytes(t.type, t.ne[0]);
+    else e = (__int128)(t.ne[0] - 1) * t.nb[0] + type_size(t.type);
+    for (int i = 1; i < 4; ++i) e += (__int128)(t.ne[i] - 1) * t.nb[i];
+    if (e > ((__int128)1 << 62)) return -1;
+    return (int64_t)e;
+}
 
 uint8_t* aligned_alloc_bytes(size_t size, bool* mmapped);
 void aligned_free_bytes(uint8_t* p, size_t size, bool mmapped);

@@ -5,7 +5,7 @@ Shapes are numpy order (last dim innermost); see docs/ops.md for every op's shap
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ggml_py.errors import ShapeError
 from ggml_py.ir import dtypes, schema
@@ -93,49 +93,21 @@ def scale(a: Tensor, s: float, b: float = 0.0) -> Tensor:
     return _unary("SCALE", a, s=float(s), b=float(b))
 
 
-def sqr(a: Tensor) -> Tensor:
-    return _unary("SQR", a)
+def _unary_builder(o: schema.OpDef) -> Callable[[Tensor], Tensor]:
+    def build(a: Tensor) -> Tensor:
+        return _unary(o.name, a)
+
+    build.__name__ = build.__qualname__ = o.name.lower()
+    build.__doc__ = f"{o.name}, elementwise: {o.doc.replace('`', '')}."
+    return build
 
 
-def sqrt(a: Tensor) -> Tensor:
-    return _unary("SQRT", a)
-
-
-def neg(a: Tensor) -> Tensor:
-    return _unary("NEG", a)
-
-
-def abs(a: Tensor) -> Tensor:  # noqa: A001
-    return _unary("ABS", a)
-
-
-def exp(a: Tensor) -> Tensor:
-    return _unary("EXP", a)
-
-
-def log(a: Tensor) -> Tensor:
-    return _unary("LOG", a)
-
-
-def silu(a: Tensor) -> Tensor:
-    return _unary("SILU", a)
-
-
-def gelu(a: Tensor) -> Tensor:
-    """GELU, tanh approximation (as ggml)."""
-    return _unary("GELU", a)
-
-
-def relu(a: Tensor) -> Tensor:
-    return _unary("RELU", a)
-
-
-def tanh(a: Tensor) -> Tensor:
-    return _unary("TANH", a)
-
-
-def sigmoid(a: Tensor) -> Tensor:
-    return _unary("SIGMOID", a)
+# The unary family's builders come from the schema: ops.<name in lower case>(a) for each of its OpDefs (sqr, sqrt,
+# neg, abs, exp, log, silu, gelu, ...; `python -m ggml_py.ir.schema ops` lists them with their formulas).
+for _o in schema.OPS_LIST:
+    if _o.family == "unary":
+        globals()[_o.name.lower()] = _unary_builder(_o)
+del _o
 
 
 def clamp(a: Tensor, min: float, max: float) -> Tensor:  # noqa: A002
@@ -455,6 +427,10 @@ def _times(a: Tensor, other: Tensor | float) -> Tensor:
     return scale(a, float(other)) if isinstance(other, (int, float)) else mul(a, other)
 
 
+def _negate(a: Tensor) -> Tensor:
+    return _unary("NEG", a)
+
+
 def _matmul(x: Tensor, w: Tensor) -> Tensor:
     """`x @ w` computes x · wᵀ as ggml's mul_mat(w, x): w is (M, K), x is (N, K)."""
     return mul_mat(w, x)
@@ -465,5 +441,5 @@ Tensor.__add__ = add  # type: ignore[assignment]
 Tensor.__sub__ = sub  # type: ignore[assignment]
 Tensor.__mul__ = _times  # type: ignore[assignment]
 Tensor.__truediv__ = div  # type: ignore[assignment]
-Tensor.__neg__ = neg  # type: ignore[assignment]
+Tensor.__neg__ = _negate  # type: ignore[assignment]
 Tensor.__matmul__ = _matmul  # type: ignore[assignment]

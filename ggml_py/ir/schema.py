@@ -2,13 +2,18 @@
 
 Each `OpDef` says an op's name, its id in the C ABI, its sources, its parameters (name, type, ABI slot), its shape rule
 (as text for the docs; `ggml_py.ir.ops` implements it), whether the allocator may compute it in place over its first
-source, and the conformance kit's NMSE threshold. Everything else is derived from this table or checked against it by a
-test: the C header's op enum and parameter slots (`render_abi_schema`), the allocator's in-place set, the view ops, the
-parameters a node must carry, the ABI encoding of a node's parameters, the kit's op list and default thresholds, the
-numpy backend's kernel table, and docs/ops.md.
+source, the conformance kit's NMSE threshold, its family, whether it is transcendental, and (unary family) its formula.
+Everything else is derived from this table or checked against it by a test: the C header's op enum, parameter slots and
+X-macro op lists (`render_header`), which the simd backend's kernel table, validation, cost classes and dispatch expand,
+the allocator's in-place set, the view ops, the parameters a node must carry, the ABI encoding of a node's parameters,
+the kit's op list and default thresholds, the unary family's builders in ops.py, the numpy backend's kernel table, and
+docs/ops.md.
 
-Adding an op: one `OpDef` here (a new ABI id is appended, never reused), its builder in ops.py, its kernels, then
-`python -m ggml_py.ir.schema header` to refresh the header.
+Adding an op (docs/architecture.md, "Adding an op"): one `OpDef` here (a new ABI id is appended, never reused), then
+`python -m ggml_py.ir.schema header` to refresh the header, its numpy kernel and its simd kernel. An op of the unary
+family is one `_unary(...)` line: its builder, docs and kit cases follow, and its simd kernel is a `UnaryOp`
+specialisation in csrc/simd/k_elementwise.cpp (without one the build fails naming the op). Other ops also need a
+builder in ops.py, a row in docs/ops.md, kit cases and, in simd, a kernel, a `kernel_of` entry and a validation case.
 """
 
 from __future__ import annotations
@@ -66,6 +71,9 @@ class OpDef:
     max_nmse_float: float | None = None  # the threshold when no source is block-quantized (None: max_nmse)
     family: str = ""  # ops that share a builder and a kernel: "unary", "binary", "glu", "view"
     aliases: int | None = None  # the source whose memory dst is (CPY's destination, SET_ROWS's dst)
+    # evaluates exp, log, tanh, erf, sin or cos per element: a backend's work estimate weighs its elements heavier
+    transcendental: bool = False
+    doc: str = ""  # what it computes, for the docs (the unary family's builders take it as their docstring)
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -107,26 +115,38 @@ def _f(*names: str) -> tuple[Param, ...]:
 _UNARY_RULE = "`a.shape`"
 _BINARY_RULE = "`b` tiles `a`; result `a.shape`"
 
+
+def _unary(name: str, abi_id: int, doc: str, transcendental: bool = False) -> OpDef:
+    """An op of the unary family: elementwise F32 -> F32 without parameters, built by `ops.<name in lower case>(a)`
+    (ops.py makes the builder from this entry) and computed by each backend's unary kernel."""
+    return OpDef(name, abi_id, ("a",), rule=_UNARY_RULE, inplace=True, family="unary", transcendental=transcendental,
+                 doc=doc)
+
+
 OPS_LIST: tuple[OpDef, ...] = (
     OpDef("ADD", 1, ("a", "b"), rule=_BINARY_RULE, inplace=True, family="binary"),
     OpDef("SUB", 2, ("a", "b"), rule=_BINARY_RULE, inplace=True, family="binary"),
     OpDef("MUL", 3, ("a", "b"), rule=_BINARY_RULE, inplace=True, family="binary"),
     OpDef("DIV", 4, ("a", "b"), rule=_BINARY_RULE, inplace=True, family="binary"),
     OpDef("SCALE", 5, ("a",), _f("s", "b"), "`a.shape`; `a * s + b`", inplace=True),
-    OpDef("SQR", 6, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
-    OpDef("SQRT", 7, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
-    OpDef("NEG", 8, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
-    OpDef("ABS", 9, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
-    OpDef("EXP", 10, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
-    OpDef("LOG", 11, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
-    OpDef("SILU", 12, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
-    OpDef("GELU", 13, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
-    OpDef("RELU", 14, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
-    OpDef("TANH", 15, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
-    OpDef("SIGMOID", 16, ("a",), rule=_UNARY_RULE, inplace=True, family="unary"),
+    _unary("SQR", 6, "`x * x`"),
+    _unary("SQRT", 7, "`sqrt(x)`"),
+    _unary("NEG", 8, "`-x`"),
+    _unary("ABS", 9, "`abs(x)`"),
+    _unary("EXP", 10, "`e^x`", transcendental=True),
+    _unary("LOG", 11, "natural logarithm `ln(x)`", transcendental=True),
+    _unary("SILU", 12, "`x / (1 + e^-x)`", transcendental=True),
+    _unary("GELU", 13, "tanh approximation `0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))` (as ggml)",
+           transcendental=True),
+    _unary("RELU", 14, "`x > 0 ? x : 0` (as ggml: `relu(NaN) = 0`)"),
+    _unary("TANH", 15, "`tanh(x)`", transcendental=True),
+    _unary("SIGMOID", 16, "`1 / (1 + e^-x)`", transcendental=True),
+    _unary("GELU_ERF", 38, "exact GELU `0.5 * x * (1 + erf(x / sqrt(2)))` (ggml's GELU_ERF)", transcendental=True),
     OpDef("CLAMP", 17, ("a",), _f("min", "max"), "`a.shape`; `min <= max`", inplace=True),
-    OpDef("SWIGLU", 18, ("a", "b?"), rule="`a.shape`, or `(..., n/2)` without `b`", family="glu"),
-    OpDef("GEGLU", 19, ("a", "b?"), rule="`a.shape`, or `(..., n/2)` without `b`", family="glu"),
+    OpDef("SWIGLU", 18, ("a", "b?"), rule="`a.shape`, or `(..., n/2)` without `b`", family="glu",
+          transcendental=True),
+    OpDef("GEGLU", 19, ("a", "b?"), rule="`a.shape`, or `(..., n/2)` without `b`", family="glu",
+          transcendental=True),
     OpDef("NORM", 20, ("a",), _f("eps"), "`a.shape`, over the last dim"),
     OpDef("RMS_NORM", 21, ("a",), _f("eps"), "`a.shape`, over the last dim"),
     OpDef("SUM_ROWS", 22, ("a",), rule="`(..., 1)`"),
@@ -135,11 +155,11 @@ OPS_LIST: tuple[OpDef, ...] = (
     OpDef("MUL_MAT", 25, ("a", "b"), rule="`a (..., M, K)`, `b (..., N, K)` -> `(..., N, M)`",
           max_nmse=NMSE_MUL_MAT, max_nmse_float=NMSE_MUL_MAT_FLOAT),
     OpDef("SOFT_MAX", 26, ("a", "mask?"), _f("scale", "max_bias"), "`a.shape`", inplace=True,
-          max_nmse=NMSE_SOFT_MAX),
+          max_nmse=NMSE_SOFT_MAX, transcendental=True),
     OpDef("DIAG_MASK_INF", 27, ("a",), (Param("n_past", I32),), "`a.shape`", inplace=True),
     OpDef("ROPE", 28, ("a", "pos"),
           (Param("n_dims", I32), Param("mode", I32), Param("freq_base", F32), Param("freq_scale", F32)),
-          "`a (..., T, H, D)`, `pos (T,)` -> `a.shape`"),
+          "`a (..., T, H, D)`, `pos (T,)` -> `a.shape`", transcendental=True),
     OpDef("FLASH_ATTN_EXT", 29, ("q", "k", "v", "mask?"), _f("scale", "max_bias", "softcap"),
           "`q (B, H, Nq, D)`, `k (B, Hk, Nkv, D)`, `v (B, Hk, Nkv, Dv)` -> `(B, Nq, H, Dv)`",
           max_nmse=NMSE_MUL_MAT),
@@ -169,6 +189,8 @@ VIEW_OPS: frozenset[str] = frozenset(o.name for o in OPS_LIST if o.family == "vi
 INPLACE_OPS: frozenset[str] = frozenset(o.name for o in OPS_LIST if o.inplace)
 UNARY_OPS: tuple[str, ...] = tuple(o.name for o in OPS_LIST if o.family == "unary")
 BINARY_OPS: tuple[str, ...] = tuple(o.name for o in OPS_LIST if o.family == "binary")
+GLU_OPS: tuple[str, ...] = tuple(o.name for o in OPS_LIST if o.family == "glu")
+TRANSCENDENTAL_OPS: tuple[str, ...] = tuple(o.name for o in OPS_LIST if o.transcendental)
 ABI_IDS: dict[str, int] = {o.name: o.abi_id for o in OPS_LIST if o.abi_id is not None}
 
 
@@ -184,6 +206,23 @@ BEGIN = "/* GGML_PY_SCHEMA_BEGIN: generated by `python -m ggml_py.ir.schema head
 END = "/* GGML_PY_SCHEMA_END */"
 NAMES_BEGIN = "/* GGML_PY_OP_NAMES_BEGIN: generated by `python -m ggml_py.ir.schema header`, do not edit */"
 NAMES_END = "/* GGML_PY_OP_NAMES_END */"
+LISTS_BEGIN = "/* GGML_PY_OP_LISTS_BEGIN: generated by `python -m ggml_py.ir.schema header`, do not edit */"
+LISTS_END = "/* GGML_PY_OP_LISTS_END */"
+
+
+def _by_id(names: Sequence[str]) -> tuple[str, ...]:
+    return tuple(sorted(names, key=lambda n: ABI_IDS[n]))
+
+
+# The header's X-macro lists: GGML_PY_OPS_<key>(X) expands to X(NAME) for every op of the list, in id order. C code
+# iterates them (a switch's case labels, a kernel table) instead of naming the ops of a family by hand.
+C_LISTS: dict[str, tuple[str, ...]] = {
+    "COMPUTE": _by_id(COMPUTE_OPS),
+    "UNARY": _by_id(UNARY_OPS),
+    "BINARY": _by_id(BINARY_OPS),
+    "GLU": _by_id(GLU_OPS),
+    "TRANSCENDENTAL": _by_id(TRANSCENDENTAL_OPS),
+}
 
 
 def _c_enum(name: str, items: Sequence[tuple[str, int]]) -> list[str]:
@@ -222,6 +261,20 @@ def render_op_names() -> str:
     return "#define GGML_PY_OP_NAMES_INIT { \\\n    " + ", \\\n    ".join(rows) + " }"
 
 
+def render_op_lists() -> str:
+    """The header text between LISTS_BEGIN and LISTS_END: the X-macro lists of C_LISTS (C only)."""
+    out = ["/* Op lists (X-macros): GGML_PY_OPS_<LIST>(X) expands to X(NAME) for every op of the list, in id order:",
+           " *   #define CASE(NAME) case GGML_PY_OP_##NAME:",
+           " *   switch (op) { GGML_PY_OPS_UNARY(CASE) return unary(op); ... }",
+           " * COMPUTE: every op with an id. UNARY, BINARY, GLU: the schema's families (ops that share a builder and a",
+           " * kernel). TRANSCENDENTAL: ops that evaluate exp, log, tanh, erf, sin or cos per element. */"]
+    for key, names in C_LISTS.items():
+        items = [f"X({n})" for n in names]
+        rows = [" ".join(items[i:i + 8]) for i in range(0, len(items), 8)]
+        out.append(f"#define GGML_PY_OPS_{key}(X) \\\n    " + " \\\n    ".join(rows))
+    return "\n".join(out)
+
+
 def _replace_region(text: str, begin: str, end: str, body: str) -> str:
     try:
         head, rest = text.split(begin, 1)
@@ -232,13 +285,26 @@ def _replace_region(text: str, begin: str, end: str, body: str) -> str:
 
 
 def render_header(text: str) -> str:
-    """The header text with both generated regions refreshed from this schema."""
+    """The header text with its generated regions refreshed from this schema."""
     text = _replace_region(text, BEGIN, END, render_abi_schema())
-    return _replace_region(text, NAMES_BEGIN, NAMES_END, render_op_names())
+    text = _replace_region(text, NAMES_BEGIN, NAMES_END, render_op_names())
+    return _replace_region(text, LISTS_BEGIN, LISTS_END, render_op_lists())
 
 
 def header_path() -> Path:
     return Path(__file__).parents[1] / "include" / "ggml_py" / "backend_abi.h"
+
+
+def render_ops_table() -> str:
+    """Every op as a markdown table: its family, sources, parameters, shape rule and formula, kit NMSE."""
+    rows = ["| op | family | sources | params | shape rule; what it computes | kit NMSE |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for o in OPS_LIST:
+        what = "; ".join(x for x in (o.rule, o.doc) if x)
+        params = ", ".join(f"`{p.name}`" for p in o.params)
+        nmse = "" if o.abi_id is None else f"{o.max_nmse:g}"
+        rows.append(f"| `{o.name}` | {o.family} | {', '.join(o.srcs)} | {params} | {what} | {nmse} |")
+    return "\n".join(rows)
 
 
 def _main(argv: Sequence[str]) -> int:
@@ -251,7 +317,10 @@ def _main(argv: Sequence[str]) -> int:
             return 0 if new == old else 1
         path.write_text(new)
         return 0
-    print("usage: python -m ggml_py.ir.schema header [--check]", file=sys.stderr)
+    if list(argv) == ["ops"]:
+        print(render_ops_table())
+        return 0
+    print("usage: python -m ggml_py.ir.schema header [--check] | ops", file=sys.stderr)
     return 2
 
 

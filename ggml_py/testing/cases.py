@@ -273,7 +273,7 @@ def _unary_cases() -> list[Case]:
 
 def _glu_cases() -> list[Case]:
     out = []
-    for op, fn in (("SWIGLU", ops.swiglu), ("GEGLU", ops.geglu)):
+    for op, fn in ((op, getattr(ops, op.lower())) for op in schema.GLU_OPS):
         for shape, split, how in [((7, 66), False, "cont"), ((2, 3, 34), False, "cont"), ((7, 33), True, "cont"),
                                   ((5, 7, 33), True, "perm"), ((1, 4097), True, "cont")]:
             def make(c: Ctx, fn=fn, shape=shape, split=split, how=how) -> Tensor:

@@ -1,0 +1,313 @@
+// GEMV of repacked ("x8", common.h) weights: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K records against up to 4
+// quantized activation rows at a time.
+#include "blocks.h"
+#include "isa.h"
+
+namespace gp {
+namespace GP_NS {
+
+// ===============================================================================================================
+// GEMV on interleaved weights: 8 rows in the 8 lanes of one register, no horizontal sums. AVX2 and up only: at
+// scalar, the interleaved layout made GEMV slower (Q4_K 3.5 -> 1.3 GB/s), so plans don't repack there.
+
+#if GP_AVX2
+// Chunk c (0..3) of an x8 record's qs[128] (Q4_1's layout, also each Q4_K/Q5_K sub-block's): 8 row lanes x 4
+// elements, the low nibbles in lo and the high ones in hi; with Five, the fifth bits 2c and 2c+1 of h (shifted down
+// by 2c: h is consumed two bits per chunk) as bit 4.
+template <bool Five>
+static inline void unpack_x8_q45(const uint8_t* qs, int c, __m256i& h, __m256i& lo, __m256i& hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i L = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+    lo = _mm256_and_si256(L, m4);
+    hi = _mm256_and_si256(_mm256_srli_epi16(L, 4), m4);
+    if constexpr (Five) {
+        const __m256i bit4 = _mm256_set1_epi8(0x10);
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
+        h = _mm256_srli_epi16(h, 2);
+    }
+}
+
+// output row r of rows `ostride` bytes apart
+static inline float* out_row(float* out, int r, size_t ostride) { return (float*)((uint8_t*)out + r * ostride); }
+
+// AVX512-VNNI's vpdpbusd: acc + the sums of 4 unsigned x signed byte products per 32-bit lane, exact, in one
+// instruction where maddubs + madd take two and a 16-bit intermediate. Written in asm because the avx512 level is
+// compiled without VNNI (a CPU with AVX-512 but no VNNI runs it); the kernels take it only where the CPU has it.
+// Their integer sums are exact either way (the 16-bit ones never saturate), so each result is bit-identical.
+#if GP_AVX512
+static const bool kVnni = cpu_has_avx512_vnni();
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+    asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+    return acc;
+}
+#else
+static inline __m256i dpbusd(__m256i acc, __m256i, __m256i) { return acc; }  // never instantiated below avx512
+#endif
+
+// Q4_K / Q5_K x8 (common.h). Q5_K's fifth bit makes the quants 0..31, so one 16-bit sum holds only two of a
+// sub-block's four chunks (2 x 2 x 31 x 127 < 2^15): it takes two madds with the scale where Q4_K takes one.
+// R activation rows share each record's unpacking; every row's result is the same whatever R.
+template <bool Five, int R>
+static void gemv_x8_q45_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int64_t k,
+                          float* out, size_t ostride) {
+    constexpr int64_t size = Five ? 1440 : 1184, meta = Five ? 1280 : 1024;
+    const int64_t nb = k / 256;
+    A256Parts a[R];
+    for (int r = 0; r < R; ++r) a[r] = a256_parts(act + r * astride, k);
+    for (int64_t g = 0; g < ngroups; ++g) {
+        const uint8_t* p = rec + g * nb * size;
+        __m256 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t s = 0; s < nb; ++s, p += size) {
+            __m256i sumi[R], mi[R];
+            for (int r = 0; r < R; ++r) sumi[r] = mi[r] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; ++j) {
+                const uint8_t* q = p + 128 * j;
+                _mm_prefetch((const char*)(q + 2 * size), _MM_HINT_T0);
+                _mm_prefetch((const char*)(q + 2 * size + 64), _MM_HINT_T0);
+                __m256i h = Five ? _mm256_loadu_si256((const __m256i*)(p + 1024 + 32 * j)) : _mm256_setzero_si256();
+                __m256i s16[R][2];
+                for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+                for (int c = 0; c < 4; ++c) {
+                    __m256i lo, hi;
+                    unpack_x8_q45<Five>(q, c, h, lo, hi);
+                    for (int r = 0; r < R; ++r) {
+                        const int32_t* a32 = (const int32_t*)(a[r].qs + 256 * s) + 8 * j + 2 * c;
+                        __m256i& t = s16[r][Five ? c / 2 : 0];
+                        t = _mm256_add_epi16(t, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a32[0])));
+                        t = _mm256_add_epi16(t, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a32[1])));
+                    }
+                }
+                const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + meta + 8 * j)));
+                const __m256i sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+                const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + meta + 64 + 8 * j)));
+                for (int r = 0; r < R; ++r) {
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(s16[r][0], sc2));
+                    if constexpr (Five) sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(s16[r][1], sc2));
+                    const int16_t* b = a[r].bsums + 16 * s;
+                    const int pair = (int)b[2 * j] + (int)b[2 * j + 1];
+                    mi[r] = _mm256_add_epi32(mi[r], _mm256_madd_epi16(mn, _mm256_set1_epi32(pair & 0xffff)));
+                }
+            }
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + meta + 128)));
+            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + meta + 144)));
+            for (int r = 0; r < R; ++r) {
+                const __m256 vda = _mm256_set1_ps(a[r].d[s]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(dw, vda), acc[r]);
+                acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mi[r]), _mm256_mul_ps(mw, vda), acc[r]);
+            }
+        }
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(out_row(out, r, ostride) + 8 * g, acc[r]);
+    }
+}
+
+// Q6_K x8 (common.h): the unsigned 6-bit quants enter maddubs as they are (0..63, so two maddubs results still fit
+// in i16); their -32 offset is applied through the activations' 16-sums, as the row kernel does. R activation rows
+// share each record's unpacking; every row's integer sums, hence its result, are the same whatever R.
+template <int R>
+static void gemv_x8_q6_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int64_t k,
+                         float* out, size_t ostride) {
+    const int64_t nb = k / 256;
+    A256Parts a[R];
+    for (int r = 0; r < R; ++r) a[r] = a256_parts(act + r * astride, k);
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+    // i32 lane r = (scale of sub-block 2p, scale of 2p+1) as i16 -> both halves the first / the second
+    const __m256i dup0 = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                          0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+    const __m256i dup1 = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
+                                          2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
+    for (int64_t g = 0; g < ngroups; ++g) {
+        const uint8_t* p = rec + g * nb * 1680;
+        __m256 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t s = 0; s < nb; ++s, p += 1680) {
+            __m256i sumi[R];
+            for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+            for (int jp = 0; jp < 8; ++jp) {  // pairs of sub-blocks: 192 bytes of quants, 16 bytes of scales
+                const uint8_t* q = p + 192 * jp;
+                _mm_prefetch((const char*)(q + 3360), _MM_HINT_T0);
+                _mm_prefetch((const char*)(q + 3360 + 64), _MM_HINT_T0);
+                _mm_prefetch((const char*)(q + 3360 + 128), _MM_HINT_T0);
+                if (jp < 3) _mm_prefetch((const char*)(p + 3360 + 1536 + 64 * jp), _MM_HINT_T0);
+                const __m256i sc2 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 1536 + 16 * jp)));
+                for (int r = 0; r < R; ++r) {  // the offset: -32 x scale x the activations' 16-sums
+                    int32_t bpair;  // the two sub-blocks' sums, as one i16 pair
+                    memcpy(&bpair, a[r].bsums + 16 * s + 2 * jp, 4);
+                    const __m256i mi = _mm256_madd_epi16(sc2, _mm256_set1_epi32(bpair));
+                    sumi[r] = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(mi, 5));
+                }
+                for (int h = 0; h < 2; ++h) {
+                    const uint8_t* u = q + 96 * h;
+                    const int j = 2 * jp + h;
+                    const __m256i L0 = _mm256_loadu_si256((const __m256i*)u);
+                    const __m256i L1 = _mm256_loadu_si256((const __m256i*)(u + 32));
+                    const __m256i H = _mm256_loadu_si256((const __m256i*)(u + 64));
+                    const __m256i q0 = _mm256_or_si256(_mm256_and_si256(L0, m4),
+                                                       _mm256_and_si256(_mm256_slli_epi16(H, 4), m30));
+                    const __m256i q1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), m4),
+                                                       _mm256_and_si256(_mm256_slli_epi16(H, 2), m30));
+                    const __m256i q2 = _mm256_or_si256(_mm256_and_si256(L1, m4), _mm256_and_si256(H, m30));
+                    const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), m4),
+                                                       _mm256_and_si256(_mm256_srli_epi16(H, 2), m30));
+                    const __m256i sc = _mm256_shuffle_epi8(sc2, h ? dup1 : dup0);
+                    for (int r = 0; r < R; ++r) {
+                        const int32_t* a32 = (const int32_t*)(a[r].qs + 256 * s) + 4 * j;
+                        const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(q0, _mm256_set1_epi32(a32[0])),
+                                                             _mm256_maddubs_epi16(q1, _mm256_set1_epi32(a32[1])));
+                        const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(q2, _mm256_set1_epi32(a32[2])),
+                                                             _mm256_maddubs_epi16(q3, _mm256_set1_epi32(a32[3])));
+                        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(s01, sc));
+                        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(s23, sc));
+                    }
+                }
+            }
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 1664)));
+            for (int r = 0; r < R; ++r)
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(dw, _mm256_set1_ps(a[r].d[s])),
+                                         acc[r]);
+        }
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(out_row(out, r, ostride) + 8 * g, acc[r]);
+    }
+}
+
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 x8 (common.h): the unsigned quants (Q5: the fifth bit ORed in as bit 4) against the
+// activations; the offset (Q4_1/Q5_1: m, Q4_0: -8 d, Q5_0: -16 d) is applied through the activations' block sums.
+// Q5's quants are 0..31, so one 16-bit sum holds two of the four chunks (4 x 2 x 31 x 127 < 2^15); Q4's hold all
+// four (8 x 2 x 15 x 127).
+template <int T, int R, bool Vnni>
+static void gemv_x8_q45_01(const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int64_t k,
+                           float* out, size_t ostride) {
+    constexpr bool five = T == T_Q5_0 || T == T_Q5_1, has_m = T == T_Q4_1 || T == T_Q5_1;
+    constexpr int64_t size = 8 * Blk<T>::size, doff = five ? 160 : 128;
+    constexpr float offset = T == T_Q4_0 ? -8.0f : -16.0f;  // unused by Q4_1 / Q5_1
+    const int64_t nb = k / 32;
+    A32Parts a[R];
+    for (int r = 0; r < R; ++r) a[r] = a32_parts(act + r * astride, k);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t g = 0; g < ngroups; ++g) {
+        const uint8_t* p = rec + g * nb * size;
+        __m256 acc[R], accm[R];
+        for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b, p += size) {
+            _mm_prefetch((const char*)(p + 8 * size), _MM_HINT_T0);
+            _mm_prefetch((const char*)(p + 8 * size + 64), _MM_HINT_T0);
+            _mm_prefetch((const char*)(p + 8 * size + 128), _MM_HINT_T0);
+            __m256i h = five ? _mm256_loadu_si256((const __m256i*)(p + 128)) : _mm256_setzero_si256();
+            __m256i s16[R][2];  // Vnni: s16[r][0] holds 32-bit sums
+            for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+            for (int c = 0; c < 4; ++c) {  // the weights' quants unpacked once for the R activation rows
+                __m256i lo, hi;
+                unpack_x8_q45<five>(p, c, h, lo, hi);
+                for (int r = 0; r < R; ++r) {
+                    const int32_t* a32 = (const int32_t*)(a[r].qs + 32 * b);
+                    if constexpr (Vnni) {
+                        s16[r][0] = dpbusd(s16[r][0], lo, _mm256_set1_epi32(a32[2 * c]));
+                        s16[r][0] = dpbusd(s16[r][0], hi, _mm256_set1_epi32(a32[2 * c + 1]));
+                        continue;
+                    }
+                    __m256i& t = s16[r][five ? c / 2 : 0];
+                    t = _mm256_add_epi16(t, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a32[2 * c])));
+                    t = _mm256_add_epi16(t, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a32[2 * c + 1])));
+                }
+            }
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + doff)));
+            [[maybe_unused]] const __m256 mw =
+                has_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + doff + 16))) : _mm256_setzero_ps();
+            for (int r = 0; r < R; ++r) {  // per row, the same operations in the same order whatever R
+                __m256i s32 = s16[r][0];
+                if constexpr (!Vnni) s32 = _mm256_madd_epi16(s32, ones);
+                if constexpr (five && !Vnni) s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(s16[r][1], ones));
+                const __m256 sf = _mm256_cvtepi32_ps(s32);
+                if constexpr (has_m) {
+                    acc[r] = _mm256_fmadd_ps(sf, _mm256_mul_ps(dw, _mm256_set1_ps(a[r].d[b])), acc[r]);
+                    accm[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a[r].s[b]), accm[r]);
+                } else {  // d (ad s + offset as)
+                    const __m256 t = _mm256_fmadd_ps(sf, _mm256_set1_ps(a[r].d[b]), _mm256_set1_ps(offset * a[r].s[b]));
+                    acc[r] = _mm256_fmadd_ps(t, dw, acc[r]);
+                }
+            }
+        }
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(out_row(out, r, ostride) + 8 * g, _mm256_add_ps(acc[r], accm[r]));
+    }
+}
+
+template <int R, bool Vnni>
+static void gemv_x8_q8_0(const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int64_t k,
+                         float* out, size_t ostride) {
+    const int64_t nb = k / 32;
+    A32Parts a[R];
+    for (int r = 0; r < R; ++r) a[r] = a32_parts(act + r * astride, k);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t g = 0; g < ngroups; ++g) {
+        const uint8_t* p = rec + g * nb * 272;
+        __m256 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b, p += 272) {
+            _mm_prefetch((const char*)(p + 2176), _MM_HINT_T0);
+            _mm_prefetch((const char*)(p + 2176 + 64), _MM_HINT_T0);
+            _mm_prefetch((const char*)(p + 2176 + 128), _MM_HINT_T0);
+            _mm_prefetch((const char*)(p + 2176 + 192), _MM_HINT_T0);
+            __m256i s32[R];
+            for (int r = 0; r < R; ++r) s32[r] = _mm256_setzero_si256();
+            for (int kk = 0; kk < 8; ++kk) {
+                const __m256i w = _mm256_loadu_si256((const __m256i*)(p + 32 * kk));
+                const __m256i aw = _mm256_sign_epi8(w, w);  // |w|, shared by the R rows
+                for (int r = 0; r < R; ++r) {
+                    const __m256i av = _mm256_set1_epi32(((const int32_t*)(a[r].qs + 32 * b))[kk]);
+                    if constexpr (Vnni) {
+                        s32[r] = dpbusd(s32[r], aw, _mm256_sign_epi8(av, w));
+                        continue;
+                    }
+                    const __m256i pr = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(av, w));
+                    s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(pr, ones));
+                }
+            }
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 256)));
+            for (int r = 0; r < R; ++r)
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(dw, _mm256_set1_ps(a[r].d[b])), acc[r]);
+        }
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(out_row(out, r, ostride) + 8 * g, acc[r]);
+    }
+}
+
+// R activation rows at once (consecutive rows `astride` bytes apart; outputs `ostride` bytes apart): each weight
+// record is read and unpacked once for all of them; each row's result is bit-identical to a lone row's.
+template <int R, bool Vnni>
+static void gemv_x8_r(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int64_t k,
+                      float* out, size_t ostride) {
+    switch (type) {
+        case T_Q4_0: gemv_x8_q45_01<T_Q4_0, R, Vnni>(rec, ngroups, act, astride, k, out, ostride); break;
+        case T_Q4_1: gemv_x8_q45_01<T_Q4_1, R, Vnni>(rec, ngroups, act, astride, k, out, ostride); break;
+        case T_Q5_0: gemv_x8_q45_01<T_Q5_0, R, Vnni>(rec, ngroups, act, astride, k, out, ostride); break;
+        case T_Q5_1: gemv_x8_q45_01<T_Q5_1, R, Vnni>(rec, ngroups, act, astride, k, out, ostride); break;
+        case T_Q8_0: gemv_x8_q8_0<R, Vnni>(rec, ngroups, act, astride, k, out, ostride); break;
+        case T_Q4_K: gemv_x8_q45_K<false, R>(rec, ngroups, act, astride, k, out, ostride); break;
+        case T_Q5_K: gemv_x8_q45_K<true, R>(rec, ngroups, act, astride, k, out, ostride); break;
+        case T_Q6_K: gemv_x8_q6_K<R>(rec, ngroups, act, astride, k, out, ostride); break;
+        default: break;
+    }
+}
+
+template <bool Vnni>
+static void gemv_x8_rows(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int nrows,
+                         int64_t k, float* out, size_t ostride) {
+    for (; nrows >= 4; nrows -= 4, act += 4 * astride, out = out_row(out, 4, ostride))
+        gemv_x8_r<4, Vnni>(type, rec, ngroups, act, astride, k, out, ostride);
+    if (nrows == 3) gemv_x8_r<3, Vnni>(type, rec, ngroups, act, astride, k, out, ostride);
+    if (nrows == 2) gemv_x8_r<2, Vnni>(type, rec, ngroups, act, astride, k, out, ostride);
+    if (nrows == 1) gemv_x8_r<1, Vnni>(type, rec, ngroups, act, astride, k, out, ostride);
+}
+
+void gemv_x8(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int nrows, int64_t k,
+             float* out, size_t ostride) {
+#if GP_AVX512
+    if (kVnni) return gemv_x8_rows<true>(type, rec, ngroups, act, astride, nrows, k, out, ostride);
+#endif
+    gemv_x8_rows<false>(type, rec, ngroups, act, astride, nrows, k, out, ostride);
+}
+#endif  // GP_AVX2
+
+}  // namespace GP_NS
+}  // namespace gp
