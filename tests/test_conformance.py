@@ -19,7 +19,7 @@ import ggml_py as gp
 from ggml_py.commands import cli
 from ggml_py.runtime.backend import Backend, BackendRegistration, Device
 from ggml_py.testing import ALL_OPS, cases, compare, nmse, run_backend
-from ggml_py.testing.cases import CONVERT_MAX_NMSE, WEIGHT_TYPES
+from ggml_py.testing.case import CONVERT_MAX_NMSE, WEIGHT_TYPES
 
 from conftest import available_backends
 

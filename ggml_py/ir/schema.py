@@ -67,7 +67,7 @@ class OpDef:
     params: tuple[Param, ...] = ()
     rule: str = ""  # the shape rule, for the docs
     inplace: bool = False  # may overwrite its first source when that dies with it (same shape, type, layout)
-    max_nmse: float = NMSE_DEFAULT  # the kit's threshold (conversions use per-type ones, see testing/cases.py)
+    max_nmse: float = NMSE_DEFAULT  # the kit's threshold (conversions use per-type ones, see testing/case.py)
     max_nmse_float: float | None = None  # the threshold when no source is block-quantized (None: max_nmse)
     family: str = ""  # ops that share a builder and a kernel: "unary", "binary", "glu", "view"
     aliases: int | None = None  # the source whose memory dst is (CPY's destination, SET_ROWS's dst)

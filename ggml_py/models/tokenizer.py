@@ -41,8 +41,10 @@ import numpy as np
 from ggml_py.errors import ModelError
 from ggml_py.models.bpe import bpe_word
 from ggml_py.models.chat_template import render_chat_template
+from ggml_py.models.clean_spaces import clean_up_spaces
 from ggml_py.models.pretokenizers import PRE, PreSpec
 from ggml_py.models.spm import spm_encode
+from ggml_py.models.vocab_meta import as_str, describe, meta_bool, meta_int, num_array, str_list
 
 __all__ = ["Tokenizer", "TokenType", "SUPPORTED_MODELS", "SUPPORTED_PRE"]
 
@@ -117,65 +119,6 @@ _SPM_SPACE = "\u2581"
 _C_ISSPACE = " \t\n\v\f\r"
 
 
-def _as_str(value: Any) -> str:
-    if isinstance(value, bytes | bytearray | memoryview):
-        return bytes(value).decode("utf-8", "surrogateescape")
-    return str(value)
-
-
-def _kind(v: Any) -> str:
-    if isinstance(v, np.ndarray):
-        return f"an array of {v.dtype}"
-    if isinstance(v, list):
-        return "an array of " + (type(v[0]).__name__ if v else "nothing")
-    return f"a {type(v).__name__} ({v!r:.40})"
-
-
-def _str_list(meta: Mapping[str, Any], key: str) -> list[str] | None:
-    """A GGUF string array (a list of str), or None when absent."""
-    v = meta.get(key)
-    if v is None:
-        return None
-    if isinstance(v, list | tuple) and all(isinstance(x, str | bytes) for x in v):
-        return [x if type(x) is str else _as_str(x) for x in v]
-    raise ModelError(f"tokenizer metadata {key!r} must be an array of strings, got {_kind(v)}")
-
-
-def _num_array(meta: Mapping[str, Any], key: str, kind: str) -> np.ndarray | None:
-    """A GGUF numeric array as numpy (kind "f": floats, "i": integers), or None when absent."""
-    v = meta.get(key)
-    if v is None:
-        return None
-    arr = np.asarray(v) if isinstance(v, list | tuple | np.ndarray) else None
-    # llama.cpp reads these as raw float / int32 data: integers as scores (or floats as types) would be garbage
-    ok = arr is not None and arr.ndim == 1 and (arr.dtype.kind in ("f" if kind == "f" else "iu") or arr.size == 0)
-    if not ok:
-        what = "floats" if kind == "f" else "integers"
-        raise ModelError(f"tokenizer metadata {key!r} must be an array of {what}, got {_kind(v)}")
-    if kind == "f" and arr.size and not np.isfinite(arr.astype(np.float64)).all():
-        raise ModelError(f"tokenizer metadata {key!r} contains NaN or infinite values")
-    return arr  # type: ignore[return-value]
-
-
-def _meta_int(meta: Mapping[str, Any], key: str) -> int | None:
-    v = meta.get(key)
-    if v is None:
-        return None
-    if isinstance(v, np.ndarray | list) and len(v) == 1 and not isinstance(v[0], list | np.ndarray):
-        v = v[0]  # a one-element array, as some converters write
-    if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer):
-        raise ModelError(f"tokenizer metadata {key!r} must be an integer, got {_kind(v)}")
-    return int(v)
-
-
-def _meta_bool(meta: Mapping[str, Any], key: str) -> bool | None:
-    v = meta.get(key)
-    if isinstance(v, bool | np.bool_):
-        return bool(v)
-    i = _meta_int(meta, key)
-    return None if i is None else bool(i)
-
-
 def _valid_text(text: Any) -> str:
     """Text to encode: str, with lone surrogates (bytes that were not UTF-8, e.g. from a command line decoded with
     surrogateescape) replaced by U+FFFD, as llama.cpp does for invalid UTF-8."""
@@ -230,10 +173,10 @@ class Tokenizer:
         model = meta.get("tokenizer.ggml.model")
         if model is None:
             raise ModelError("GGUF metadata has no 'tokenizer.ggml.model'; supported: " + ", ".join(SUPPORTED_MODELS))
-        self.model = _as_str(model)
+        self.model = as_str(model)
         if self.model not in SUPPORTED_MODELS:
             raise ModelError(f"unsupported tokenizer model {self.model!r}; supported: {', '.join(SUPPORTED_MODELS)}")
-        tokens = _str_list(meta, "tokenizer.ggml.tokens")
+        tokens = str_list(meta, "tokenizer.ggml.tokens")
         if not tokens:
             raise ModelError("GGUF metadata has no 'tokenizer.ggml.tokens'")
         self._tokens = tokens
@@ -243,9 +186,9 @@ class Tokenizer:
                 t = self._tokens[i] = t[: t.index("\x00")]
             if not t:
                 self._tokens[i] = f"[EMPTY_{i}]"
-        scores = _num_array(meta, "tokenizer.ggml.scores", "f")
+        scores = num_array(meta, "tokenizer.ggml.scores", "f")
         self._scores = scores.astype(np.float64).tolist() if scores is not None else [0.0] * n
-        types_arr = _num_array(meta, "tokenizer.ggml.token_type", "i")
+        types_arr = num_array(meta, "tokenizer.ggml.token_type", "i")
         types = types_arr.tolist() if types_arr is not None else [TokenType.NORMAL] * n
         if len(self._scores) < n or len(types) < n:
             raise ModelError(f"tokenizer scores/token types are shorter than the vocabulary ({n} tokens)")
@@ -261,7 +204,7 @@ class Tokenizer:
         else:
             self.bos_id = self.eos_id = 11
             pre = meta.get("tokenizer.ggml.pre")
-            self.pre = _as_str(pre) if pre is not None else ""
+            self.pre = as_str(pre) if pre is not None else ""
             if not self.pre:
                 log.warning("GGUF has no 'tokenizer.ggml.pre'; using the 'default' pre-tokenizer (quality may suffer)")
                 spec = PRE["default"]
@@ -275,7 +218,7 @@ class Tokenizer:
             self.clean_spaces, self.ignore_merges, self.add_bos = spec.clean_spaces, spec.ignore_merges, spec.add_bos
             self._hf = self._build_hf(meta, spec)
 
-        v = _meta_bool(meta, "tokenizer.ggml.add_space_prefix")
+        v = meta_bool(meta, "tokenizer.ggml.add_space_prefix")
         if v is not None:
             self.add_space_prefix = v
 
@@ -286,17 +229,17 @@ class Tokenizer:
             default = getattr(self, attr)
             if default is not None and not 0 <= default < n:
                 default = None
-            value = _meta_int(meta, f"tokenizer.ggml.{key}_token_id")
+            value = meta_int(meta, f"tokenizer.ggml.{key}_token_id")
             if value is not None and 0 <= value < n:
                 default = value
             elif value is not None:
                 log.warning("tokenizer.ggml.%s_token_id = %d is out of range; ignored", key, value)
             setattr(self, attr, default)
 
-        v = _meta_bool(meta, "tokenizer.ggml.add_bos_token")
+        v = meta_bool(meta, "tokenizer.ggml.add_bos_token")
         if v is not None:
             self.add_bos = v
-        v = _meta_bool(meta, "tokenizer.ggml.add_eos_token")
+        v = meta_bool(meta, "tokenizer.ggml.add_eos_token")
         if v is not None:
             self.add_eos = v
         if self.add_bos and self.bos_id is None:
@@ -309,7 +252,7 @@ class Tokenizer:
             (i for i, a in enumerate(self._attrs) if a & (_A_CONTROL | _A_USER_DEFINED | _A_UNKNOWN)),
             key=lambda i: (-len(self._tokens[i].encode("utf-8", "surrogateescape")), i),
         )
-        name = _as_str(meta.get("general.name", "")).lower()
+        name = as_str(meta.get("general.name", "")).lower()
         if "phi-3" in name or "phi3" in name:  # llama.cpp: phi-3 special tokens swallow following whitespace
             for i in self._special_order:
                 self._attrs[i] |= _A_RSTRIP
@@ -320,7 +263,7 @@ class Tokenizer:
 
         tmpl = meta.get("tokenizer.chat_template")
         if tmpl is not None and not isinstance(tmpl, str):
-            raise ModelError(f"tokenizer metadata 'tokenizer.chat_template' must be a string, got {_kind(tmpl)}")
+            raise ModelError(f"tokenizer metadata 'tokenizer.chat_template' must be a string, got {describe(tmpl)}")
         self.chat_template = tmpl
         return self
 
@@ -328,7 +271,7 @@ class Tokenizer:
         from tokenizers import Regex, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
-        merges_raw = _str_list(meta, "tokenizer.ggml.merges")
+        merges_raw = str_list(meta, "tokenizer.ggml.merges")
         if merges_raw is None:
             raise ModelError("GGUF 'gpt2' tokenizer has no 'tokenizer.ggml.merges'")
         vocab = self._token_to_id
@@ -390,7 +333,7 @@ class Tokenizer:
             force_control(self.eom_id)
         eog: set[int] = set()
         for key, texts in (("pad", _FIM_PAD_TEXTS), ("rep", _FIM_REP_TEXTS), ("sep", _FIM_SEP_TEXTS)):
-            i = _meta_int(meta, f"tokenizer.ggml.fim_{key}_token_id")
+            i = meta_int(meta, f"tokenizer.ggml.fim_{key}_token_id")
             if i is None or not 0 <= i < len(self._tokens):
                 i = find(texts)
                 force_control(i)
@@ -593,7 +536,7 @@ class Tokenizer:
             parts.append(p)
         data = b"".join(parts)
         if self.clean_spaces if clean_spaces is None else clean_spaces:
-            data = _clean_spaces(data)
+            data = clean_up_spaces(data)
         return data
 
     def decode(
@@ -632,46 +575,3 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(model={self.model!r}, pre={self.pre!r}, n_vocab={self.n_vocab})"
-
-
-def _clean_spaces(data: bytes) -> bytes:
-    """llama.cpp's detokenizer clean-up: drop the space before ``?!.,``, around a lone ``'``, and before
-    ``'s 'm 're 've``."""
-    if not data:
-        return data
-    # 1: " ?" " !" " ." " ," lose the space
-    out = bytearray(data[:1])
-    for i in range(1, len(data)):
-        c = data[i]
-        if data[i - 1] == 0x20 and c in b"?!.,":
-            out.pop()
-        out.append(c)
-    # 2: " ' " becomes "'"
-    src = bytes(out)
-    out = bytearray(src[:1])
-    skip_prev_space = False  # the char before i was a swallowed space: it no longer counts as a space
-    i = 1
-    while i < len(src):
-        c = src[i]
-        prev_is_space = src[i - 1] == 0x20 and not skip_prev_space
-        skip_prev_space = False
-        if c == 0x27 and i + 1 < len(src) and prev_is_space and src[i + 1] == 0x20:
-            out.pop()
-            out.append(c)
-            i += 2
-            skip_prev_space = True
-            continue
-        out.append(c)
-        i += 1
-    # 3: " 's" " 'm" " 're" " 've" lose the space
-    src = bytes(out)
-    out = bytearray(src[:1])
-    n = len(src)
-    for i in range(1, n):
-        c = src[i]
-        if src[i - 1] == 0x20 and c == 0x27 and i + 1 < n:
-            x1 = src[i + 1]
-            if x1 in b"sm" or (i + 2 < n and src[i + 1 : i + 3] in (b"re", b"ve")):
-                out.pop()
-        out.append(c)
-    return bytes(out)

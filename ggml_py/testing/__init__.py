@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ggml_py.testing.cases import ALL_OPS, CONVERT_MAX_NMSE, Built, Case, Ctx
+from ggml_py.testing.case import ALL_OPS, CONVERT_MAX_NMSE, Built, Case, Ctx
 from ggml_py.testing.cases import cases as _cases
 from ggml_py.testing.runner import Report, Result, compare, nmse, run_backend, run_case
 

@@ -1,29 +1,12 @@
-"""The conformance cases: one small graph per case, with seeded random inputs and an NMSE threshold.
+"""The conformance cases by op family, and their selection (`cases`); what a case is: case.py."""
 
-Each case names its op (ggml's upper-case name), a case string with the shapes and params (numpy order, see
-docs/architecture.md), a types string, and a builder. `Case.build()` makes a fresh graph and its input values; the
-data depend only on the case id, so a case is reproducible however the list is filtered.
-
-Thresholds (NMSE = Σ(ref−out)²/Σref², see runner.py) follow ggml's test-backend-ops: 1e-7 by default, 5e-4 for
-MUL_MAT of block-quantized weights and FLASH_ATTN_EXT (backends may quantize activations or use F16 accumulators),
-but 1e-10 for MUL_MAT of F32/F16/BF16 weights (exact products summed in F32: activations must not be rounded),
-1e-6 for SOFT_MAX, and 0 for
-pure data movement (copies to the same type, CONT, CONCAT, REPEAT, PAD, GET_ROWS of non-quantized rows), ARGMAX and
-integer results. Conversions to a narrower type (CPY, SET_ROWS) use `CONVERT_MAX_NMSE`: about a quarter of the
-format's own round-trip error on uniform(-1, 1) data. That accepts a converter that differs from the reference only
-at rounding ties or by computing with a reciprocal, and rejects a different rounding rule (truncation) or scale rule,
-which measure 2-5x the round-trip error.
-"""
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from ggml_py.formats.quants import quantize
 from ggml_py.ir import ops, schema
 from ggml_py.ir.dtypes import (
     BF16,
@@ -31,169 +14,31 @@ from ggml_py.ir.dtypes import (
     F32,
     I32,
     I64,
-    IQ4_NL,
-    IQ4_XS,
-    Q2_K,
-    Q3_K,
     Q4_0,
     Q4_1,
     Q4_K,
     Q5_0,
     Q5_1,
-    Q5_K,
-    Q6_K,
     Q8_0,
     DType,
 )  # fmt: skip
 from ggml_py.ir.tensor import Tensor
-from ggml_py.ir.tensor import input as _input
-from ggml_py.ir.tensor import weight as _weight
+from ggml_py.testing.case import (
+    ALL_OPS,
+    CONVERT_MAX_NMSE,
+    DEFAULT_MAX_NMSE,
+    FLASH_ATTN_MAX_NMSE,
+    MUL_MAT_FLOAT_MAX_NMSE,
+    MUL_MAT_MAX_NMSE,
+    SOFT_MAX_MAX_NMSE,
+    WEIGHT_TYPES,
+    Case,
+    Ctx,
+    layout_text,
+    shape_text,
+)
 
-__all__ = ["ALL_OPS", "CONVERT_MAX_NMSE", "Built", "Case", "Ctx", "all_cases", "cases", "encode"]
-
-# Every op the kit covers: every compute op of the schema (view ops are exercised as inputs of these).
-ALL_OPS: tuple[str, ...] = schema.COMPUTE_OPS
-
-DEFAULT_MAX_NMSE = schema.NMSE_DEFAULT
-MUL_MAT_MAX_NMSE = schema.OPS["MUL_MAT"].max_nmse
-MUL_MAT_FLOAT_MAX_NMSE = schema.OPS["MUL_MAT"].max_nmse_float or MUL_MAT_MAX_NMSE
-FLASH_ATTN_MAX_NMSE = schema.OPS["FLASH_ATTN_EXT"].max_nmse
-SOFT_MAX_MAX_NMSE = schema.OPS["SOFT_MAX"].max_nmse
-
-# Converting F32 values to a narrower type (see the module docstring for why these values).
-CONVERT_MAX_NMSE: dict[str, float] = {
-    "F32": 0.0, "F16": 1e-7, "BF16": 1e-6, "Q8_0": 5e-6, "Q5_0": 2.5e-4, "Q5_1": 2.5e-4, "Q4_0": 1e-3, "Q4_1": 1e-3,
-}  # fmt: skip
-
-WEIGHT_TYPES: tuple[DType, ...] = (
-    F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS,
-)  # fmt: skip
-
-
-@dataclass
-class Built:
-    """A case's graph: its output tensors and the values of its inputs (raw bytes for BF16/quantized inputs)."""
-
-    outputs: list[Tensor]
-    inputs: list[tuple[Tensor, np.ndarray]]
-
-
-@dataclass(frozen=True)
-class Case:
-    """One conformance case. `build()` returns a fresh graph with seeded input values."""
-
-    op: str
-    case: str
-    types: str
-    make: Callable[[Ctx], Tensor | Sequence[Tensor]] = field(repr=False, compare=False)
-    max_nmse: float = DEFAULT_MAX_NMSE
-    note: str = ""
-
-    @property
-    def id(self) -> str:
-        return f"{self.op}[{self.types}]({self.case})"
-
-    @property
-    def seed(self) -> int:
-        return zlib.crc32(self.id.encode())
-
-    def build(self) -> Built:
-        ctx = Ctx(np.random.default_rng(self.seed))
-        out = self.make(ctx)
-        outs = [out] if isinstance(out, Tensor) else list(out)
-        return Built(outs, ctx.inputs)
-
-    def __str__(self) -> str:
-        return self.id
-
-
-# -- data helpers -------------------------------------------------------------------------------------------------
-def encode(values: np.ndarray, t: DType) -> np.ndarray:
-    """Float values in the storage of type t: a typed array for F32/F16/I32/I64, raw uint8 rows otherwise
-    (BF16 and block types, made by ggml_py.formats.quants.quantize)."""
-    if t in (F32, F16, I32, I64):
-        return np.ascontiguousarray(values, dtype=t.np_dtype)
-    return np.ascontiguousarray(quantize(np.ascontiguousarray(values, dtype=np.float32), t), dtype=np.uint8)
-
-
-class Ctx:
-    """What a case builder uses: a seeded generator and helpers that make inputs and weights with data."""
-
-    def __init__(self, rng: np.random.Generator) -> None:
-        self.rng = rng
-        self.inputs: list[tuple[Tensor, np.ndarray]] = []
-        self._n = 0
-
-    def uniform(self, shape: Sequence[int], lo: float = -1.0, hi: float = 1.0) -> np.ndarray:
-        return self.rng.uniform(lo, hi, tuple(shape)).astype(np.float32)
-
-    def _name(self, name: str) -> str:
-        self._n += 1
-        return f"{name or 'in'}{self._n}"
-
-    def input(self, values: np.ndarray, t: DType = F32, name: str = "") -> Tensor:
-        """An input of type t holding `values` (converted/quantized as needed)."""
-        x = _input(values.shape, t, name=self._name(name))
-        self.inputs.append((x, encode(values, t).reshape(-1).view(np.uint8)
-                            if t.is_quantized or t is BF16 else encode(values, t)))
-        return x
-
-    def rand(self, shape: Sequence[int], t: DType = F32, lo: float = -1.0, hi: float = 1.0, name: str = "") -> Tensor:
-        return self.input(self.uniform(shape, lo, hi), t, name)
-
-    def weight(self, shape: Sequence[int], t: DType, lo: float = -1.0, hi: float = 1.0, name: str = "") -> Tensor:
-        """A weight (PARAM) of type t: random floats quantized with ggml_py.formats.quants.quantize."""
-        data = encode(self.uniform(shape, lo, hi), t)
-        if t.is_quantized or t is BF16:
-            return _weight(data.reshape(-1).view(np.uint8), t, shape=shape, name=self._name(name or "w"))
-        return _weight(data, t, name=self._name(name or "w"))
-
-    def layout(self, shape: Sequence[int], how: str, t: DType = F32, lo: float = -1.0, hi: float = 1.0) -> Tensor:
-        """An operand of logical `shape` with a given memory layout.
-
-        how: "cont" (contiguous input), "perm" (a permuted view, innermost dim not contiguous), "perm_outer"
-        (outer dims permuted, rows contiguous), "trans" (a transposed view), "view" (a strided window at an offset of
-        a larger input), "reshape" (a reshaped input).
-        """
-        shape = tuple(shape)
-        n = len(shape)
-        if how == "cont":
-            return self.rand(shape, t, lo, hi)
-        if how in ("perm", "perm_outer", "trans"):
-            if how == "trans" or n < 3:
-                axes = list(range(n))
-                if n >= 2:
-                    axes[-1], axes[-2] = axes[-2], axes[-1]
-            elif how == "perm":
-                axes = [*range(1, n), 0]  # the first dim of the base becomes innermost
-            else:
-                axes = [*range(1, n - 1), 0, n - 1]
-            base = [0] * n
-            for i, a in enumerate(axes):
-                base[a] = shape[i]
-            x = self.rand(base, t, lo, hi)
-            return ops.transpose(x) if how == "trans" else ops.permute(x, axes)
-        if how == "view":  # window of a larger tensor: two extra rows before, padding after each row
-            pad = 3
-            outer = shape[:-1] or (1,)
-            big = (*outer[:-1], outer[-1] + 2, shape[-1] + pad)
-            x = self.rand(big, t, lo, hi)
-            es = t.type_size
-            strides = list(x.strides)
-            v = ops.view(x, (*outer, shape[-1]), strides=strides, offset=2 * strides[-2] + es)
-            return v if len(shape) > 1 else ops.view(v, shape, strides=[es], offset=0)
-        if how == "reshape":
-            total = int(np.prod(shape))
-            return ops.reshape(self.rand((total,), t, lo, hi), shape)
-        raise ValueError(f"unknown layout {how!r}")
-
-
-def _s(shape: Sequence[int]) -> str:
-    return "[" + ",".join(str(int(d)) for d in shape) + "]"
-
-
-def _lay(how: str) -> str:
-    return "" if how == "cont" else f",layout={how}"
+__all__ = ["all_cases", "cases"]
 
 
 # -- case families ------------------------------------------------------------------------------------------------
@@ -225,7 +70,7 @@ def _binary_cases() -> list[Case]:
                 return fn(c.layout(sa, la), c.layout(sb, lb, lo=lo, hi=hi))
 
             lay = "" if la == lb == "cont" else f",layout=({la},{lb})"
-            out.append(Case(op, f"a={_s(sa)},b={_s(sb)}{lay}", "F32", make))
+            out.append(Case(op, f"a={shape_text(sa)},b={shape_text(sb)}{lay}", "F32", make))
     return out
 
 
@@ -247,7 +92,7 @@ def _unary_cases() -> list[Case]:
             def make(c: Ctx, fn=fn, shape=shape, how=how, lo=lo, hi=hi) -> Tensor:
                 return fn(c.layout(shape, how, lo=lo, hi=hi))
 
-            out.append(Case(op, f"shape={_s(shape)}" + _lay(how), "F32", make))
+            out.append(Case(op, f"shape={shape_text(shape)}" + layout_text(how), "F32", make))
         if op in _SPECIAL_OPS:
             def make_sp(c: Ctx, fn=fn) -> Tensor:
                 return fn(c.input(np.concatenate([_SPECIALS, c.uniform((23,), -2, 2)])))
@@ -259,14 +104,14 @@ def _unary_cases() -> list[Case]:
         def make_scale(c: Ctx, shape=shape, how=how, s=s, b=b) -> Tensor:
             return ops.scale(c.layout(shape, how), s, b)
 
-        out.append(Case("SCALE", f"shape={_s(shape)},s={s},b={b}" + _lay(how),
+        out.append(Case("SCALE", f"shape={shape_text(shape)},s={s},b={b}" + layout_text(how),
                         "F32", make_scale))
     for shape, how, lo, hi in [((33,), "cont", -0.5, 0.5), ((7, 4097), "cont", -0.1, 0.9),
                                ((5, 7, 33), "perm", 0.0, 0.25)]:
         def make_clamp(c: Ctx, shape=shape, how=how, lo=lo, hi=hi) -> Tensor:
             return ops.clamp(c.layout(shape, how), lo, hi)
 
-        out.append(Case("CLAMP", f"shape={_s(shape)},min={lo},max={hi}" + _lay(how),
+        out.append(Case("CLAMP", f"shape={shape_text(shape)},min={lo},max={hi}" + layout_text(how),
                         "F32", make_clamp))
     return out
 
@@ -280,7 +125,7 @@ def _glu_cases() -> list[Case]:
                 a = c.layout(shape, how, lo=-3, hi=3)
                 return fn(a, c.rand(shape)) if split else fn(a)
 
-            desc = f"shape={_s(shape)}," + ("split" if split else "fused") + _lay(how)
+            desc = f"shape={shape_text(shape)}," + ("split" if split else "fused") + layout_text(how)
             out.append(Case(op, desc, "F32", make))
     return out
 
@@ -293,7 +138,7 @@ def _norm_cases() -> list[Case]:
             def make(c: Ctx, fn=fn, shape=shape, how=how, eps=eps) -> Tensor:
                 return fn(c.layout(shape, how), eps)
 
-            out.append(Case(op, f"shape={_s(shape)},eps={eps:g}" + _lay(how),
+            out.append(Case(op, f"shape={shape_text(shape)},eps={eps:g}" + layout_text(how),
                             "F32", make))
     for op, fn in (("SUM_ROWS", ops.sum_rows), ("MEAN", ops.mean)):
         for shape, how in [((1,), "cont"), ((33,), "cont"), ((7, 4097), "cont"), ((2, 3, 4, 33), "cont"),
@@ -301,7 +146,7 @@ def _norm_cases() -> list[Case]:
             def make_r(c: Ctx, fn=fn, shape=shape, how=how) -> Tensor:
                 return fn(c.layout(shape, how))
 
-            out.append(Case(op, f"shape={_s(shape)}" + _lay(how), "F32", make_r))
+            out.append(Case(op, f"shape={shape_text(shape)}" + layout_text(how), "F32", make_r))
     for shape, how in [((1,), "cont"), ((33,), "cont"), ((7, 33), "cont"), ((4, 4097), "cont"), ((5, 7, 33), "trans")]:
         def make_a(c: Ctx, shape=shape, how=how) -> Tensor:
             rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
@@ -312,7 +157,7 @@ def _norm_cases() -> list[Case]:
                 return ops.argmax(ops.transpose(c.input(np.ascontiguousarray(np.swapaxes(vals, -1, -2)))))
             return ops.argmax(c.input(vals))
 
-        out.append(Case("ARGMAX", f"shape={_s(shape)}" + _lay(how), "F32", make_a,
+        out.append(Case("ARGMAX", f"shape={shape_text(shape)}" + layout_text(how), "F32", make_a,
                         max_nmse=0.0))
     # many ties (values from a small set), -inf and NaN: the order is fully specified (lower index first on ties,
     # NaN first), so the indices must match exactly; the long rows span several of a kernel's chunks
@@ -333,7 +178,8 @@ def _norm_cases() -> list[Case]:
                 return ops.top_k(ops.transpose(c.input(np.ascontiguousarray(np.swapaxes(vals, -1, -2)))), k)
             return ops.top_k(c.input(vals), k)
 
-        out.append(Case("TOP_K", f"shape={_s(shape)},k={k},{kind}" + _lay(how), "F32", make_k, max_nmse=0.0))
+        out.append(Case("TOP_K", f"shape={shape_text(shape)},k={k},{kind}" + layout_text(how), "F32", make_k,
+                        max_nmse=0.0))
     return out
 
 
@@ -351,7 +197,7 @@ def _mul_mat_cases() -> list[Case]:
 
         lay = "" if how_a == how_b == "cont" else f",layout=({how_a},{how_b})"
         thr = MUL_MAT_FLOAT_MAX_NMSE if t in (F32, F16, BF16) else MUL_MAT_MAX_NMSE
-        out.append(Case("MUL_MAT", f"a={_s(sa)},b={_s(sb)}{lay}", f"{t.name},F32", make, max_nmse=thr))
+        out.append(Case("MUL_MAT", f"a={shape_text(sa)},b={shape_text(sb)}{lay}", f"{t.name},F32", make, max_nmse=thr))
 
     for t in WEIGHT_TYPES:
         k = 256
@@ -411,12 +257,12 @@ def _softmax_cases() -> list[Case]:
                     m = _mask(c, rows, shape[-1], mt, causal)
             return ops.soft_max(x, m, scale=scale, max_bias=max_bias)
 
-        desc = f"shape={_s(shape)},scale={scale},max_bias={max_bias}"
+        desc = f"shape={shape_text(shape)},scale={scale},max_bias={max_bias}"
         types = "F32"
         if mask is not None:
             mt, rows, causal, per_head = mask
             mshape = (shape[-3], rows, shape[-1]) if per_head else (rows, shape[-1])
-            desc += f",mask={_s(mshape)}" + (",causal" if causal else "")
+            desc += f",mask={shape_text(mshape)}" + (",causal" if causal else "")
             types = f"F32,{mt.name}"
         if how != "cont":
             desc += f",layout={how}"
@@ -425,7 +271,7 @@ def _softmax_cases() -> list[Case]:
         def make_d(c: Ctx, shape=shape, n_past=n_past) -> Tensor:
             return ops.diag_mask_inf(c.rand(shape), n_past)
 
-        out.append(Case("DIAG_MASK_INF", f"shape={_s(shape)},n_past={n_past}", "F32", make_d))
+        out.append(Case("DIAG_MASK_INF", f"shape={shape_text(shape)},n_past={n_past}", "F32", make_d))
     return out
 
 
@@ -445,8 +291,8 @@ def _rope_cases() -> list[Case]:
                 pos = c.input(c.rng.integers(0, 512, shape[-3]).astype(np.int32), I32)
                 return ops.rope(x, pos, n_dims, mode=mode, freq_base=base, freq_scale=fscale)
 
-            desc = (f"shape={_s(shape)},n_dims={n_dims},mode={mode},freq_base={base:g},freq_scale={fscale}"
-                    + _lay(how))
+            desc = (f"shape={shape_text(shape)},n_dims={n_dims},mode={mode},freq_base={base:g},freq_scale={fscale}"
+                    + layout_text(how))
             out.append(Case("ROPE", desc, "F32,I32", make))
     return out
 
@@ -480,7 +326,7 @@ def _flash_attn_cases() -> list[Case]:
             desc = f"q=[{lead}{h},{nq},{d}],kv=[{lead}{hk},{nkv},{d}|{dv}]"
             types = f"F32,{kvt.name}"
             if mask is not None:
-                desc += f",mask={_s((mask[1], nkv))}" + (",causal" if mask[2] else "")
+                desc += f",mask={shape_text((mask[1], nkv))}" + (",causal" if mask[2] else "")
                 types += f",{mask[0].name}"
             if max_bias:
                 desc += f",max_bias={max_bias}"
@@ -537,7 +383,7 @@ def _rows_cases() -> list[Case]:
                 return ops.get_rows(a, idx)
 
             exact = not t.is_quantized
-            out.append(Case("GET_ROWS", f"a={_s(sa)},idx={_s(si)}", f"{t.name},I32", make,
+            out.append(Case("GET_ROWS", f"a={shape_text(sa)},idx={shape_text(si)}", f"{t.name},I32", make,
                             max_nmse=0.0 if exact else DEFAULT_MAX_NMSE))
     for t, it in [(F32, I32), (F32, I64), (F16, I32), (F16, I64), (BF16, I32), (Q8_0, I64), (Q4_0, I32),
                   (Q4_1, I64)]:
@@ -601,28 +447,28 @@ def _copy_cases() -> list[Case]:
                 return ops.cont(ops.transpose(x))
             return ops.cont(c.layout(shape, how, t))
 
-        out.append(Case("CONT", f"shape={_s(shape)},layout={how}", t.name, make_c, max_nmse=0.0))
+        out.append(Case("CONT", f"shape={shape_text(shape)},layout={how}", t.name, make_c, max_nmse=0.0))
     for sa, sb, axis, how in [((7,), (33,), 0, "cont"), ((2, 3, 4, 7), (2, 3, 4, 33), 3, "cont"),
                               ((1, 3, 4, 7), (2, 3, 4, 7), 0, "cont"), ((2, 1, 4, 7), (2, 5, 4, 7), 1, "cont"),
                               ((3, 4, 7), (3, 1, 7), 1, "cont"), ((7, 5), (7, 33), 1, "trans")]:
         def make_cat(c: Ctx, sa=sa, sb=sb, axis=axis, how=how) -> Tensor:
             return ops.concat(c.rand(sa), c.layout(sb, how), axis)
 
-        out.append(Case("CONCAT", f"a={_s(sa)},b={_s(sb)},axis={axis}" + _lay(how),
+        out.append(Case("CONCAT", f"a={shape_text(sa)},b={shape_text(sb)},axis={axis}" + layout_text(how),
                         "F32", make_cat, max_nmse=0.0))
     for sa, so, how in [((1,), (4097,), "cont"), ((1, 33), (7, 33), "cont"), ((2, 1, 3), (4, 5, 3), "cont"),
                         ((3, 1, 1, 7), (6, 2, 3, 7), "cont"), ((5, 7), (10, 7), "trans")]:
         def make_r(c: Ctx, sa=sa, so=so, how=how) -> Tensor:
             return ops.repeat(c.layout(sa, how), so)
 
-        out.append(Case("REPEAT", f"a={_s(sa)},shape={_s(so)}" + _lay(how), "F32",
+        out.append(Case("REPEAT", f"a={shape_text(sa)},shape={shape_text(so)}" + layout_text(how), "F32",
                         make_r, max_nmse=0.0))
     for sa, pads, how in [((3, 33), (1, 7), "cont"), ((2, 3, 4, 5), (0, 1, 2, 3), "cont"), ((1,), (4096,), "cont"),
                           ((5, 7, 33), (1, 0, 2), "perm")]:
         def make_pad(c: Ctx, sa=sa, pads=pads, how=how) -> Tensor:
             return ops.pad(c.layout(sa, how), pads)
 
-        out.append(Case("PAD", f"a={_s(sa)},pads={_s(pads)}" + _lay(how), "F32",
+        out.append(Case("PAD", f"a={shape_text(sa)},pads={shape_text(pads)}" + layout_text(how), "F32",
                         make_pad, max_nmse=0.0))
     return out
 

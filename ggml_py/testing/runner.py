@@ -28,7 +28,8 @@ from ggml_py.ir.tensor import Tensor
 from ggml_py.runtime.backend import Backend
 from ggml_py.runtime.plan import prepare
 from ggml_py.runtime.registry import resolve_backends
-from ggml_py.testing.cases import ALL_OPS, Case, all_cases
+from ggml_py.testing.case import ALL_OPS, Case
+from ggml_py.testing.cases import all_cases
 
 __all__ = ["Report", "Result", "compare", "nmse", "run_backend", "run_case", "to_float"]
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from ggml_py.testing.cases import Case, cases
+from ggml_py.testing.case import Case
+from ggml_py.testing.cases import cases
 from ggml_py.testing.runner import run_case
 
 
