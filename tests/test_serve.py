@@ -121,6 +121,29 @@ def test_scheduler_queue_cancel_stop_and_budget(tiny):
             s.close()
 
 
+def test_a_failing_detokenization_fails_its_request_only(tiny):
+    """In process: detokenizing one request's token raises; that request ends with the error, the other one
+    finishes, the engine goes on."""
+    with load_model(tiny, n_ctx=256, progress=False) as m:
+        e = Engine(m, n_parallel=2, n_ctx=256)
+        try:
+            p = GenParams(max_tokens=8, temperature=0, stop_at_eos=False)
+            ok, bad = e.submit(m.tokenize("hello"), p), e.submit(m.tokenize("hi"), p)
+
+            def boom(t: int) -> str:
+                raise KeyError(f"no piece for {t}")
+
+            bad.stream.push = boom  # type: ignore[union-attr]
+            e.run_until_idle()
+            assert ok.result().finish_reason == "length" and len(ok.result().tokens) == 8
+            c = bad.result()
+            assert c.finish_reason == "error" and "KeyError" in (c.error or "")
+            assert e.error is None and e.submit(m.tokenize("again"), p) is not None
+            e.run_until_idle()
+        finally:
+            e.close()
+
+
 # -- the real server --------------------------------------------------------------------------------------------------
 class ServerProc:
     def __init__(self, model: str, *args: str) -> None:
