@@ -88,7 +88,7 @@ def test_health_answers_while_a_big_prompt_is_tokenized(limits):
         took = time.perf_counter() - t0
         assert r.status_code == 400 and "a sequence holds at most 512" in r.json()["error"]["message"], r.text
         assert took > 0.5 and n >= 5, (path, took, n)  # /health was asked while the prompt was tokenized
-        assert worst < 0.3, f"{path}: /health took {worst:.2f} s while the prompt was tokenized ({took:.2f} s)"
+        assert worst < 0.5, f"{path}: /health took {worst:.2f} s while the prompt was tokenized ({took:.2f} s)"
 
 
 # -- body and prompt limits ------------------------------------------------------------------------------------------
