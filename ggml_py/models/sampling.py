@@ -1,4 +1,5 @@
-"""Token sampling in llama.cpp's default order: penalties -> top-k -> top-p -> min-p -> temperature -> dist.
+"""Token sampling in llama.cpp's default order: logit bias -> penalties -> top-k -> top-p -> min-p -> temperature ->
+dist.
 
 The filters act on the logits before temperature (as llama.cpp's default chain does), so temperature changes how
 the surviving tokens are weighted, not which tokens survive. ``temperature == 0`` is greedy argmax (after the
@@ -9,7 +10,7 @@ logits give the same sequence (the numbers differ from llama.cpp's, which uses `
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -49,6 +50,8 @@ class Sampler:
       divided by it (multiplied when negative); 1 disables. ``repeat_last_n``: 0 disables, -1 means the whole history.
     - ``frequency_penalty``/``presence_penalty``: subtracted per occurrence / once, over the same window.
     - ``seed``: int >= 0 for reproducible draws, None for fresh entropy.
+    - ``logit_bias``: ``{token id: bias}`` added to those tokens' logits before everything else (OpenAI's
+      ``logit_bias``; the caller bounds the values, the ids must be within the logits).
     """
 
     def __init__(
@@ -62,6 +65,7 @@ class Sampler:
         seed: int | None = None,
         frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0,
+        logit_bias: Mapping[int, float] | None = None,
     ) -> None:
         self.temperature = _finite("temperature", temperature)
         if self.temperature < 0:
@@ -91,6 +95,13 @@ class Sampler:
                 raise SamplingError(f"seed must be >= 0 or None, got {seed}")
         self.seed = seed
         self._rng = np.random.default_rng(seed)
+        self.logit_bias = dict(logit_bias or {})
+        for k, v in self.logit_bias.items():
+            if _int("logit_bias token id", k) < 0:
+                raise SamplingError(f"logit_bias token ids must be >= 0, got {k}")
+            _finite(f"logit_bias[{k}]", v)
+        self._bias_ids = np.fromiter(self.logit_bias, dtype=np.int64, count=len(self.logit_bias))
+        self._bias = np.fromiter(self.logit_bias.values(), dtype=np.float64, count=len(self.logit_bias))
 
     def reseed(self, seed: int | None = None) -> None:
         """Restart the random stream (from ``seed``, or from the constructor's seed when None)."""
@@ -103,6 +114,15 @@ class Sampler:
         )
 
     # -- steps ----------------------------------------------------------------------------------------------------
+
+    def _add_bias(self, x: np.ndarray) -> np.ndarray:
+        if self._bias_ids.size == 0:
+            return x
+        if int(self._bias_ids.max()) >= x.shape[0]:
+            raise SamplingError(f"logit_bias names token {int(self._bias_ids.max())}; the vocabulary has "
+                                f"{x.shape[0]} tokens")
+        x[self._bias_ids] += self._bias  # x is the sampler's own float64 copy; the ids are unique
+        return x
 
     def _penalize(self, x: np.ndarray, history: Sequence[int]) -> np.ndarray:
         n = self.repeat_last_n
@@ -124,7 +144,7 @@ class Sampler:
 
     def candidates(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
         """The surviving token ids (most likely first) and their probabilities after all steps but the draw."""
-        x = self._check_logits(logits)
+        x = self._add_bias(self._check_logits(logits))
         x = self._penalize(x, history)
         if self.temperature == 0:
             i = int(np.argmax(x))
@@ -143,7 +163,9 @@ class Sampler:
 
     def needs_only_top(self, k: int) -> bool:
         """True when the k best tokens (ids and logits) are all this sampler needs: greedy, or top_k in 1..k, and
-        no penalty (penalties change logits outside the top)."""
+        no penalty and no logit bias (they change logits outside the top)."""
+        if self.logit_bias:
+            return False
         if self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0
                                         or self.presence_penalty != 0.0):
             return False

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -64,11 +64,13 @@ class GenParams:
     seed: int | None = None
     stop: Sequence[str] = ()
     stop_at_eos: bool = True
+    logit_bias: Mapping[int, float] | None = None  # {token id: added to its logit}, before the penalties
 
     def sampler(self) -> Sampler:
         return Sampler(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                        repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n, seed=self.seed,
-                       frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
+                       frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+                       logit_bias=self.logit_bias)
 
 
 @dataclass
@@ -133,7 +135,7 @@ class Request:
     @property
     def greedy(self) -> bool:
         s = self.sampler
-        return s.temperature == 0 and (s.repeat_last_n == 0 or (
+        return s.temperature == 0 and not s.logit_bias and (s.repeat_last_n == 0 or (
             s.repeat_penalty == 1.0 and s.frequency_penalty == 0.0 and s.presence_penalty == 0.0))
 
     def result(self, timeout: float | None = None) -> Completion:
@@ -323,7 +325,13 @@ class Engine:
                     r.next_token = None
                 if r.cancelled or r.done.is_set():
                     continue
-                new += self._accept(r, int(t))
+                if isinstance(t, Exception):  # its sampler failed: that request ends, the others go on
+                    self._fail(r, t)
+                    continue
+                try:
+                    new += self._accept(r, t)
+                except Exception as e:  # e.g. detokenizing its id: that request ends, the others go on
+                    self._fail(r, e)
             self.tokens_prompt += n_prompt
             self.tokens_generated += new
             now = time.perf_counter()
@@ -333,17 +341,27 @@ class Engine:
                 self._recent.popleft()
         return True
 
-    def _sample(self, reqs: list[Request], logits: np.ndarray) -> list[int]:
-        out = [0] * len(reqs)
+    def _sample(self, reqs: list[Request], logits: np.ndarray) -> list[int | Exception]:
+        """Each request's next token, or the exception its sampler raised (that request alone fails)."""
+        out: list[int | Exception] = [0] * len(reqs)
         greedy = [i for i, r in enumerate(reqs) if r.greedy]
         if greedy:
             best = logits[greedy].argmax(axis=1)
             for i, t in zip(greedy, best.tolist()):
-                out[i] = t
+                out[i] = int(t)
         for i, r in enumerate(reqs):
             if not r.greedy:
-                out[i] = r.sampler.sample(logits[i], r.prompt + r.tokens)
+                try:
+                    out[i] = int(r.sampler.sample(logits[i], r.prompt + r.tokens))
+                except Exception as e:
+                    out[i] = e
         return out
+
+    def _fail(self, r: Request, e: Exception) -> None:
+        """End r alone with an error (under the lock): one log line, its message in its response."""
+        msg = f"{type(e).__name__}: {e}"
+        log.warning("request %s failed: %s", r.id, msg)
+        self._finish(r, "error", msg)
 
     def _accept(self, r: Request, t: int) -> int:
         """A sampled token for r (under the lock): stream it, finish r if it ends here; 1 if the token counts."""
@@ -433,15 +451,26 @@ class Engine:
                 "plans_prepared": self.decoder.plans_prepared, "uptime_s": now - self.t_start,
             }
 
-    def close(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Stop taking requests; with `drain` finish the waiting and running ones first, else fail them. Then stop
-        the worker and free the decoder."""
+    def abort(self) -> None:
+        """Stop taking requests and stop the worker after its current step; the requests still waiting or running
+        end with an error ("the server stopped"). Returns at once; thread-safe."""
         with self._cond:
             self._closing = True
-            self._drain = drain
+            self._drain = False
+            self._cond.notify_all()
+
+    def close(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop taking requests; with `drain` finish the waiting and running ones first (for at most `timeout`
+        seconds, then `abort`), else fail them. Then stop the worker and free the decoder."""
+        with self._cond:
+            self._closing = True
+            self._drain = self._drain and drain  # an abort is never undone
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():  # the drain ran out of time: what is left ends with an error
+                self.abort()
+                self._thread.join()  # at most the step under way
         elif drain:
             self.run_until_idle()
         self._fail_all("the server stopped")
