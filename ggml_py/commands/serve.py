@@ -111,13 +111,15 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     from ggml_py.models import load_model
+    from ggml_py.serving.http_common import require_server_extra
     from ggml_py.serving.options import ServeOptions
-    from ggml_py.serving.server import require_server_extra, serve
 
     bad = check_arguments(args)
     if bad:  # a usage error (exit 2), before the model loads: not a 400 blaming every client later
         args._serve_parser.error("; ".join(bad))
     require_server_extra()
+    from ggml_py.serving.server import serve
+
     api_key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
     options = ServeOptions(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
                            header_timeout=args.header_timeout, body_timeout=args.body_timeout,

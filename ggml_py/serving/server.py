@@ -1,5 +1,7 @@
 """An OpenAI-compatible HTTP server over the continuous-batching Engine, on starlette + uvicorn
-(`pip install "ggml_py[server]"`; `ggml-py serve`, docs/serving.md).
+(`pip install "ggml_py[server]"`; `ggml-py serve`, docs/serving.md). Its parts: request_params.py (a body into
+GenParams), access.py (Host/Origin, API key, JSON-only routes), connections.py (head timeouts, the connection cap),
+http_common.py (errors, limits, log lines).
 
     POST /v1/completions, /v1/chat/completions     (JSON, or server-sent events with "stream": true)
     GET  /v1/models, /health, /metrics             (/metrics: Prometheus text; ?format=json for JSON)
@@ -23,10 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
-import ipaddress
 import json
-import logging
 import math
 import os
 import signal
@@ -35,75 +34,40 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
-from urllib.parse import urlsplit
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from ggml_py.errors import GgmlPyError, ModelError
-from ggml_py.serving.engine import Engine, EngineClosedError, Event, GenParams, QueueFullError, Request
+from ggml_py.serving.access import ApiGuard, HostOriginGuard
+from ggml_py.serving.connections import LISTEN_BACKLOG, ConnectionGuard, fit_connections, guarded_h11_protocol
+from ggml_py.serving.engine import Engine, EngineClosedError, Event, QueueFullError, Request
+from ggml_py.serving.http_common import (
+    MAX_HEADER_BYTES,
+    POLL_DISCONNECT_S,
+    RETRY_AFTER_S,
+    BadRequest,
+    error_response,
+    log,
+    notes,
+    require_server_extra,
+)
 from ggml_py.serving.options import ServeOptions
-
-try:  # the optional extra: ggml_py[server]
-    from starlette.applications import Starlette
-    from starlette.concurrency import run_in_threadpool
-    from starlette.datastructures import Headers
-    from starlette.middleware import Middleware
-    from starlette.middleware.cors import CORSMiddleware
-    from starlette.requests import ClientDisconnect
-    from starlette.requests import Request as HTTPRequest
-    from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-    from starlette.routing import Route
-except ImportError as e:  # pragma: no cover - depends on the environment
-    _IMPORT_ERROR: ImportError | None = e
-else:
-    _IMPORT_ERROR = None
-
-log = logging.getLogger("ggml_py.serve")
-
-RETRY_AFTER_S = 1
-POLL_DISCONNECT_S = 0.25
-MAX_HEADER_BYTES = 16 * 1024  # a request head larger than this is refused by h11 (400)
-LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
-
-
-def require_server_extra() -> None:
-    if _IMPORT_ERROR is not None:
-        raise GgmlPyError(f"the server needs the optional dependencies: pip install \"ggml_py[server]\" "
-                          f"({_IMPORT_ERROR})")
-
-
-class BadRequest(GgmlPyError):
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+from ggml_py.serving.request_params import chat_messages, gen_params, max_token_bytes, parse_json
 
 
 class _BodyRefused(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
-
-
-class _Notes:
-    """Log lines about what clients do (disconnects, timeouts, evictions): the first of a kind at once, then at most
-    one per `interval` seconds with the count of those not logged, so a flood of them cannot flood the log."""
-
-    def __init__(self, interval: float = 10.0) -> None:
-        self.interval = interval
-        self._last: dict[str, float] = {}
-        self._skipped: dict[str, int] = {}
-
-    def __call__(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, -math.inf) < self.interval:
-            self._skipped[kind] = self._skipped.get(kind, 0) + 1
-            return
-        n = self._skipped.pop(kind, 0)
-        self._last[kind] = now
-        log.warning("ggml-py serve: %s%s", message, f" (and {n} more like it)" if n else "")
-
-
-notes = _Notes()
 
 
 class _Inbox:
@@ -132,254 +96,6 @@ class _Inbox:
         return self.items.popleft() if self.items else None
 
 
-def _error(status: int, message: str, etype: str, param: str | None = None,
-           headers: Mapping[str, str] | None = None, code: str | None = None) -> Response:
-    body = {"error": {"message": message, "type": etype, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=dict(headers) if headers else None)
-
-
-# -- parameters ----------------------------------------------------------------------------------------------------
-def _num(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not lo <= v <= hi:
-        raise BadRequest(f"{name} must be a number in [{lo}, {hi}], got {v!r}", name)
-    return float(v)
-
-
-def _int(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise BadRequest(f"{name} must be an integer {rng}, got {v!r}", name)
-    return v
-
-
-def _logit_bias(body: dict[str, Any], n_vocab: int | None) -> dict[int, float] | None:
-    """OpenAI's logit_bias: {"token id": bias in [-100, 100]} (JSON keys are strings of decimal digits)."""
-    lb = body.get("logit_bias")
-    if lb is None:
-        return None
-    if not isinstance(lb, dict):
-        raise BadRequest("logit_bias must be an object mapping token ids to numbers in [-100, 100]", "logit_bias")
-    out: dict[int, float] = {}
-    for k, v in lb.items():
-        if not (isinstance(k, str) and k.isascii() and k.isdigit()) or (n_vocab is not None and int(k) >= n_vocab):
-            raise BadRequest(f"logit_bias: {k!r} is not a token id in [0, {n_vocab})", "logit_bias")
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not -100 <= v <= 100:
-            raise BadRequest(f"logit_bias[{k}] must be a number in [-100, 100], got {v!r}", "logit_bias")
-        out[int(k)] = float(v)
-    return out or None
-
-
-def _refuse_unsupported(body: dict[str, Any]) -> None:
-    """What the server does not do yet is refused (400), never silently ignored."""
-    if body.get("logprobs") not in (None, False, 0) or body.get("echo") or body.get("best_of") not in (None, 1):
-        name = "logprobs" if body.get("logprobs") not in (None, False, 0) else \
-            "echo" if body.get("echo") else "best_of"
-        raise BadRequest(f"{name} is not supported", name)
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise BadRequest("response_format is not supported (only {\"type\": \"text\"}, the default): structured "
-                         "output (json_object, json_schema) is not implemented", "response_format")
-    for name in ("tools", "functions"):
-        if body.get(name) not in (None, []):
-            raise BadRequest(f"{name} is not supported: tool and function calling are not implemented", name)
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
-            raise BadRequest(f"{name} is not supported: tool and function calling are not implemented", name)
-
-
-def gen_params(body: dict[str, Any], default_max_tokens: int | None, n_vocab: int | None = None) -> GenParams:
-    """Sampling and stopping from an OpenAI request body (+ llama.cpp's top_k, min_p, repeat_penalty extensions).
-    Unset values take ggml_py's sampler defaults (as llama-server does), not OpenAI's temperature 1. `top_p` 0 is
-    greedy (only the most likely token is kept); `logit_bias` ids are checked against `n_vocab`."""
-    d = GenParams()
-    n = _int(body, "n", 1, 1, 1)
-    assert n == 1
-    mt = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = _int({"max_tokens": mt}, "max_tokens", default_max_tokens, 0)
-    stop = body.get("stop")
-    if stop is None:
-        stops: list[str] = []
-    elif isinstance(stop, str):
-        stops = [stop]
-    elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop):
-        stops = list(stop)
-    else:
-        raise BadRequest("stop must be a string or a list of at most 4 strings", "stop")
-    seed = _int(body, "seed", None, 0, 2**63 - 1)
-    _refuse_unsupported(body)
-    temperature = _num(body, "temperature", d.temperature, 0.0, 2.0)
-    top_p = _num(body, "top_p", d.top_p, 0.0, 1.0)
-    if top_p == 0.0:  # the smallest set reaching probability 0: the most likely token alone
-        temperature, top_p = 0.0, 1.0
-    return GenParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=int(_int(body, "top_k", d.top_k, 0) or 0),
-        min_p=_num(body, "min_p", d.min_p, 0.0, 1.0), repeat_penalty=_num(body, "repeat_penalty", 1.0, 1e-6, 1e6),
-        frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0), seed=seed, stop=stops,
-        stop_at_eos=not body.get("ignore_eos", False), logit_bias=_logit_bias(body, n_vocab))
-
-
-def _content(m: dict[str, Any], i: int) -> str:
-    c = m.get("content")
-    if c is None:
-        return ""
-    if isinstance(c, str):
-        return c
-    if isinstance(c, list):  # content parts: text only
-        out = []
-        for p in c:
-            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
-            out.append(p["text"])
-        return "".join(out)
-    raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
-
-
-def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise BadRequest("messages must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest(f"messages[{i}] must be an object with a role", "messages")
-        if m["role"] not in ("system", "developer", "user", "assistant", "tool"):
-            raise BadRequest(f"messages[{i}].role {m['role']!r} is not one of system, user, assistant", "messages")
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": _content(m, i)})
-    return out
-
-
-def _parse_json(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except RecursionError:
-        notes("deep-json", "a request body nested too deeply was refused (400)")
-        raise BadRequest("the request body is nested too deeply") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return body
-
-
-def max_token_bytes(tokenizer: Any) -> int:
-    """The bytes of the longest token's text (special tokens' included): no token stands for more of a prompt."""
-    return max((len(tokenizer.token_to_piece(i)) for i in range(tokenizer.n_vocab)), default=1) or 1
-
-
-# -- the access policy (ASGI middleware) ---------------------------------------------------------------------------
-def _split_host(value: str) -> tuple[str, int | None]:
-    """A Host header's (or netloc's) host name, lower case and without brackets, and its port (None: absent)."""
-    v = value.strip().lower()
-    if v.startswith("["):
-        end = v.find("]")
-        host, rest = (v[1:end], v[end + 1:]) if end > 0 else (v, "")
-        port = rest[1:] if rest.startswith(":") else ""
-    elif v.count(":") == 1:
-        host, _, port = v.partition(":")
-    else:
-        host, port = v, ""
-    return host.rstrip("."), (int(port) if port.isdigit() and len(port) <= 5 else None)
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
-class _HostOriginGuard:
-    """Blocks what a web page on another site could make a browser send: a Host header that is not this server's
-    (DNS rebinding) and an Origin that is not the server's own origin (cross-site requests) unless it is one of the
-    CORS origins. Both 403 with an OpenAI-style body."""
-
-    def __init__(self, app: Any, bound_host: str, allowed_hosts: tuple[str, ...], cors_origins: tuple[str, ...]):
-        self.app = app
-        bound = _split_host(bound_host)[0] if bound_host else ""
-        self.any_ip = bound in ("", "0.0.0.0", "::")  # bound to every address: any address is the server's
-        names = {h.lower().rstrip(".") for h in allowed_hosts}
-        self.any_host = "*" in names
-        self.suffixes = tuple(h[1:] for h in names if h.startswith("*."))
-        self.hosts = frozenset({*LOCAL_HOSTS, *(h for h in names if not h.startswith("*")), bound} - {""})
-        self.any_origin = "*" in cors_origins
-        self.origins = frozenset(o.lower().rstrip("/") for o in cors_origins)
-
-    def host_ok(self, host: str) -> bool:
-        if self.any_host or host in self.hosts or (self.suffixes and host.endswith(self.suffixes)):
-            return True
-        return self.any_ip and _is_ip(host)
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = Headers(scope=scope)
-        host_header = headers.get("host", "")
-        host, port = _split_host(host_header)
-        if not self.host_ok(host):
-            await _error(403, f"the Host header {host_header!r} is not one of this server's names (see "
-                         "--allowed-hosts)", "invalid_request_error", code="host_not_allowed")(scope, receive, send)
-            return
-        origin = headers.get("origin")
-        if origin is not None and not self.any_origin and origin.lower().rstrip("/") not in self.origins:
-            default = 443 if scope.get("scheme") == "https" else 80
-            try:
-                o = urlsplit(origin)
-                same = (o.scheme in ("http", "https") and o.hostname is not None and
-                        (o.hostname.rstrip("."), o.port or (443 if o.scheme == "https" else 80)) ==
-                        (host, port or default))
-            except ValueError:
-                same = False
-            if not same:
-                await _error(403, f"cross-origin requests from {origin!r} are not allowed (see --cors-origins)",
-                             "invalid_request_error", code="origin_not_allowed")(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class _ApiGuard:
-    """The API routes: a bearer key when one is set (constant-time comparison; 401), and JSON request bodies only
-    (415), so that a browser's "simple" cross-origin POST (text/plain, a form) cannot start a generation."""
-
-    PROTECTED = ("/v1/", "/metrics")
-
-    def __init__(self, app: Any, api_key: str | None) -> None:
-        self.app = app
-        self.key = api_key.encode() if api_key else None
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        path = scope.get("path", "")
-        if scope["type"] != "http" or not path.startswith(self.PROTECTED):
-            await self.app(scope, receive, send)
-            return
-        headers = Headers(scope=scope)
-        if self.key is not None:
-            scheme, _, token = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
-                msg = "Incorrect API key provided." if token else "Missing bearer authentication in header."
-                await _error(401, msg, "invalid_request_error", code="invalid_api_key",
-                             headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
-                return
-        if scope["method"] == "POST":
-            ctype = headers.get("content-type", "").split(";")[0].strip().lower()
-            if ctype != "application/json":
-                await _error(415, f"the request body must be JSON (Content-Type: application/json), not "
-                             f"{ctype or 'unspecified'!r}", "invalid_request_error",
-                             code="unsupported_media_type")(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-# -- the app -------------------------------------------------------------------------------------------------------
 class Server:
     """The ASGI app (`.app`) around a model and its engine."""
 
@@ -401,13 +117,13 @@ class Server:
         self.drain_deadline: float | None = None  # time.monotonic() by which the requests are cut on shutdown
         self.cut_reason: str | None = None  # why the requests left were cut, if they were
         self._drain_timer: asyncio.TimerHandle | None = None
-        middleware = [Middleware(_HostOriginGuard, bound_host=host, allowed_hosts=options.allowed_hosts,
+        middleware = [Middleware(HostOriginGuard, bound_host=host, allowed_hosts=options.allowed_hosts,
                                  cors_origins=options.cors_origins)]
         if options.cors_origins:
             middleware.append(Middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
                                          allow_methods=["GET", "POST"],
                                          allow_headers=["Authorization", "Content-Type"]))
-        middleware.append(Middleware(_ApiGuard, api_key=options.api_key))
+        middleware.append(Middleware(ApiGuard, api_key=options.api_key))
         self.app = Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
@@ -519,7 +235,7 @@ class Server:
     def _admit(self, raw: bytes, chat: bool, on_event: Callable[[Event], None]) -> tuple[Request, bool, bool]:
         """Parse, validate, tokenize and submit (a pool thread): the request, whether it streams, whether it wants
         a usage chunk."""
-        body = _parse_json(raw)
+        body = parse_json(raw)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest("stream must be a boolean", "stream")
@@ -557,7 +273,7 @@ class Server:
         try:
             raw = await self._read_body(request)
         except _BodyRefused as e:  # the rest of the body is not read: the connection closes after the answer
-            return _error(e.status, str(e), "invalid_request_error", headers={"Connection": "close"},
+            return error_response(e.status, str(e), "invalid_request_error", headers={"Connection": "close"},
                           code="request_too_large" if e.status == 413 else "request_timeout")
         except ClientDisconnect:
             client = request.client
@@ -568,14 +284,14 @@ class Server:
         try:
             req, stream, include_usage = await run_in_threadpool(self._admit, raw, chat, inbox.put)
         except BadRequest as e:
-            return _error(400, str(e), "invalid_request_error", e.param)
+            return error_response(400, str(e), "invalid_request_error", e.param)
         except QueueFullError as e:
-            return _error(503, f"the server is busy: {e}; retry later", "server_busy",
+            return error_response(503, f"the server is busy: {e}; retry later", "server_busy",
                           headers={"Retry-After": str(RETRY_AFTER_S)})
         except EngineClosedError as e:
-            return _error(503, str(e), "server_shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
+            return error_response(503, str(e), "server_shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
         except (ModelError, ValueError) as e:  # a bad prompt (ids, length), sampling parameters
-            return _error(400, str(e), "invalid_request_error")
+            return error_response(400, str(e), "invalid_request_error")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if stream:
             return StreamingResponse(self._sse(request, req, inbox, rid, chat, include_usage),
@@ -614,7 +330,7 @@ class Server:
         if ev.finish_reason == "cancelled":
             return Response(status_code=499)
         if ev.finish_reason == "error":
-            return _error(500, ev.error or "generation failed", "server_error")
+            return error_response(500, ev.error or "generation failed", "server_error")
         c = req.result()
         usage = {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
                  "total_tokens": c.prompt_tokens + c.completion_tokens}
@@ -687,127 +403,6 @@ def _loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, 
     loop.default_exception_handler(context)
 
 
-# -- connections ---------------------------------------------------------------------------------------------------
-class _ConnectionGuard:
-    """Which connections are open and which wait for a request head (oldest first). A head that has not arrived
-    `header_timeout` seconds after the connection opened (or after its previous response) closes the connection;
-    beyond `max_connections` open connections, the one that has waited longest for its head is closed (when all are
-    busy with requests, the new connection is), so connections that send nothing cannot crowd out the ones that do,
-    nor exhaust the process's file descriptors."""
-
-    def __init__(self, max_connections: int, header_timeout: float) -> None:
-        self.max_connections = max_connections
-        self.header_timeout = header_timeout
-        self.open: set[Any] = set()
-        self.waiting: dict[Any, None] = {}  # insertion order: the oldest wait first
-        self.timed_out = 0
-        self.evicted = 0
-
-    def opened(self, proto: Any) -> bool:
-        """A new connection; False when it must be closed at once (every other connection is busy)."""
-        self.open.add(proto)
-        if len(self.open) <= self.max_connections:
-            return True
-        victim = next(iter(self.waiting), None)
-        if victim is None:
-            notes("conn-full", f"{len(self.open) - 1} connections are busy (--max-connections "
-                  f"{self.max_connections}): closed a new one")
-            return False
-        self.evicted += 1
-        notes("conn-evict", f"{len(self.open) - 1} connections are open (--max-connections {self.max_connections}): "
-              "closed the one that had waited longest for its request head")
-        victim.close_waiting()
-        return True
-
-
-def _guarded_h11_protocol(guard: _ConnectionGuard) -> type:
-    """uvicorn's h11 protocol plus the guard: uvicorn times out idle keep-alive connections but nothing else times
-    out a request head that never completes (nor counts connections but to refuse requests, which is what a flood
-    of idle connections wants), so this subclass does."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class GuardedH11Protocol(H11Protocol):
-        _head_timer: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            if not guard.opened(self):
-                transport.close()
-                return
-            self._await_head()
-
-        def _await_head(self) -> None:
-            guard.waiting[self] = None
-            self._head_timer = self.loop.call_later(guard.header_timeout, self._head_late)
-
-        def _head_done(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-            guard.waiting.pop(self, None)
-
-        def _head_late(self) -> None:
-            self._head_timer = None
-            guard.timed_out += 1
-            notes("head-timeout", f"closed a connection whose request head had not arrived within "
-                  f"{guard.header_timeout:g} s")
-            self.close_waiting()
-
-        def close_waiting(self) -> None:
-            self._head_done()
-            if not self.transport.is_closing():
-                self.transport.close()
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self._head_timer is not None and self.conn.their_state is not h11.IDLE:
-                self._head_done()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if (self._head_timer is None and not self.transport.is_closing()
-                    and self.conn.their_state is h11.IDLE and self in guard.open):
-                self._await_head()  # keep-alive: the next head must arrive in time too
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._head_done()
-            guard.open.discard(self)
-            super().connection_lost(exc)
-
-    return GuardedH11Protocol
-
-
-LISTEN_BACKLOG = 2048  # connections the kernel queues until they are accepted (uvicorn's default backlog)
-FD_BASE = 64  # descriptors the process needs besides its connections (model file, pipes, the listening socket)
-
-
-def fit_connections(max_connections: int) -> tuple[int, int, str | None]:
-    """(connections, accept batch, a note or None) that fit the open-file limit, raising the soft limit toward the
-    hard one when needed. asyncio accepts up to `backlog` connections per wakeup, and a few batches are accepted
-    before the guard sees them, so the limit must hold the connections plus four batches plus FD_BASE."""
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - not POSIX
-        return max_connections, 128, None
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    inf = resource.RLIM_INFINITY
-    want = max_connections + FD_BASE + 4 * 128
-    if soft != inf and soft < want:
-        try:
-            new = want if hard == inf else min(want, hard)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-            soft = new
-        except (ValueError, OSError):
-            pass
-    if soft == inf or soft >= want:
-        return max_connections, 128, None
-    batch = max(8, min(128, soft // 16))
-    fit = max(1, min(max_connections, soft - FD_BASE - 4 * batch))
-    return fit, batch, (f"the open-file limit is {soft} (ulimit -n): at most {fit} connections "
-                        f"(--max-connections {max_connections})" if fit < max_connections else None)
-
-
 def serve(model: Any, host: str = "127.0.0.1", port: int = 8080, n_parallel: int = 4, n_ctx: int | None = None,
           max_queue: int = 64, n_batch: int = 128, model_name: str | None = None,
           default_max_tokens: int | None = None, log: Callable[[str], None] | None = None,
@@ -864,7 +459,7 @@ def serve(model: Any, host: str = "127.0.0.1", port: int = 8080, n_parallel: int
             srv.loop.call_soon_threadsafe(srv.loop.call_later, 1.0, setattr, self, "force_exit", True)
 
     n_conn, batch, fd_note = fit_connections(options.max_connections)
-    guard = _ConnectionGuard(n_conn, options.header_timeout)
+    guard = ConnectionGuard(n_conn, options.header_timeout)
     engine = Engine(model, n_parallel=n_parallel, n_ctx=n_ctx, max_queue=max_queue, n_batch=n_batch)
     engine.start()
     srv = Server(model, engine, model_name=model_name, default_max_tokens=default_max_tokens, options=options,
@@ -884,7 +479,7 @@ def serve(model: Any, host: str = "127.0.0.1", port: int = 8080, n_parallel: int
     # size, the backlog (asyncio's accept batch; the kernel's queue is set after startup), and the graceful
     # shutdown's bound (a backstop: the drain's own timer cuts the requests at drain_timeout)
     config = uvicorn.Config(srv.app, log_level=log_level, lifespan="on", access_log=False, loop="asyncio",
-                            http=_guarded_h11_protocol(guard), ws="none", proxy_headers=False,
+                            http=guarded_h11_protocol(guard), ws="none", proxy_headers=False,
                             timeout_keep_alive=options.keep_alive_timeout, backlog=batch,
                             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                             timeout_graceful_shutdown=math.ceil(options.drain_timeout) + 5)

@@ -1,0 +1,149 @@
+"""An OpenAI request body read into the engine's terms: sampling and stopping parameters (`GenParams`), chat
+messages, the fields refused until implemented; every bad value a `BadRequest` naming its field."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from ggml_py.serving.engine import GenParams
+from ggml_py.serving.http_common import (
+    BadRequest,
+    notes,
+)
+
+
+def _num(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not lo <= v <= hi:
+        raise BadRequest(f"{name} must be a number in [{lo}, {hi}], got {v!r}", name)
+    return float(v)
+
+
+def _int(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise BadRequest(f"{name} must be an integer {rng}, got {v!r}", name)
+    return v
+
+
+def _logit_bias(body: dict[str, Any], n_vocab: int | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]} (JSON keys are strings of decimal digits)."""
+    lb = body.get("logit_bias")
+    if lb is None:
+        return None
+    if not isinstance(lb, dict):
+        raise BadRequest("logit_bias must be an object mapping token ids to numbers in [-100, 100]", "logit_bias")
+    out: dict[int, float] = {}
+    for k, v in lb.items():
+        if not (isinstance(k, str) and k.isascii() and k.isdigit()) or (n_vocab is not None and int(k) >= n_vocab):
+            raise BadRequest(f"logit_bias: {k!r} is not a token id in [0, {n_vocab})", "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not -100 <= v <= 100:
+            raise BadRequest(f"logit_bias[{k}] must be a number in [-100, 100], got {v!r}", "logit_bias")
+        out[int(k)] = float(v)
+    return out or None
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """What the server does not do yet is refused (400), never silently ignored."""
+    if body.get("logprobs") not in (None, False, 0) or body.get("echo") or body.get("best_of") not in (None, 1):
+        name = "logprobs" if body.get("logprobs") not in (None, False, 0) else \
+            "echo" if body.get("echo") else "best_of"
+        raise BadRequest(f"{name} is not supported", name)
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise BadRequest("response_format is not supported (only {\"type\": \"text\"}, the default): structured "
+                         "output (json_object, json_schema) is not implemented", "response_format")
+    for name in ("tools", "functions"):
+        if body.get(name) not in (None, []):
+            raise BadRequest(f"{name} is not supported: tool and function calling are not implemented", name)
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise BadRequest(f"{name} is not supported: tool and function calling are not implemented", name)
+
+
+def gen_params(body: dict[str, Any], default_max_tokens: int | None, n_vocab: int | None = None) -> GenParams:
+    """Sampling and stopping from an OpenAI request body (+ llama.cpp's top_k, min_p, repeat_penalty extensions).
+    Unset values take ggml_py's sampler defaults (as llama-server does), not OpenAI's temperature 1. `top_p` 0 is
+    greedy (only the most likely token is kept); `logit_bias` ids are checked against `n_vocab`."""
+    d = GenParams()
+    n = _int(body, "n", 1, 1, 1)
+    assert n == 1
+    mt = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _int({"max_tokens": mt}, "max_tokens", default_max_tokens, 0)
+    stop = body.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop):
+        stops = list(stop)
+    else:
+        raise BadRequest("stop must be a string or a list of at most 4 strings", "stop")
+    seed = _int(body, "seed", None, 0, 2**63 - 1)
+    _refuse_unsupported(body)
+    temperature = _num(body, "temperature", d.temperature, 0.0, 2.0)
+    top_p = _num(body, "top_p", d.top_p, 0.0, 1.0)
+    if top_p == 0.0:  # the smallest set reaching probability 0: the most likely token alone
+        temperature, top_p = 0.0, 1.0
+    return GenParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=int(_int(body, "top_k", d.top_k, 0) or 0),
+        min_p=_num(body, "min_p", d.min_p, 0.0, 1.0), repeat_penalty=_num(body, "repeat_penalty", 1.0, 1e-6, 1e6),
+        frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0), seed=seed, stop=stops,
+        stop_at_eos=not body.get("ignore_eos", False), logit_bias=_logit_bias(body, n_vocab))
+
+
+def _content(m: dict[str, Any], i: int) -> str:
+    c = m.get("content")
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):  # content parts: text only
+        out = []
+        for p in c:
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
+            out.append(p["text"])
+        return "".join(out)
+    raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a role", "messages")
+        if m["role"] not in ("system", "developer", "user", "assistant", "tool"):
+            raise BadRequest(f"messages[{i}].role {m['role']!r} is not one of system, user, assistant", "messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": _content(m, i)})
+    return out
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        notes("deep-json", "a request body nested too deeply was refused (400)")
+        raise BadRequest("the request body is nested too deeply") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+def max_token_bytes(tokenizer: Any) -> int:
+    """The bytes of the longest token's text (special tokens' included): no token stands for more of a prompt."""
+    return max((len(tokenizer.token_to_piece(i)) for i in range(tokenizer.n_vocab)), default=1) or 1
