@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import sys
 import time
 from collections.abc import Sequence
 from importlib import metadata
@@ -52,18 +53,24 @@ def connect(address: str | None = None) -> Any:
     """Ray, connected: to the cluster at `address` ("auto": the one `ray start` made on this machine), or a new local
     instance when None. A cluster beyond this machine is refused unless Ray's token authentication is on
     (RAY_AUTH_MODE=token on every node), since anyone who can reach an unauthenticated Ray can run code on it."""
+    here = address in (None, "local") or (address != "auto" and _is_loopback(address))
+    if here and "ray" not in sys.modules:
+        # Ray replaces a loopback address by the host's own (so that other machines could reach it); on one machine
+        # this keeps every node, the driver and their traffic on 127.0.0.1
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # Ray reports nothing to anyone
     try:
         import ray
     except ImportError:
         raise ClusterError("the cluster needs Ray: pip install 'ggml_py[cluster]'") from None
-    if address not in (None, "auto", "local") and not _is_loopback(address):
+    if not here and address != "auto":
         if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
             raise ClusterError(f"refusing the cluster at {address}: it is not on this machine and Ray's token "
                                "authentication is off; start every node with RAY_AUTH_MODE=token (and RAY_AUTH_TOKEN "
                                "or a token file), see docs/cluster.md")
     if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-                 configure_logging=False)
+        ray.init(address=None if address == "local" else address, include_dashboard=False, logging_level="ERROR",
+                 log_to_driver=False, configure_logging=False)
     return ray
 
 
@@ -143,7 +150,8 @@ def start_pipeline(model: Model, n_ctx: int, n_seq_max: int, n_batch: int, *, ad
     """Start one stage actor per node of the cluster (or per node id in `nodes`) for `model` (the coordinator's:
     its file, which every node must hold at the same path), its blocks split in proportion to `shares` (default:
     each node's memory), and check that each one runs: its ggml_py, stage protocol and file (size and SHA-256) are
-    the coordinator's. `n_stages` takes the first nodes (the head first). Use the result as the stages of a
+    the coordinator's. `n_stages` takes the first nodes (the head first; more stages than nodes share them). Use the
+    result as the stages of a
     BatchDecoder of `n_ctx` cells, `n_seq_max` sequences and `n_batch` tokens a step (the same numbers)."""
     path, n_layer, kv_type = model.path, model.hparams.n_layer, model.cache.dtype.name
     ray = connect(address)
@@ -156,10 +164,9 @@ def start_pipeline(model: Model, n_ctx: int, n_seq_max: int, n_batch: int, *, ad
         if missing:
             raise ClusterError(f"nodes {missing} are not alive in the cluster")
         chosen = [by_id[n] for n in nodes]
-    else:
-        chosen = alive[: n_stages or len(alive)]
-    if n_stages is not None and len(chosen) < n_stages:
-        raise ClusterError(f"{n_stages} stages need {n_stages} nodes; the cluster has {len(alive)} alive")
+    else:  # one stage per node, the head first; more stages than nodes go round the nodes again
+        n = n_stages or len(alive)
+        chosen = [alive[i % len(alive)] for i in range(n)]
     shares = list(shares) if shares is not None else [float(n["Resources"].get("memory", 1.0)) for n in chosen]
     if len(shares) != len(chosen):
         raise ClusterError(f"{len(shares)} shares for {len(chosen)} stages")

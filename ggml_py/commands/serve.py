@@ -39,6 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-type", default="F16", choices=["F16", "F32", "f16", "f32"], help="KV cache type")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default: warning)")
+    c = p.add_argument_group("beyond one machine (docs/cluster.md)")
+    c.add_argument("--cluster", default=None, metavar="ADDRESS",
+                   help="run the model's blocks as pipeline stages on a Ray cluster: its address (host:port), 'auto' "
+                        "(the cluster `ray start` made here) or 'local' (a Ray instance started for this server)")
+    c.add_argument("--stages", type=int, default=None,
+                   help="with --cluster: pipeline stages (default: one per node of the cluster)")
     g = p.add_argument_group("limits and security (docs/serving.md, \"Limits and security\")")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help=f"larger request bodies get 413, unread (default: {d.max_body_bytes})")
@@ -99,6 +105,9 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
     at_least("--keep-alive-timeout", 1)
     at_least("--max-connections", 1)
     at_least("--drain-timeout", 0)
+    at_least("--stages", 1)
+    if args.stages is not None and args.cluster is None:
+        bad.append("--stages needs --cluster")
     if args.ctx is not None and args.parallel >= 1 and args.ctx < 2 * args.parallel:
         bad.append(f"--ctx {args.ctx} is too small for {args.parallel} parallel sequences (at least 2 cells each)")
     if args.api_key is not None and not args.api_key.strip():
@@ -134,9 +143,20 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         def log(msg: str) -> None:
             print(msg, file=sys.stderr, flush=True)
 
+        stages = None
+        if args.cluster is not None:
+            from ggml_py.cluster import start_pipeline
+
+            pipe = start_pipeline(model, ctx, args.parallel, max(args.batch, args.parallel),
+                                  address=None if args.cluster == "local" else args.cluster, n_stages=args.stages,
+                                  backends=args.backend, n_threads=args.threads)
+            log(f"ggml-py serve: {len(pipe.specs)} pipeline stages: " + ", ".join(
+                f"blocks {a}-{b - 1} on {node}" for (a, b), node in zip((s.layers for s in pipe.specs), pipe.nodes)))
+            stages = [pipe]
         metrics = serve(model, host=args.host, port=args.port, n_parallel=args.parallel, n_ctx=ctx,
                         max_queue=args.queue, n_batch=args.batch, model_name=args.alias,
-                        default_max_tokens=args.max_tokens, log=log, log_level=args.log_level, options=options)
+                        default_max_tokens=args.max_tokens, log=log, log_level=args.log_level, options=options,
+                        stages=stages)
         log(f"ggml-py serve: stopped after {metrics['requests_finished']} requests, "
             f"{metrics['tokens_generated']} tokens generated ({metrics['shutdown']})")
         # a second signal cut the drain short: exit as that signal would have (128 + its number)

@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
@@ -47,6 +47,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from ggml_py.errors import GgmlPyError, ModelError
+from ggml_py.models.batch import StageLike
 from ggml_py.serving.access import ApiGuard, HostOriginGuard
 from ggml_py.serving.connections import LISTEN_BACKLOG, ConnectionGuard, fit_connections, guarded_h11_protocol
 from ggml_py.serving.engine import Engine, EngineClosedError, Event, QueueFullError, Request
@@ -406,10 +407,12 @@ def _loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, 
 def serve(model: Any, host: str = "127.0.0.1", port: int = 8080, n_parallel: int = 4, n_ctx: int | None = None,
           max_queue: int = 64, n_batch: int = 128, model_name: str | None = None,
           default_max_tokens: int | None = None, log: Callable[[str], None] | None = None,
-          log_level: str = "warning", options: ServeOptions | None = None) -> dict[str, Any]:
+          log_level: str = "warning", options: ServeOptions | None = None,
+          stages: Sequence[StageLike] | None = None) -> dict[str, Any]:
     """Run the server until Ctrl-C / SIGTERM (then drain for at most `options.drain_timeout` seconds, and return the
     final metrics, with "shutdown": "drained", "cut" or "forced" and "signal"). A second signal stops at once.
-    Port 0 picks a free one; the address is logged ("listening on http://HOST:PORT")."""
+    Port 0 picks a free one; the address is logged ("listening on http://HOST:PORT"). `stages`: the model's blocks
+    elsewhere, e.g. a pipeline on a Ray cluster (ggml_py/cluster/), made for the same n_ctx, n_parallel, n_batch."""
     require_server_extra()
     import uvicorn
 
@@ -460,7 +463,7 @@ def serve(model: Any, host: str = "127.0.0.1", port: int = 8080, n_parallel: int
 
     n_conn, batch, fd_note = fit_connections(options.max_connections)
     guard = ConnectionGuard(n_conn, options.header_timeout)
-    engine = Engine(model, n_parallel=n_parallel, n_ctx=n_ctx, max_queue=max_queue, n_batch=n_batch)
+    engine = Engine(model, n_parallel=n_parallel, n_ctx=n_ctx, max_queue=max_queue, n_batch=n_batch, stages=stages)
     engine.start()
     srv = Server(model, engine, model_name=model_name, default_max_tokens=default_max_tokens, options=options,
                  host=host)
