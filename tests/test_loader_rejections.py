@@ -13,8 +13,10 @@ from ggml_py import load_model
 from ggml_py.errors import ModelError
 
 import llamacpp_peer
+from model_factory import tiny_vocab
 
 E, H, D, F = 256, 4, 64, 512  # write_tiny's defaults: n_embd, n_head, head size, n_ff
+V = len(tiny_vocab()[0])  # the tiny tokenizer's tokens (284)
 
 # name -> (architecture, write_tiny options, the error's message (regex), does llama.cpp refuse it too)
 REFUSED = {
@@ -35,6 +37,16 @@ REFUSED = {
                  r"tensor 'blk.0.attn_norm.weight' has type F16", None),
     "bias-wrong-length": ("qwen2", dict(replace={"blk.0.attn_k.bias": np.zeros(E, np.float32)}),
                           r"tensor 'blk.0.attn_k.bias' has shape", True),
+    # llama.cpp makes token_embd (and output) exactly {n_embd, tokens in the tokenizer}: more rows would let sampling
+    # pick ids no token stands for; `<arch>.vocab_size` is not what it checks against (written equal to the rows here)
+    "embedding-more-rows-than-tokens": ("llama", dict(replace={"token_embd.weight": np.zeros((V + 5, E), np.float32)},
+                                                      metadata={"vocab_size": V + 5}),
+                                        rf"the tokenizer has {V} tokens but 'token_embd.weight' has {V + 5} rows",
+                                        True),
+    "embedding-fewer-rows-than-tokens": ("gemma3",
+                                         dict(replace={"token_embd.weight": np.zeros((V - 5, E), np.float32)}),
+                                         rf"the tokenizer has {V} tokens but 'token_embd.weight' has {V - 5} rows",
+                                         True),
     "output-bias": ("qwen2", dict(extra_tensors={"output.bias": np.zeros(284, np.float32)}),
                     r"output.bias.*not supported", None),
 }

@@ -114,6 +114,11 @@ class Model:
         self.n_ctx = n_ctx
         self.n_vocab = hparams.n_vocab
         self.graph_reuse = graph_reuse
+        if tokenizer is not None and tokenizer.n_vocab != hparams.n_vocab:
+            # as llama.cpp (check_tensor_dims): more rows than tokens would let sampling pick ids nothing can
+            # decode, fewer would leave tokens without an embedding
+            raise ModelError(f"{self.path}: the tokenizer has {tokenizer.n_vocab} tokens but 'token_embd.weight' has "
+                             f"{hparams.n_vocab} rows; they must be equal")
         copy_weights = self._must_copy_weights()
         self._require_memory(kv_type, copy_weights)
         self.cache = KVCache(hparams, n_ctx, kv_type)
