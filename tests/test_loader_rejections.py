@@ -94,3 +94,71 @@ def test_llama_cpp_refuses_the_same_files(files):
     names = [n for n, (_, _, _, peer) in REFUSED.items() if peer is not None]
     refused = llamacpp_peer.run(_WORKER, [files[n] for n in names])
     assert dict(zip(names, refused)) == {n: REFUSED[n][3] for n in names}
+
+
+# -- metadata arrays ------------------------------------------------------------------------------------------------
+# GGUF arrays arrive as read-only numpy arrays of the file's element type (strings and nested arrays as lists):
+# every key models/ reads must take such a value as a value (a per-layer array, a pattern) or refuse it with
+# ModelError, never with numpy's "truth value of an array is ambiguous" or a TypeError.
+def _ro(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+ARRAYS = {
+    "bool": _ro(np.array([True, False])),
+    "int8": _ro(np.array([2, 2], np.int8)),
+    "uint16-varying": _ro(np.array([2, 1], np.uint16)),
+    "int64": _ro(np.array([8, 8], np.int64)),
+    "uint64": _ro(np.array([1, 0], np.uint64)),
+    "float32": _ro(np.array([1.0, 0.5], np.float32)),
+    "float64-uniform": _ro(np.array([2.0, 2.0], np.float64)),
+    "empty": _ro(np.zeros(0, np.int32)),
+    "nested": [_ro(np.array([1, 2], np.int32)), _ro(np.array([1], np.int32))],
+    "strings": ["a", "b"],
+}
+# every key models/ reads from a file: the core keys, the optional ones, the tokenizer's
+ARCH_KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+             "attention.head_count_kv", "attention.key_length", "attention.value_length",
+             "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count", "rope.scaling.type",
+             "rope.scaling.factor", "rope.scale_linear", "attention.sliding_window",
+             "attention.sliding_window_pattern", "rope.freq_base_swa", "final_logit_softcapping")
+TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.scores",
+                  "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
+                  "tokenizer.ggml.eos_token_id", "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix",
+                  "tokenizer.ggml.fim_pad_token_id", "tokenizer.chat_template", "general.name")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_array_values_of_every_key_are_read_or_refused_with_model_error(arch, tmp_path):
+    from ggml_py.formats.gguf import open_gguf
+    from ggml_py.models import get_architecture
+    from ggml_py.models.tokenizer import Tokenizer
+
+    path = write_tiny(tmp_path / "t.gguf", arch, seed=1, n_swa=8 if arch == "gemma3" else 0)
+    with open_gguf(path) as gf:
+        meta = dict(gf.metadata)
+    a = get_architecture(arch, path)
+    outcomes = {}
+    for key in (*(f"{arch}.{k}" for k in ARCH_KEYS), *TOKENIZER_KEYS):
+        for name, value in ARRAYS.items():
+            m = {**meta, key: value}
+            try:
+                a.hparams(m, path, V)
+                Tokenizer.from_metadata(m)
+                outcomes[key, name] = "read"
+            except ModelError:
+                outcomes[key, name] = "refused"
+            except Exception as e:  # noqa: BLE001 - the point: nothing but ModelError
+                outcomes[key, name] = f"{type(e).__name__}: {e}"
+    bad = {k: v for k, v in outcomes.items() if v not in ("read", "refused")}
+    assert not bad, "\n".join(f"{k}: {v[:100]}" for k, v in bad.items())
+    # uniform integer arrays of any width are per-layer values; a pattern takes booleans and integers
+    assert outcomes[f"{arch}.attention.head_count_kv", "int64"] == "refused"  # 8 is no divisor of 4 heads
+    assert outcomes[f"{arch}.context_length", "int8"] == outcomes[f"{arch}.context_length", "int64"] == "read"
+    assert outcomes[f"{arch}.block_count", "uint16-varying"] == "refused"
+    if arch == "gemma3":
+        for name in ("bool", "uint64", "int8"):
+            assert outcomes["gemma3.attention.sliding_window_pattern", name] == "read", name
+        for name in ("float32", "nested", "strings", "empty"):  # llama.cpp refuses a float array too
+            assert outcomes["gemma3.attention.sliding_window_pattern", name] == "refused", name

@@ -47,12 +47,12 @@ CHAT_TEMPLATE = (
 def hparams(meta: dict[str, Any], path: str, n_vocab: int) -> HParams:
     m = Meta(meta, NAME, path)
     hp = read_hparams(meta, NAME, path, n_vocab, rope_mode=ops.ROPE_NEOX)
-    softcap = m.float_key("final_logit_softcapping") if m.get("final_logit_softcapping") else 0.0
-    hp = replace(hp, embd_scale=math.sqrt(hp.n_embd), final_softcap=softcap)
+    hp = replace(hp, embd_scale=math.sqrt(hp.n_embd), final_softcap=m.optional_float("final_logit_softcapping"))
     if hp.n_layer == 62:  # the 27B model scales by the width per head, not the key length (gemma_pytorch config)
         hp = replace(hp, attn_scale=1.0 / math.sqrt(hp.n_embd // hp.n_head))
-    if m.get("attention.sliding_window"):  # absent or 0: every layer is global
-        hp = replace(hp, n_swa=m.int_key("attention.sliding_window"), swa_layers=swa_pattern(m, hp.n_layer, SWA_PERIOD),
+    n_swa = m.optional_int("attention.sliding_window")
+    if n_swa:  # absent or 0: every layer is global
+        hp = replace(hp, n_swa=n_swa, swa_layers=swa_pattern(m, hp.n_layer, SWA_PERIOD),
                      rope_freq_base_swa=m.float_key("rope.freq_base_swa", 10000.0, hi=1e30), rope_freq_scale_swa=1.0)
     return hp
 
