@@ -47,6 +47,14 @@ REFUSED = {
                                          dict(replace={"token_embd.weight": np.zeros((V - 5, E), np.float32)}),
                                          rf"the tokenizer has {V} tokens but 'token_embd.weight' has {V - 5} rows",
                                          True),
+    # every division by a hyper-parameter is guarded: a ModelError naming the key, not a ZeroDivisionError
+    "gemma3-62-layers-narrower-than-heads": ("gemma3", dict(head_dim=128, metadata={"block_count": 62,
+                                                                                    "embedding_length": 2}),
+                                             r"embedding_length 2 is smaller than attention.head_count 4", None),
+    "rope-scaling-factor-tiny": ("llama", dict(rope_scaling=("linear", 1e-39)),
+                                 r"rope scaling factor \S+ is too small to divide by", False),
+    "softcap-tiny": ("gemma3", dict(final_softcap=1e-39), r"final_logit_softcapping \S+ is too small to divide by",
+                     None),
     "output-bias": ("qwen2", dict(extra_tensors={"output.bias": np.zeros(284, np.float32)}),
                     r"output.bias.*not supported", None),
 }
@@ -162,3 +170,30 @@ def test_array_values_of_every_key_are_read_or_refused_with_model_error(arch, tm
             assert outcomes["gemma3.attention.sliding_window_pattern", name] == "read", name
         for name in ("float32", "nested", "strings", "empty"):  # llama.cpp refuses a float array too
             assert outcomes["gemma3.attention.sliding_window_pattern", name] == "refused", name
+
+
+# numbers a hostile file may hold in any key models/ reads (0, the extremes of uint32 and float32, 62 layers: the
+# gemma3 27B layout divides by embedding_length // head_count)
+HOSTILE_NUMBERS = (0, 1, 2, 3, 62, 2**32 - 1, -1, 1e-39, 1e-45, 3.4e38, float("nan"), float("inf"), -0.0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_hostile_numbers_in_every_key_are_read_or_refused_with_model_error(arch, tmp_path):
+    from ggml_py.formats.gguf import open_gguf
+    from ggml_py.models import get_architecture
+
+    path = write_tiny(tmp_path / "t.gguf", arch, seed=1, n_swa=8 if arch == "gemma3" else 0)
+    with open_gguf(path) as gf:
+        meta = dict(gf.metadata)
+    a = get_architecture(arch, path)
+    bad = {}
+    for key in (f"{arch}.{k}" for k in ARCH_KEYS):
+        for value in HOSTILE_NUMBERS:
+            for extra in ({}, {f"{arch}.block_count": 62}):  # alone, and with the 27B layout
+                try:
+                    a.hparams({**meta, **extra, key: value}, path, V)
+                except ModelError:
+                    pass
+                except Exception as e:  # noqa: BLE001 - the point: nothing but ModelError
+                    bad[key, value, bool(extra)] = f"{type(e).__name__}: {e}"
+    assert not bad, "\n".join(f"{k}: {v[:100]}" for k, v in bad.items())

@@ -56,6 +56,18 @@ def _positive(v: Any, key: str, path: str, hi: float = math.inf) -> float:
     return float(v)
 
 
+F32_MAX = float(np.finfo(np.float32).max)
+MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS (it asserts block_count <= 512); per-layer tables are this long at most
+
+
+def reciprocal(v: float, key: str, path: str) -> float:
+    """1 / v for a positive hyper-parameter the graph divides by (an op parameter, float32): refused with ModelError
+    naming the key when it is 0 or so small that its reciprocal is no float32."""
+    if not v > 0 or 1.0 / v > F32_MAX:
+        raise ModelError(f"{path}: {key} {v!r} is too small to divide by (its reciprocal is no float32)")
+    return 1.0 / v
+
+
 class Meta:
     """The `<arch>.*` metadata keys of one file, read with validation and errors naming the file and the key."""
 
@@ -155,6 +167,9 @@ def read_hparams(meta: dict[str, Any], arch: str, path: str, n_vocab: int, *, ro
     """The core keys every architecture has, plus the architecture's own values in `arch_specific` (HParams
     fields). rope scaling: none or linear."""
     m = Meta(meta, arch, path)
+    n_layer = m.int_key("block_count")
+    if n_layer > MAX_LAYERS:  # before any per-layer table is built: 2^32 - 1 layers would exhaust memory here
+        raise ModelError(f"{path}: block_count {n_layer} exceeds {MAX_LAYERS} layers (llama.cpp's limit too)")
     n_embd = m.int_key("embedding_length")
     n_head = m.int_key("attention.head_count")
     n_head_kv = m.int_key("attention.head_count_kv", n_head)
@@ -176,10 +191,10 @@ def read_hparams(meta: dict[str, Any], arch: str, path: str, n_vocab: int, *, ro
                                or not math.isfinite(factor) or factor < 0):
         raise ModelError(f"{path}: rope scaling factor must be a finite number >= 0 (0: none), got {factor!r}")
     if factor and stype in (None, "linear") and float(factor) != 1.0:
-        scale = 1.0 / float(factor)
+        scale = reciprocal(float(factor), "rope scaling factor", path)
     values: dict[str, Any] = dict(
         arch=arch, n_vocab=n_vocab, n_ctx_train=m.int_key("context_length"), n_embd=n_embd,
-        n_layer=m.int_key("block_count"), n_ff=m.int_key("feed_forward_length"), n_head=n_head, n_head_kv=n_head_kv,
+        n_layer=n_layer, n_ff=m.int_key("feed_forward_length"), n_head=n_head, n_head_kv=n_head_kv,
         head_dim=head_dim, head_dim_v=head_dim_v, n_rot=n_rot,
         # an eps of 1 already swamps a unit-variance activation; 1e300 would make every norm output 0 in float32
         rms_eps=m.float_key("attention.layer_norm_rms_epsilon", 1e-5, hi=1.0), rope_mode=rope_mode,
