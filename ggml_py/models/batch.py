@@ -31,7 +31,7 @@ from ggml_py.ir import dtypes
 from ggml_py.ir.symbolic import sym
 from ggml_py.models.blocks import StepGraph
 from ggml_py.models.kv_cache import KVCache, KVCells
-from ggml_py.models.memory import require_memory
+from ggml_py.models.memory import require_memory, step_buffer_bytes
 from ggml_py.runtime.plan import prepare
 
 if TYPE_CHECKING:
@@ -67,8 +67,12 @@ class BatchDecoder:
         self.n_seq_max = n_seq_max
         self.n_batch = n_batch
         hp = model.hparams
-        require_memory([(f"batch KV cache ({hp.n_layer} layers x {n_ctx} cells, {kv})",
-                         KVCache.nbytes_for(hp, n_ctx, kv))], "use a smaller n_ctx or kv_type F16")
+        # its one plan holds masks of n_batch x n_ctx and up to n_seq_max rows of logits
+        self.memory_parts = [(f"batch KV cache ({hp.n_layer} layers x {n_ctx} cells, {kv})",
+                              KVCache.nbytes_for(hp, n_ctx, kv)),
+                             (f"batch compute buffer (attention masks of {n_batch} x {n_ctx})",
+                              step_buffer_bytes(hp, n_batch, n_ctx, n_seq_max))]
+        require_memory(self.memory_parts, "use a smaller n_ctx or n_batch, or kv_type F16")
         self.cache = KVCache(hp, n_ctx, kv)
         self.cells = KVCells(n_ctx, n_seq_max)
         self._free_ids = list(range(n_seq_max))
