@@ -132,6 +132,8 @@ def write_tiny(path: str | os.PathLike[str], arch: str, *, seed: int = 0, n_embd
         key = key if key.startswith(("general.", "tokenizer.")) else f"{arch}.{key}"
         if isinstance(value, str):
             w.add_string(key, value)
+        elif isinstance(value, list | tuple):  # an array of the elements' type (bool, int, float, str)
+            w.add_array(key, list(value))
         elif isinstance(value, float):
             w.add_float32(key, value)
         else:

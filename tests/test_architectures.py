@@ -97,6 +97,44 @@ def test_gemma3_default_window_pattern_softcap_and_separate_head(tmp_path):
         assert nmse(ours, ref) <= 5e-4, f"on {b}: NMSE {nmse(ours, ref):.2e}"
 
 
+_MANY_LOGITS_WORKER = """
+import numpy as np
+import llama_cpp
+
+
+def run(models, ids, outs):
+    for model, out in zip(models, outs):
+        llm = llama_cpp.Llama(model_path=model, n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+        llm.eval(ids)
+        np.save(out, np.array(llm.scores[: len(ids)], dtype=np.float32))
+    return 0
+"""
+
+
+@pytest.mark.skipif(not llamacpp_peer.available(), reason=llamacpp_peer.NOT_AVAILABLE)
+def test_gemma3_window_pattern_as_an_array_matches_llama_cpp(tmp_path):
+    """`sliding_window_pattern` as a GGUF array, one value per layer (booleans, or integers that llama.cpp reads as
+    booleans: non-zero slides), gives llama.cpp's logits; [True, False] is the period 2 of SHAPES exactly, and
+    [False, True] is another model. (A float array llama.cpp refuses, and so do we: test_loader_rejections.)"""
+    shape = {k: v for k, v in SHAPES["gemma3"].items() if k != "swa_pattern"}
+    patterns = {"bool-TF": [True, False], "bool-FT": [False, True], "int-2-0": [2, 0]}
+    paths = {n: write_tiny(tmp_path / f"{n}.gguf", "gemma3", seed=3,
+                           metadata={"attention.sliding_window_pattern": p}, **shape) for n, p in patterns.items()}
+    period2, ids = _ours(write_tiny(tmp_path / "p2.gguf", "gemma3", seed=3, **SHAPES["gemma3"]), "numpy")
+    assert len(ids) > shape["n_swa"]  # the window matters
+    outs = [str(tmp_path / f"{n}.npy") for n in paths]
+    llamacpp_peer.run(_MANY_LOGITS_WORKER, list(paths.values()), ids, outs)
+    ours = {}
+    for (n, path), out in zip(paths.items(), outs):
+        ref = np.load(out)
+        for b in BACKENDS:
+            ours[n, b], _ = _ours(path, b, ids)
+            assert nmse(ours[n, b], ref) <= 5e-4, f"{n} on {b}: NMSE {nmse(ours[n, b], ref):.2e} against llama.cpp"
+    assert np.array_equal(ours["bool-TF", "numpy"], period2)
+    assert np.array_equal(ours["int-2-0", "numpy"], period2)
+    assert np.abs(ours["bool-FT", "numpy"] - period2).max() > 1.0
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", NEW)
 def test_decode_steps_match_the_prompt_pass_on_one_plan(arch, backend, tmp_path):

@@ -162,3 +162,21 @@ def test_quantized_steps_of_two_and_three_rows(tmp_path):
         out = dec.decode([(q, [21], True) for q in s[:2]])  # 2 rows
         for k in range(2):
             assert nmse(out[k], refs[k][len(prompts[k]) + 1]) < 1e-3
+
+
+def test_generate_batch_with_max_tokens_zero_gives_empty_completions(tmp_path):
+    """max_tokens 0: every prompt gets an empty completion that ended on "length" (the default cache used to be sized
+    for the prompts alone, and every prompt was refused as too long for it); a bad max_tokens is a ModelError."""
+    from ggml_py.serving import generate_batch
+
+    path = write_tiny(tmp_path / "llama.gguf", "llama", n_embd=128, n_ff=256)
+    with load_model(path, backends=BACKENDS[:1], n_ctx=32, progress=False) as m:
+        prompts = ["the cat", [5, 6, 7], "a"]
+        out = generate_batch(m, prompts, 0)
+        assert [(c.tokens, c.text, c.finish_reason) for c in out] == [([], "", "length")] * 3
+        assert [c.prompt_tokens for c in out] == [len(m.tokenize("the cat")), 3, len(m.tokenize("a"))]
+        one = generate_batch(m, prompts, 1, temperature=0, stop_at_eos=False)
+        assert [len(c.tokens) for c in one] == [1, 1, 1]
+        for bad in (-1, 1.5, True, None):
+            with pytest.raises(ModelError, match="max_tokens must be a non-negative integer"):
+                generate_batch(m, prompts, bad)

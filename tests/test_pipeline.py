@@ -49,8 +49,12 @@ def _script(dec: BatchDecoder, rng: np.random.Generator) -> list[np.ndarray]:
 
 def _run(m, stages: list[range] | None) -> list[np.ndarray]:
     made = None if stages is None else [Stage(m, r, N_CTX, N_SEQ, N_BATCH) for r in stages]
-    with BatchDecoder(m, n_ctx=N_CTX, n_seq_max=N_SEQ, n_batch=N_BATCH, stages=made) as dec:
-        return _script(dec, np.random.default_rng(0))
+    try:
+        with BatchDecoder(m, n_ctx=N_CTX, n_seq_max=N_SEQ, n_batch=N_BATCH, stages=made) as dec:
+            return _script(dec, np.random.default_rng(0))
+    finally:
+        for st in made or ():  # given stages are the caller's to close
+            st.close()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

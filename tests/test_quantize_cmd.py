@@ -13,6 +13,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -412,3 +415,39 @@ def test_errors_leave_no_file(tiny, tmp_path_factory, tmp_path, capsys):
     with pytest.raises(KeyboardInterrupt):
         quantize_file(src, str(out), "Q4_K_M", progress=interrupt)
     assert sorted(os.listdir(tmp_path)) == []
+
+
+# `ggml-py quantize` in a process of its own, each tensor's conversion slowed to 50 ms and announced on stdout, so a
+# signal can be sent at a known point in the middle of the run
+_SLOW_QUANTIZE = """
+import sys, time
+import ggml_py.formats.quantize as q
+convert = q.convert_tensor
+def slow(*args, **kwargs):
+    print("tensor", flush=True)
+    time.sleep(0.05)
+    return convert(*args, **kwargs)
+q.convert_tensor = slow
+from ggml_py.commands.cli import main
+raise SystemExit(main(["quantize", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signal_mid_run_leaves_no_part_file(tiny, tmp_path, sig):
+    """SIGTERM and SIGHUP (default action: the process ends without unwinding) remove the hidden .part file as Ctrl-C
+    does, then end the process by that same signal; SIGINT exits 130 with `error: interrupted`."""
+    out = tmp_path / "out.gguf"
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_QUANTIZE, tiny["llama"], str(out), "Q4_K_M"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(3):  # three tensors converted: the .part file is being written
+            assert proc.stdout.readline() == "tensor\n", proc.stderr.read()
+        assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".part")], "no .part file mid-run"
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert rc == (130 if sig == signal.SIGINT else -sig), proc.stderr.read()
+    assert list(tmp_path.iterdir()) == [], "a file was left behind"

@@ -82,6 +82,7 @@ class Pipeline:
         self._ray, self.actors, self.specs, self.nodes, self.timeout_s = ray, actors, specs, nodes, timeout_s
         self.n_embd = n_embd
         self.steps = 0
+        self.tokens = 0
         self.boundary_bytes = 0  # hidden states and metas handed from a stage to the next (what crosses a boundary)
         self.start_s = 0.0
 
@@ -100,6 +101,7 @@ class Pipeline:
         except Exception as e:
             raise self._failure(refs, e) from None
         self.steps += 1
+        self.tokens += meta.n_tokens
         self.boundary_bytes += (len(self.actors) - 1) * (meta.n_tokens * self.n_embd * 4 + meta.nbytes())
         return out
 

@@ -10,12 +10,14 @@ from typing import Any
 from ggml_py.errors import GgmlPyError
 
 BUILTIN = {"reuse": "ggml_py.commands.bench_reuse", "model": "ggml_py.commands.bench_model",
-           "matrix": "ggml_py.commands.bench_matrix", "serve": "ggml_py.commands.bench_serve"}
+           "matrix": "ggml_py.commands.bench_matrix", "serve": "ggml_py.commands.bench_serve",
+           "cluster": "ggml_py.commands.bench_cluster"}
 ENTRY_POINT_GROUP = "ggml_py.benchmarks"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", help="reuse, model, matrix, serve, or one a backend provides (ops)")
+    p.add_argument("name", help="reuse, model, matrix, serve, cluster, or one a backend provides (ops)")
+    p.add_argument("--stages", type=int, default=None, help="cluster: pipeline stages, one per local Ray node")
     p.add_argument("--backend", default=None, help="backend to measure (default: the benchmark's)")
     p.add_argument("--steps", type=int, default=None, help="repetitions (reuse)")
     p.add_argument("-t", "--threads", type=int, default=2)
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise GgmlPyError(f"--streams must be comma-separated integers, got {args.streams!r}") from None
         if not opts["concurrency"] or min(opts["concurrency"]) < 1:
             raise GgmlPyError(f"--streams must be positive integers, got {args.streams!r}")
-    for name in ("n_gen", "n_prompt", "rounds"):
+    for name in ("n_gen", "n_prompt", "rounds", "stages"):
         v = getattr(args, name)
         if v is not None:
             if v < 1:

@@ -157,6 +157,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
                         max_queue=args.queue, n_batch=args.batch, model_name=args.alias,
                         default_max_tokens=args.max_tokens, log=log, log_level=args.log_level, options=options,
                         stages=stages)
+        for st in stages or ():
+            st.close()
         log(f"ggml-py serve: stopped after {metrics['requests_finished']} requests, "
             f"{metrics['tokens_generated']} tokens generated ({metrics['shutdown']})")
         # a second signal cut the drain short: exit as that signal would have (128 + its number)

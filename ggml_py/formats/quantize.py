@@ -13,10 +13,13 @@ See docs/quantize.md.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,6 +197,93 @@ def _check_paths(inp: str, out: str, force: bool) -> None:
         raise QuantizeError(f"{out}: folder {folder} does not exist")
 
 
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived while a temporary file existed (a BaseException, like KeyboardInterrupt: no
+    `except Exception` swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+# signals whose default action ends the process without unwinding the stack: a temporary file would stay behind
+_CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _die_after_cleanup() -> Iterator[None]:
+    """Inside the block, SIGTERM and SIGHUP raise `_Terminated` (so the block's cleanup runs) where they would have
+    killed the process outright; leaving the block by it, the process then dies of that same signal, as it would
+    have without us. Only signals left at their default action, and only on the main thread (where Python runs
+    signal handlers); a program's own handler is left alone."""
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        def raise_terminated(signum: int, frame: object) -> None:
+            for sig in previous:  # once: a second signal must not interrupt the cleanup the first one started
+                signal.signal(sig, signal.SIG_IGN)
+            raise _Terminated(signum)
+
+        for sig in _CLEANUP_SIGNALS:
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                previous[sig] = signal.signal(sig, raise_terminated)
+    try:
+        yield
+    except _Terminated as e:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        previous.clear()
+        os.kill(os.getpid(), e.signum)  # the default action now: the process ends here
+        raise  # not reached unless the signal is blocked
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _write(gf: Any, tmp: str, out: str, arch: str, entries: list[tuple[str, Any, int, int | None]],
+           plans: list[TensorPlan], use_backend: bool, progress: Callable[[int, int, TensorPlan], None] | None
+           ) -> dict[str, str]:
+    """Write the file as `tmp` (created here), then rename it to `out`; on any error or interrupt `tmp` is removed.
+    Returns the converter of each type written (type name -> a backend's name or "quants")."""
+    import gguf
+
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any new file
+    os.close(fd)
+    convert = _Converter(use_backend)
+    writer = None
+    try:
+        writer = gguf.GGUFWriter(tmp, arch)
+        writer.data_alignment = gf.alignment
+        for key, value, vtype, sub in entries:
+            writer.add_key_value(key, value, gguf.GGUFValueType(vtype),
+                                 gguf.GGUFValueType(sub) if sub is not None else None)
+        for p in plans:
+            byte_shape = (*p.shape[:-1], p.dst.row_size(p.shape[-1]))
+            writer.add_tensor_info(p.name, byte_shape, np.dtype(np.uint8), p.nbytes(),
+                                   raw_dtype=gguf.GGMLQuantizationType(p.dst.ggml_id))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for i, p in enumerate(plans):
+            if progress is not None:
+                progress(i, len(plans), p)
+            data = convert_tensor(gf.data(p.name), p, convert)
+            writer.write_tensor_data(data)
+        writer.close()
+        writer = None
+        os.replace(tmp, out)
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    finally:
+        convert.close()
+    return convert.used
+
+
 def quantize_file(inp: str, out: str, type_name: str, *, allow_requantize: bool = False,
                   output_type: str | None = None, token_embedding_type: str | None = None, pure: bool = False,
                   force: bool = False, use_backend: bool = True,
@@ -201,9 +291,9 @@ def quantize_file(inp: str, out: str, type_name: str, *, allow_requantize: bool 
     """Write `out`: the model `inp` with its weights in file type `type_name` (see docs/quantize.md).
 
     The output appears only when complete (written as a hidden temporary file in its folder, then renamed); on any
-    error or interrupt nothing is left behind. `progress(i, n, plan)` is called before each tensor."""
-    import gguf
-
+    error or interrupt nothing is left behind: Ctrl-C raises KeyboardInterrupt after removing it, SIGTERM and SIGHUP
+    (when at their default action, called on the main thread) remove it and then end the process as they would
+    have. `progress(i, n, plan)` is called before each tensor."""
     from ggml_py.formats.gguf import open_gguf
 
     t0 = time.perf_counter()
@@ -230,41 +320,8 @@ def quantize_file(inp: str, out: str, type_name: str, *, allow_requantize: bool 
 
         folder, base = os.path.split(os.path.abspath(out))
         tmp = os.path.join(folder, f".{base}.{uuid.uuid4().hex[:12]}.part")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any new file
-        os.close(fd)
-        convert = _Converter(use_backend)
-        writer = None
-        try:
-            writer = gguf.GGUFWriter(tmp, facts.arch)
-            writer.data_alignment = gf.alignment
-            for key, value, vtype, sub in entries:
-                writer.add_key_value(key, value, gguf.GGUFValueType(vtype),
-                                     gguf.GGUFValueType(sub) if sub is not None else None)
-            for p in plans:
-                byte_shape = (*p.shape[:-1], p.dst.row_size(p.shape[-1]))
-                writer.add_tensor_info(p.name, byte_shape, np.dtype(np.uint8), p.nbytes(),
-                                       raw_dtype=gguf.GGMLQuantizationType(p.dst.ggml_id))
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_ti_data_to_file()
-            for i, p in enumerate(plans):
-                if progress is not None:
-                    progress(i, len(plans), p)
-                data = convert_tensor(gf.data(p.name), p, convert)
-                writer.write_tensor_data(data)
-            writer.close()
-            writer = None
-            os.replace(tmp, out)
-        except BaseException:
-            if writer is not None:
-                writer.close()
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        finally:
-            convert.close()
+        with _die_after_cleanup():
+            used = _write(gf, tmp, out, facts.arch, entries, plans, use_backend, progress)
         counts: dict[str, int] = {}
         for p in plans:
             counts[p.dst.name] = counts.get(p.dst.name, 0) + 1
@@ -273,6 +330,6 @@ def quantize_file(inp: str, out: str, type_name: str, *, allow_requantize: bool 
             output_bytes=os.path.getsize(out), n_tensors=len(plans), tensor_types=dict(sorted(counts.items())),
             n_requantized=sum(1 for p in plans if p.dst is not p.src and p.src.is_quantized),
             fallbacks=[f"{p.name}: {p.fallback}" for p in plans if p.fallback], dropped_keys=dropped,
-            converters=dict(sorted(convert.used.items())), seconds=round(time.perf_counter() - t0, 3),
+            converters=dict(sorted(used.items())), seconds=round(time.perf_counter() - t0, 3),
             tensors=[{"name": p.name, "shape": list(p.shape), "from": p.src.name, "to": p.dst.name} for p in plans],
         )

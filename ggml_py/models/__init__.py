@@ -99,8 +99,6 @@ def load_model(path: str | os.PathLike[str] | None = None, backends: str | Seque
             tok.source = p
             if tok.chat_template is None:
                 tok.chat_template = arch.chat_template
-            if tok.n_vocab != hp.n_vocab:
-                log.warning("%s: tokenizer has %d tokens, the embedding %d", p, tok.n_vocab, hp.n_vocab)
         except GgmlPyError as e:  # eval still works with ids; tokenize/generate raise this error
             tok_err = e
             log.warning("%s: no tokenizer: %s", p, e)

@@ -73,6 +73,7 @@ class BatchDecoder:
         self.cells = KVCells(n_ctx, n_seq_max)
         # the blocks run as one local stage beside the decoder (sharing its cells), or as the given pipeline stages,
         # each with its own record of the cells kept from the step metas (stage.py)
+        self._own_stages = stages is None  # given stages are the caller's to close
         self.stages: list[StageLike] = list(stages) if stages is not None else [
             Stage(model, range(model.hparams.n_layer), n_ctx, n_seq_max, n_batch, kv, cells=self.cells)]
         self._free_ids = list(range(n_seq_max))
@@ -178,6 +179,11 @@ class BatchDecoder:
                 "prepare_s": sum(st.prepare_s for st in local)}
 
     @property
+    def memory_parts(self) -> list[tuple[str, int]]:
+        """What the local stages hold (their KV caches and compute buffers), as checked against MemAvailable."""
+        return [p for st in self.stages if isinstance(st, Stage) for p in st.memory_parts]
+
+    @property
     def plans_prepared(self) -> int:
         return int(self.stats()["plans_prepared"])
 
@@ -186,11 +192,13 @@ class BatchDecoder:
         return float(self.stats()["compute_s"])
 
     def close(self) -> None:
-        """Free the plan (the model's close() closes its decoders too)."""
+        """Free the plan of the decoder's own stage (the model's close() closes its decoders too); stages given to it
+        are the caller's to close."""
         with self.model._lock:
             self._closed = True
-            for st in self.stages:
-                st.close()
+            if self._own_stages:
+                for st in self.stages:
+                    st.close()
             self.model._detach(self)
 
     def __enter__(self) -> BatchDecoder:

@@ -20,11 +20,12 @@ import math
 from dataclasses import replace
 from typing import Any
 
+from ggml_py.errors import ModelError
 from ggml_py.ir import ops
 from ggml_py.ir.tensor import Tensor
 from ggml_py.models.architecture import Architecture
 from ggml_py.models.blocks import StepBuilder
-from ggml_py.models.hparams import HParams, Meta, read_hparams, swa_pattern
+from ggml_py.models.hparams import HParams, Meta, read_hparams, reciprocal, swa_pattern
 from ggml_py.models.weights import Layer, TensorReader, attention_tensors, ffn_tensors
 
 NAME = "gemma3"
@@ -47,12 +48,19 @@ CHAT_TEMPLATE = (
 def hparams(meta: dict[str, Any], path: str, n_vocab: int) -> HParams:
     m = Meta(meta, NAME, path)
     hp = read_hparams(meta, NAME, path, n_vocab, rope_mode=ops.ROPE_NEOX)
-    softcap = m.float_key("final_logit_softcapping") if m.get("final_logit_softcapping") else 0.0
+    softcap = m.optional_float("final_logit_softcapping")
+    if softcap:  # the graph divides the logits by it
+        reciprocal(softcap, "final_logit_softcapping", path)
     hp = replace(hp, embd_scale=math.sqrt(hp.n_embd), final_softcap=softcap)
     if hp.n_layer == 62:  # the 27B model scales by the width per head, not the key length (gemma_pytorch config)
+        if hp.n_embd < hp.n_head:
+            raise ModelError(f"{path}: embedding_length {hp.n_embd} is smaller than attention.head_count "
+                             f"{hp.n_head}: a 62-layer gemma3 scales attention by 1/sqrt(embedding_length // "
+                             "head_count), which would divide by zero")
         hp = replace(hp, attn_scale=1.0 / math.sqrt(hp.n_embd // hp.n_head))
-    if m.get("attention.sliding_window"):  # absent or 0: every layer is global
-        hp = replace(hp, n_swa=m.int_key("attention.sliding_window"), swa_layers=swa_pattern(m, hp.n_layer, SWA_PERIOD),
+    n_swa = m.optional_int("attention.sliding_window")
+    if n_swa:  # absent or 0: every layer is global
+        hp = replace(hp, n_swa=n_swa, swa_layers=swa_pattern(m, hp.n_layer, SWA_PERIOD),
                      rope_freq_base_swa=m.float_key("rope.freq_base_swa", 10000.0, hi=1e30), rope_freq_scale_swa=1.0)
     return hp
 

@@ -15,16 +15,37 @@ import numpy as np
 from ggml_py.errors import ModelError
 
 
-def _per_layer(v: Any, key: str, path: str) -> int:
-    """Keys such as head_count_kv may be arrays (one value per layer); ggml_py needs them uniform."""
-    if isinstance(v, list | np.ndarray):  # GGUF numeric arrays load as numpy arrays
-        if isinstance(v, np.ndarray):
-            v = v.tolist() if v.ndim == 1 and v.dtype.kind in "iu" else [v]
-        if not v or any(x != v[0] for x in v):
-            raise ModelError(f"{path}: {key} varies per layer ({v[:8]}...), which ggml_py does not support")
-        v = v[0]
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ModelError(f"{path}: {key} must be a positive integer, got {v!r}")
+def _kind(v: Any) -> str:
+    if isinstance(v, np.ndarray):
+        return f"an array of {v.dtype} {list(v.shape)}"
+    if isinstance(v, list):
+        return "an array of " + (type(v[0]).__name__ if v else "nothing")
+    return f"{v!r:.40}"
+
+
+def _int_array(v: Any) -> list[int] | None:
+    """A GGUF array of integers (any width) as a list; None for anything else (floats, bools, strings, nested)."""
+    if isinstance(v, np.ndarray):
+        return v.tolist() if v.ndim == 1 and v.dtype.kind in "iu" else None
+    if isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        return list(v)
+    return None
+
+
+def _per_layer(v: Any, key: str, path: str, minimum: int = 1) -> int:
+    """Keys such as head_count_kv may be arrays (one value per layer, GGUF integers of any width: numpy arrays);
+    ggml_py needs them uniform."""
+    if isinstance(v, list | np.ndarray):
+        items = _int_array(v)
+        if not items:
+            raise ModelError(f"{path}: {key} must be an integer or a non-empty array of integers (one per layer), "
+                             f"got {_kind(v)}")
+        if any(x != items[0] for x in items):
+            raise ModelError(f"{path}: {key} varies per layer ({items[:8]}...), which ggml_py does not support")
+        v = items[0]
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ModelError(f"{path}: {key} must be {what}, got {v!r}")
     return int(v)
 
 
@@ -33,6 +54,18 @@ def _positive(v: Any, key: str, path: str, hi: float = math.inf) -> float:
         what = "a positive number" if hi == math.inf else f"a number in (0, {hi:g}]"
         raise ModelError(f"{path}: {key} must be {what}, got {v!r}")
     return float(v)
+
+
+F32_MAX = float(np.finfo(np.float32).max)
+MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS (it asserts block_count <= 512); per-layer tables are this long at most
+
+
+def reciprocal(v: float, key: str, path: str) -> float:
+    """1 / v for a positive hyper-parameter the graph divides by (an op parameter, float32): refused with ModelError
+    naming the key when it is 0 or so small that its reciprocal is no float32."""
+    if not v > 0 or 1.0 / v > F32_MAX:
+        raise ModelError(f"{path}: {key} {v!r} is too small to divide by (its reciprocal is no float32)")
+    return 1.0 / v
 
 
 class Meta:
@@ -58,6 +91,18 @@ class Meta:
         v = self.get(key, default)
         if v is None:
             raise ModelError(f"{self.path}: missing metadata key {self.arch + '.' + key!r}")
+        return _positive(v, key, self.path, hi)
+
+    def optional_int(self, key: str) -> int:
+        """A non-negative integer (uniform per-layer arrays too); absent is 0 (an optional feature left off)."""
+        v = self.get(key)
+        return 0 if v is None else _per_layer(v, key, self.path, minimum=0)
+
+    def optional_float(self, key: str, hi: float = math.inf) -> float:
+        """A positive finite number at most `hi`, or 0 (absent, or written as 0: an optional feature left off)."""
+        v = self.get(key)
+        if v is None or (isinstance(v, int | float) and not isinstance(v, bool) and v == 0):
+            return 0.0
         return _positive(v, key, self.path, hi)
 
 
@@ -99,15 +144,21 @@ class HParams:
 
 
 def swa_pattern(m: Meta, n_layer: int, default_period: int) -> tuple[bool, ...]:
-    """Which layers slide, as llama.cpp reads `attention.sliding_window_pattern`: an array of booleans (one per
-    layer), or a period N (every Nth layer, the last of each group of N, is global); N = 0 means every layer slides."""
-    v = m.get("attention.sliding_window_pattern", default_period)
-    if isinstance(v, list):
-        if len(v) != n_layer or not all(isinstance(x, bool) for x in v):
-            raise ModelError(f"{m.path}: attention.sliding_window_pattern must have one boolean per layer")
-        return tuple(v)
+    """Which layers slide, as llama.cpp reads `attention.sliding_window_pattern`: an array with one value per layer
+    (booleans, or integers of any width: non-zero slides, as llama.cpp reads them), or a period N (every Nth layer,
+    the last of each group of N, is global); N = 0 means every layer slides. llama.cpp refuses a float array."""
+    key = "attention.sliding_window_pattern"
+    v = m.get(key, default_period)
+    if isinstance(v, list | np.ndarray):
+        flags = v.tolist() if isinstance(v, np.ndarray) and v.ndim == 1 and v.dtype.kind in "biu" else v
+        if not isinstance(flags, list) or not all(isinstance(x, int) for x in flags):  # bool is an int
+            raise ModelError(f"{m.path}: {key} must be a period or an array of booleans or integers (one per "
+                             f"layer), got {_kind(v)}")
+        if len(flags) != n_layer:
+            raise ModelError(f"{m.path}: {key} must have one value per layer ({n_layer}), got {len(flags)}")
+        return tuple(bool(x) for x in flags)
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ModelError(f"{m.path}: attention.sliding_window_pattern must be a non-negative integer, got {v!r}")
+        raise ModelError(f"{m.path}: {key} must be a non-negative integer, got {v!r}")
     return tuple(v == 0 or il % v < v - 1 for il in range(n_layer))
 
 
@@ -116,6 +167,9 @@ def read_hparams(meta: dict[str, Any], arch: str, path: str, n_vocab: int, *, ro
     """The core keys every architecture has, plus the architecture's own values in `arch_specific` (HParams
     fields). rope scaling: none or linear."""
     m = Meta(meta, arch, path)
+    n_layer = m.int_key("block_count")
+    if n_layer > MAX_LAYERS:  # before any per-layer table is built: 2^32 - 1 layers would exhaust memory here
+        raise ModelError(f"{path}: block_count {n_layer} exceeds {MAX_LAYERS} layers (llama.cpp's limit too)")
     n_embd = m.int_key("embedding_length")
     n_head = m.int_key("attention.head_count")
     n_head_kv = m.int_key("attention.head_count_kv", n_head)
@@ -137,10 +191,10 @@ def read_hparams(meta: dict[str, Any], arch: str, path: str, n_vocab: int, *, ro
                                or not math.isfinite(factor) or factor < 0):
         raise ModelError(f"{path}: rope scaling factor must be a finite number >= 0 (0: none), got {factor!r}")
     if factor and stype in (None, "linear") and float(factor) != 1.0:
-        scale = 1.0 / float(factor)
+        scale = reciprocal(float(factor), "rope scaling factor", path)
     values: dict[str, Any] = dict(
         arch=arch, n_vocab=n_vocab, n_ctx_train=m.int_key("context_length"), n_embd=n_embd,
-        n_layer=m.int_key("block_count"), n_ff=m.int_key("feed_forward_length"), n_head=n_head, n_head_kv=n_head_kv,
+        n_layer=n_layer, n_ff=m.int_key("feed_forward_length"), n_head=n_head, n_head_kv=n_head_kv,
         head_dim=head_dim, head_dim_v=head_dim_v, n_rot=n_rot,
         # an eps of 1 already swamps a unit-variance activation; 1e300 would make every norm output 0 in float32
         rms_eps=m.float_key("attention.layer_norm_rms_epsilon", 1e-5, hi=1.0), rope_mode=rope_mode,

@@ -27,7 +27,7 @@ from ggml_py.models.architecture import Architecture
 from ggml_py.models.blocks import TOP_CANDIDATES, StepGraph
 from ggml_py.models.hparams import HParams
 from ggml_py.models.kv_cache import KVCache
-from ggml_py.models.memory import require_memory
+from ggml_py.models.memory import require_memory, step_buffer_bytes
 from ggml_py.models.weights import Weights
 from ggml_py.runtime.placement import place_static
 from ggml_py.runtime.plan import Plan, prepare
@@ -114,6 +114,11 @@ class Model:
         self.n_ctx = n_ctx
         self.n_vocab = hparams.n_vocab
         self.graph_reuse = graph_reuse
+        if tokenizer is not None and tokenizer.n_vocab != hparams.n_vocab:
+            # as llama.cpp (check_tensor_dims): more rows than tokens would let sampling pick ids nothing can
+            # decode, fewer would leave tokens without an embedding
+            raise ModelError(f"{self.path}: the tokenizer has {tokenizer.n_vocab} tokens but 'token_embd.weight' has "
+                             f"{hparams.n_vocab} rows; they must be equal")
         copy_weights = self._must_copy_weights()
         self._require_memory(kv_type, copy_weights)
         self.cache = KVCache(hparams, n_ctx, kv_type)
@@ -147,8 +152,8 @@ class Model:
 
     def _require_memory(self, kv_type: dtypes.DType, copy_weights: bool) -> None:
         """Refuse, before allocating anything, a model whose weights (read every token, so they must all be
-        resident), the preferred backend's caches of them, a host copy of them and the KV cache exceed MemAvailable.
-        Compute buffers (a few MiB to tens of MiB) are not counted."""
+        resident), the preferred backend's caches of them, a host copy of them, the KV cache and the compute buffers
+        of its step plans exceed MemAvailable. The parts are kept in `memory_parts`."""
         hp, b = self.hparams, self.backends[0]
         ws = self.weights.all()
         size = sum(t.nbytes for t in ws)
@@ -157,6 +162,14 @@ class Model:
             parts.append((f"weights copied into {b.name}", size))
         parts.append((f"KV cache ({hp.n_layer} layers x {self.n_ctx} positions, {kv_type})",
                       KVCache.nbytes_for(hp, self.n_ctx, kv_type)))
+        # generate() prepares, once each, a plan per prompt batch size (MAX_BATCH, ..., 2; the head on the last row)
+        # and the one-token plan; each holds masks of n_tokens x n_ctx. Without graph reuse one plan lives at a time.
+        sizes = [n for n in batch_sizes(2 * MAX_BATCH - 1) if n <= self.n_ctx]
+        bufs = [step_buffer_bytes(hp, n, self.n_ctx, 1) for n in sizes]
+        parts.append((f"compute buffers ({len(sizes)} step plans, attention masks of {sum(sizes)} x {self.n_ctx})"
+                      if self.graph_reuse else "compute buffer (one step plan at a time)",
+                      sum(bufs) if self.graph_reuse else max(bufs)))
+        self.memory_parts: list[tuple[str, int]] = parts
         f16 = "kv_type F16, " if kv_type is not dtypes.F16 else ""
         require_memory(parts, f"use a smaller n_ctx, {f16}another backend or a smaller model")
 

@@ -57,9 +57,10 @@ class DenseSpec:
         def hparams(meta: dict[str, Any], path: str, n_vocab: int) -> HParams:
             hp = read_hparams(meta, arch, path, n_vocab, rope_mode=self.rope_mode)
             m = Meta(meta, arch, path)
-            if self.sliding_window and m.get("attention.sliding_window"):  # absent or 0: no window
+            n_swa = m.optional_int("attention.sliding_window") if self.sliding_window else 0
+            if n_swa:  # absent or 0: no window
                 # every layer slides, with the model's one rope
-                hp = replace(hp, n_swa=m.int_key("attention.sliding_window"), swa_layers=(True,) * hp.n_layer,
+                hp = replace(hp, n_swa=n_swa, swa_layers=(True,) * hp.n_layer,
                              rope_freq_base_swa=hp.rope_freq_base, rope_freq_scale_swa=hp.rope_freq_scale)
             return hp
 

@@ -23,7 +23,7 @@ from ggml_py.ir import dtypes
 from ggml_py.ir.symbolic import sym
 from ggml_py.models.blocks import StepGraph
 from ggml_py.models.kv_cache import KVCache, KVCells
-from ggml_py.models.memory import require_memory
+from ggml_py.models.memory import require_memory, step_buffer_bytes
 from ggml_py.runtime.plan import prepare
 
 if TYPE_CHECKING:
@@ -87,8 +87,12 @@ class Stage:
         self.last = layers.stop == hp.n_layer
         self.n_ctx, self.n_seq_max, self.n_batch = n_ctx, n_seq_max, n_batch
         per_layer = KVCache.nbytes_for(hp, n_ctx, kv) // hp.n_layer
-        require_memory([(f"KV cache of blocks {layers.start}-{layers.stop - 1} ({n_ctx} cells, {kv})",
-                         per_layer * len(layers))], "use a smaller n_ctx or kv_type F16")
+        # its one plan holds masks of n_batch x n_ctx and (last stage) up to n_seq_max rows of logits
+        self.memory_parts = [(f"KV cache of blocks {layers.start}-{layers.stop - 1} ({n_ctx} cells, {kv})",
+                              per_layer * len(layers)),
+                             (f"compute buffer (attention masks of {n_batch} x {n_ctx})",
+                              step_buffer_bytes(hp, n_batch, n_ctx, n_seq_max if self.last else 0))]
+        require_memory(self.memory_parts, "use a smaller n_ctx or n_batch, or kv_type F16")
         self.cache = KVCache(hp, n_ctx, kv)  # state tensors: only this stage's blocks are ever allocated
         self._mirror = cells is None
         self.cells = KVCells(n_ctx, n_seq_max) if cells is None else cells

@@ -40,7 +40,12 @@ def num_array(meta: Mapping[str, Any], key: str, kind: str) -> np.ndarray | None
     v = meta.get(key)
     if v is None:
         return None
-    arr = np.asarray(v) if isinstance(v, list | tuple | np.ndarray) else None
+    if isinstance(v, np.ndarray):  # how GGUF numeric arrays of any element type arrive
+        arr = v
+    elif isinstance(v, list | tuple) and all(isinstance(x, int | float) and not isinstance(x, bool) for x in v):
+        arr = np.asarray(v)
+    else:  # strings, nested arrays (lists of arrays), scalars
+        arr = None
     # llama.cpp reads these as raw float / int32 data: integers as scores (or floats as types) would be garbage
     ok = arr is not None and arr.ndim == 1 and (arr.dtype.kind in ("f" if kind == "f" else "iu") or arr.size == 0)
     if not ok:

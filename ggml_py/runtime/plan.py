@@ -246,12 +246,13 @@ class Plan:
     def compute(self, **bindings: int) -> None:
         """Run every split. Symbols are bound by keyword (e.g. n_kv=17) or from inputs set since the last call."""
         self._enter("compute")
-        for k, v in bindings.items():
-            if isinstance(v, bool) or not isinstance(v, int | np.integer):
-                raise PlanError(f"symbol {k} must be bound to an integer, got {v!r}")
         with self._lock:
             if self._closed:
                 raise PlanError("compute() on a closed plan")
+            for k, v in bindings.items():
+                if isinstance(v, bool) or not isinstance(v, int | np.integer):
+                    self._pending = {}  # a refused compute uses up the inputs' bindings too (_compute_locked)
+                    raise PlanError(f"symbol {k} must be bound to an integer, got {v!r}")
             self._computing = threading.get_ident()
             try:
                 self._compute_locked(bindings)
@@ -259,7 +260,11 @@ class Plan:
                 self._computing = None
 
     def _compute_locked(self, bindings: Mapping[str, int], split_seconds: list[float] | None = None) -> None:
-        b = dict(self._pending)
+        # the inputs' bindings are used up by this call, whether it is refused (a conflict, a symbol missing or out
+        # of range), a split fails, or Ctrl-C stops it: the next set_input may bind other sizes (outputs are then
+        # undefined until a compute completes)
+        b = self._pending
+        self._pending = {}
         for k, v in bindings.items():
             if k in b and b[k] != v:
                 raise PlanError(f"symbol {k}={v} conflicts with {b[k]} implied by an input's shape")
@@ -272,9 +277,6 @@ class Plan:
         if missing:
             raise PlanError(f"symbol(s) {sorted(missing)} must be bound, e.g. compute({next(iter(missing))}=...)")
         self._check_bindings(b)
-        # once running, the inputs' bindings are used up even if a split fails or Ctrl-C stops it: the next
-        # set_input may bind other sizes (outputs are then undefined until a compute completes)
-        self._pending = {}
         for k, run in enumerate(self.runs):
             t0 = time.perf_counter() if split_seconds is not None else 0.0
             for c in run.copies:

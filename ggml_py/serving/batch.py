@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ggml_py.errors import ModelError
 from ggml_py.models.model import Model
 from ggml_py.serving.engine import Completion, Engine, GenParams
 
@@ -18,7 +19,10 @@ def generate_batch(model: Model, prompts: Sequence[str | Sequence[int]], max_tok
     `sampling` takes generate()'s parameters (temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed,
     stop_at_eos) plus frequency_penalty, presence_penalty and stop (strings); a seed is per prompt (prompt i uses
     seed + i). At most `n_parallel` sequences (default min(len(prompts), 16)) run at once in a cache of `n_ctx` cells
-    (default n_parallel x the longest prompt + max_tokens)."""
+    (default n_parallel x (the longest prompt + max_tokens), at least one position past the prompt: max_tokens 0 gives
+    empty completions, finish_reason "length")."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        raise ModelError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
     prompts = list(prompts)
     if not prompts:
         return []
@@ -26,7 +30,7 @@ def generate_batch(model: Model, prompts: Sequence[str | Sequence[int]], max_tok
            else model.check_ids(p, check_ctx=False).tolist() for p in prompts]
     par = n_parallel or min(len(ids), 16)
     if n_ctx is None:
-        n_ctx = par * (max(len(i) for i in ids) + max_tokens)
+        n_ctx = par * (max(len(i) for i in ids) + max(max_tokens, 1))  # a sequence holds its prompt and 1 more
     seed = sampling.pop("seed", None)
     engine = Engine(model, n_parallel=par, n_ctx=n_ctx, max_queue=len(ids))
     try:
