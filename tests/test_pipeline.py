@@ -110,3 +110,18 @@ def test_split_layers():
     for bad in ([], [1, 0], [1] * 4):
         with pytest.raises(ModelError):
             split_layers(3, bad)
+
+
+def test_stages_serve_one_decoder_after_another(tmp_path):
+    """Stages are the caller's: a second decoder on the same stages starts from an empty cache (the first one's
+    sequences were never freed) and gets the same logits."""
+    path = write_tiny(tmp_path / "r.gguf", "llama", seed=8, n_layer=2)
+    with load_model(path, backends=["numpy"], n_ctx=N_CTX, progress=False) as m:
+        stages = [Stage(m, r, N_CTX, N_SEQ, N_BATCH) for r in split_layers(2, [1, 1])]
+        runs = []
+        for _ in range(2):
+            with BatchDecoder(m, n_ctx=N_CTX, n_seq_max=N_SEQ, n_batch=N_BATCH, stages=stages) as dec:
+                runs.append(_script(dec, np.random.default_rng(3)))
+        for st in stages:
+            st.close()
+        assert all(np.array_equal(x, y) for x, y in zip(*runs))

@@ -77,6 +77,9 @@ class StageHost:
     def step(self, meta: StepMeta, x: np.ndarray) -> np.ndarray:
         return self.stage.step(meta, x)
 
+    def reset(self) -> None:
+        self.stage.reset()
+
     def close(self) -> None:
         self.stage.close()
         self.model.close()

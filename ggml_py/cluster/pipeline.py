@@ -126,6 +126,14 @@ class Pipeline:
                 continue
         return ClusterError(f"the pipeline failed: {type(e).__name__}: {e}")
 
+    def reset(self) -> None:
+        """Every stage forgets its sequences (a new decoder starts on the pipeline)."""
+        refs = [a.reset.remote() for a in self.actors]
+        try:
+            self._ray.get(refs, timeout=self.timeout_s)
+        except Exception as e:
+            raise self._failure(refs, e) from None
+
     def info(self) -> list[dict[str, Any]]:
         """Each stage's report (host, pid, blocks, backends, plans prepared, steps, compute seconds)."""
         return self._ray.get([a.info.remote() for a in self.actors], timeout=self.timeout_s)

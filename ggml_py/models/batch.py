@@ -42,6 +42,8 @@ class StageLike(Protocol):
 
     def step(self, meta: StepMeta, x: np.ndarray) -> np.ndarray: ...
 
+    def reset(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -73,7 +75,9 @@ class BatchDecoder:
         self.cells = KVCells(n_ctx, n_seq_max)
         # the blocks run as one local stage beside the decoder (sharing its cells), or as the given pipeline stages,
         # each with its own record of the cells kept from the step metas (stage.py)
-        self._own_stages = stages is None  # given stages are the caller's to close
+        self._own_stages = stages is None  # given stages are the caller's to close; this decoder starts them afresh
+        for st in stages or ():
+            st.reset()
         self.stages: list[StageLike] = list(stages) if stages is not None else [
             Stage(model, range(model.hparams.n_layer), n_ctx, n_seq_max, n_batch, kv, cells=self.cells)]
         self._free_ids = list(range(n_seq_max))

@@ -158,6 +158,11 @@ class Stage:
         self.steps += 1
         return out
 
+    def reset(self) -> None:
+        """Forget every sequence: a new decoder starts on this stage with an empty cache."""
+        if self._mirror:
+            self.cells.clear()
+
     def close(self) -> None:
         if self._plan is not None:
             self._plan.close()
