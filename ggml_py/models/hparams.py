@@ -15,12 +15,13 @@ import numpy as np
 from ggml_py.errors import ModelError
 
 
-def _kind(v: Any) -> str:
+def describe_value(v: Any) -> str:
+    """What a metadata value is, for an error message: "an array of int32 [3]", "a str ('abc')"."""
     if isinstance(v, np.ndarray):
         return f"an array of {v.dtype} {list(v.shape)}"
     if isinstance(v, list):
         return "an array of " + (type(v[0]).__name__ if v else "nothing")
-    return f"{v!r:.40}"
+    return f"a {type(v).__name__} ({v!r:.40})"
 
 
 def _int_array(v: Any) -> list[int] | None:
@@ -39,7 +40,7 @@ def _per_layer(v: Any, key: str, path: str, minimum: int = 1) -> int:
         items = _int_array(v)
         if not items:
             raise ModelError(f"{path}: {key} must be an integer or a non-empty array of integers (one per layer), "
-                             f"got {_kind(v)}")
+                             f"got {describe_value(v)}")
         if any(x != items[0] for x in items):
             raise ModelError(f"{path}: {key} varies per layer ({items[:8]}...), which ggml_py does not support")
         v = items[0]
@@ -153,7 +154,7 @@ def swa_pattern(m: Meta, n_layer: int, default_period: int) -> tuple[bool, ...]:
         flags = v.tolist() if isinstance(v, np.ndarray) and v.ndim == 1 and v.dtype.kind in "biu" else v
         if not isinstance(flags, list) or not all(isinstance(x, int) for x in flags):  # bool is an int
             raise ModelError(f"{m.path}: {key} must be a period or an array of booleans or integers (one per "
-                             f"layer), got {_kind(v)}")
+                             f"layer), got {describe_value(v)}")
         if len(flags) != n_layer:
             raise ModelError(f"{m.path}: {key} must have one value per layer ({n_layer}), got {len(flags)}")
         return tuple(bool(x) for x in flags)

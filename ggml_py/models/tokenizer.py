@@ -42,9 +42,10 @@ from ggml_py.errors import ModelError
 from ggml_py.models.bpe import bpe_word
 from ggml_py.models.chat_template import render_chat_template
 from ggml_py.models.clean_spaces import clean_up_spaces
+from ggml_py.models.hparams import describe_value
 from ggml_py.models.pretokenizers import PRE, PreSpec
 from ggml_py.models.spm import spm_encode
-from ggml_py.models.vocab_meta import as_str, describe, meta_bool, meta_int, num_array, str_list
+from ggml_py.models.vocab_meta import as_str, meta_bool, meta_int, num_array, str_list
 
 __all__ = ["Tokenizer", "TokenType", "SUPPORTED_MODELS", "SUPPORTED_PRE"]
 
@@ -263,7 +264,8 @@ class Tokenizer:
 
         tmpl = meta.get("tokenizer.chat_template")
         if tmpl is not None and not isinstance(tmpl, str):
-            raise ModelError(f"tokenizer metadata 'tokenizer.chat_template' must be a string, got {describe(tmpl)}")
+            raise ModelError("tokenizer metadata 'tokenizer.chat_template' must be a string, got "
+                             f"{describe_value(tmpl)}")
         self.chat_template = tmpl
         return self
 

@@ -9,20 +9,13 @@ from typing import Any
 import numpy as np
 
 from ggml_py.errors import ModelError
+from ggml_py.models.hparams import describe_value
 
 
 def as_str(value: Any) -> str:
     if isinstance(value, bytes | bytearray | memoryview):
         return bytes(value).decode("utf-8", "surrogateescape")
     return str(value)
-
-
-def describe(v: Any) -> str:
-    if isinstance(v, np.ndarray):
-        return f"an array of {v.dtype}"
-    if isinstance(v, list):
-        return "an array of " + (type(v[0]).__name__ if v else "nothing")
-    return f"a {type(v).__name__} ({v!r:.40})"
 
 
 def str_list(meta: Mapping[str, Any], key: str) -> list[str] | None:
@@ -32,7 +25,7 @@ def str_list(meta: Mapping[str, Any], key: str) -> list[str] | None:
         return None
     if isinstance(v, list | tuple) and all(isinstance(x, str | bytes) for x in v):
         return [x if type(x) is str else as_str(x) for x in v]
-    raise ModelError(f"tokenizer metadata {key!r} must be an array of strings, got {describe(v)}")
+    raise ModelError(f"tokenizer metadata {key!r} must be an array of strings, got {describe_value(v)}")
 
 
 def num_array(meta: Mapping[str, Any], key: str, kind: str) -> np.ndarray | None:
@@ -50,7 +43,7 @@ def num_array(meta: Mapping[str, Any], key: str, kind: str) -> np.ndarray | None
     ok = arr is not None and arr.ndim == 1 and (arr.dtype.kind in ("f" if kind == "f" else "iu") or arr.size == 0)
     if not ok:
         what = "floats" if kind == "f" else "integers"
-        raise ModelError(f"tokenizer metadata {key!r} must be an array of {what}, got {describe(v)}")
+        raise ModelError(f"tokenizer metadata {key!r} must be an array of {what}, got {describe_value(v)}")
     if kind == "f" and arr.size and not np.isfinite(arr.astype(np.float64)).all():
         raise ModelError(f"tokenizer metadata {key!r} contains NaN or infinite values")
     return arr  # type: ignore[return-value]
@@ -63,7 +56,7 @@ def meta_int(meta: Mapping[str, Any], key: str) -> int | None:
     if isinstance(v, np.ndarray | list) and len(v) == 1 and not isinstance(v[0], list | np.ndarray):
         v = v[0]  # a one-element array, as some converters write
     if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer):
-        raise ModelError(f"tokenizer metadata {key!r} must be an integer, got {describe(v)}")
+        raise ModelError(f"tokenizer metadata {key!r} must be an integer, got {describe_value(v)}")
     return int(v)
 
 
