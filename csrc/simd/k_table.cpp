@@ -4,31 +4,49 @@
 namespace gp {
 namespace GP_NS {
 
+// The kernels of this level, once: an id each (for compile-time checks: a function's address is not a constant
+// expression under UBSan when the function is defined in another file) and the function itself.
+#define GP_KERNELS(X)                                                                                              \
+    X(binary) X(unary) X(glu) X(get_rows) X(set_rows) X(norm) X(rms_norm) X(mul_mat) X(soft_max) X(rope)          \
+    X(diag_mask_inf) X(flash_attn_ext) X(cpy) X(concat) X(sum_rows) X(argmax) X(top_k) X(repeat) X(pad)
+enum KernelId {
+    K_none,
+#define GP_KERNEL_ID(NAME) K_##NAME,
+    GP_KERNELS(GP_KERNEL_ID)
+#undef GP_KERNEL_ID
+};
+static const KernelFn KERNELS[] = {
+    nullptr,
+#define GP_KERNEL_FN(NAME) k_##NAME,
+    GP_KERNELS(GP_KERNEL_FN)
+#undef GP_KERNEL_FN
+};
+
 // The kernel of each op. The ops of a family share their family's kernel, which dispatches on the op (its cases
-// come from the same lists); every other op is named once here. nullptr: no kernel, which make_table refuses at
+// come from the same lists); every other op is named once here. K_none: no kernel, which make_table refuses at
 // compile time for every op of the schema (GGML_PY_OPS_COMPUTE).
-static constexpr KernelFn kernel_of(int op) {
+static constexpr KernelId kernel_of(int op) {
     switch (op) {
-        GGML_PY_OPS_BINARY(GP_OP_CASE) return k_binary;
-        GGML_PY_OPS_UNARY(GP_OP_CASE) case GGML_PY_OP_SCALE: case GGML_PY_OP_CLAMP: return k_unary;
-        GGML_PY_OPS_GLU(GP_OP_CASE) return k_glu;
-        case GGML_PY_OP_GET_ROWS: return k_get_rows;
-        case GGML_PY_OP_SET_ROWS: return k_set_rows;
-        case GGML_PY_OP_NORM: return k_norm;
-        case GGML_PY_OP_RMS_NORM: return k_rms_norm;
-        case GGML_PY_OP_MUL_MAT: return k_mul_mat;
-        case GGML_PY_OP_SOFT_MAX: return k_soft_max;
-        case GGML_PY_OP_ROPE: return k_rope;
-        case GGML_PY_OP_DIAG_MASK_INF: return k_diag_mask_inf;
-        case GGML_PY_OP_FLASH_ATTN_EXT: return k_flash_attn_ext;
-        case GGML_PY_OP_CPY: case GGML_PY_OP_CONT: return k_cpy;
-        case GGML_PY_OP_CONCAT: return k_concat;
-        case GGML_PY_OP_SUM_ROWS: case GGML_PY_OP_MEAN: return k_sum_rows;
-        case GGML_PY_OP_ARGMAX: return k_argmax;
-        case GGML_PY_OP_TOP_K: return k_top_k;
-        case GGML_PY_OP_REPEAT: return k_repeat;
-        case GGML_PY_OP_PAD: return k_pad;
-        default: return nullptr;
+        GGML_PY_OPS_BINARY(GP_OP_CASE) return K_binary;
+        GGML_PY_OPS_UNARY(GP_OP_CASE) case GGML_PY_OP_SCALE: case GGML_PY_OP_CLAMP: return K_unary;
+        GGML_PY_OPS_GLU(GP_OP_CASE) return K_glu;
+        case GGML_PY_OP_GET_ROWS: return K_get_rows;
+        case GGML_PY_OP_SET_ROWS: return K_set_rows;
+        case GGML_PY_OP_NORM: return K_norm;
+        case GGML_PY_OP_RMS_NORM: return K_rms_norm;
+        case GGML_PY_OP_MUL_MAT: return K_mul_mat;
+        case GGML_PY_OP_SOFT_MAX: return K_soft_max;
+        case GGML_PY_OP_ROPE: return K_rope;
+        case GGML_PY_OP_DIAG_MASK_INF: return K_diag_mask_inf;
+        case GGML_PY_OP_FLASH_ATTN_EXT: return K_flash_attn_ext;
+        case GGML_PY_OP_CPY: case GGML_PY_OP_CONT: return K_cpy;
+        case GGML_PY_OP_CONCAT: return K_concat;
+        case GGML_PY_OP_SUM_ROWS: case GGML_PY_OP_MEAN: return K_sum_rows;
+        case GGML_PY_OP_ARGMAX: return K_argmax;
+        case GGML_PY_OP_TOP_K: return K_top_k;
+        case GGML_PY_OP_REPEAT: return K_repeat;
+        case GGML_PY_OP_PAD: return K_pad;
+        default: return K_none;
     }
 }
 
@@ -37,8 +55,8 @@ static KernelTable make_table() {
     memset(&t, 0, sizeof t);
     t.name = GP_LEVEL_NAME;
 #define GP_KERNEL(NAME)                                                                                             \
-    static_assert(kernel_of(GGML_PY_OP_##NAME) != nullptr, #NAME ": no kernel (csrc/simd/k_table.cpp, kernel_of)"); \
-    t.ops[GGML_PY_OP_##NAME] = kernel_of(GGML_PY_OP_##NAME);
+    static_assert(kernel_of(GGML_PY_OP_##NAME) != K_none, #NAME ": no kernel (csrc/simd/k_table.cpp, kernel_of)"); \
+    t.ops[GGML_PY_OP_##NAME] = KERNELS[kernel_of(GGML_PY_OP_##NAME)];
     GGML_PY_OPS_COMPUTE(GP_KERNEL)
 #undef GP_KERNEL
     t.stream_read = stream_read;
