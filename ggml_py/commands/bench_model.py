@@ -184,7 +184,7 @@ print("RESULT " + json.dumps(res))
 
 
 def ensure_llamacpp(venv: str = LLAMACPP_VENV) -> str:
-    """The python of a side venv with llama-cpp-python (models/llamacpp_venv.py: the version and build the tests
+    """The python of a side venv with llama-cpp-python (commands/llamacpp_venv.py: the version and build the tests
     use), created and installed if missing, pip's output on stderr."""
     try:
         return llamacpp_venv.ensure(venv, log=_log)
