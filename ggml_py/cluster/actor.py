@@ -64,8 +64,7 @@ class StageHost:
         # the model's own single-sequence cache is never used here: the stage has one of its own blocks only
         self.model = load_model(spec.path, backends=spec.backends, n_threads=spec.n_threads, n_ctx=1,
                                 kv_type=spec.kv_type, progress=False)
-        self.stage = Stage(self.model, range(*spec.layers), spec.n_ctx, spec.n_seq_max, spec.n_batch,
-                           self.model.cache.dtype)
+        self.stage = Stage(self.model, range(*spec.layers), spec.n_ctx, spec.n_seq_max, spec.n_batch)
 
     def info(self) -> dict[str, Any]:
         return {"index": self.index, "host": socket.gethostname(), "pid": os.getpid(),

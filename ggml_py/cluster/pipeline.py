@@ -161,8 +161,8 @@ def start_pipeline(model: Model, n_ctx: int, n_seq_max: int, n_batch: int, *, ad
     its file, which every node must hold at the same path), its blocks split in proportion to `shares` (default:
     each node's memory), and check that each one runs: its ggml_py, stage protocol and file (size and SHA-256) are
     the coordinator's. `n_stages` takes the first nodes (the head first; more stages than nodes share them). Use the
-    result as the stages of a
-    BatchDecoder of `n_ctx` cells, `n_seq_max` sequences and `n_batch` tokens a step (the same numbers)."""
+    result as the stages of a BatchDecoder of `n_ctx` cells, `n_seq_max` sequences and `n_batch` tokens a step (the
+    same numbers)."""
     path, n_layer, kv_type = model.path, model.hparams.n_layer, model.cache.dtype.name
     ray = connect(address)
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -190,10 +190,11 @@ def start_pipeline(model: Model, n_ctx: int, n_seq_max: int, n_batch: int, *, ad
     names = [f"{n['NodeManagerAddress']}:{n['NodeID'][:8]}" for n in chosen]
     pipe = Pipeline(ray, actors, specs, names, model.hparams.n_embd, timeout_s)
     t0 = time.perf_counter()
+    refs = [a.info.remote() for a in actors]
     try:
-        infos = ray.get([a.info.remote() for a in actors], timeout=START_TIMEOUT_S)
+        infos = ray.get(refs, timeout=START_TIMEOUT_S)
     except Exception as e:
-        err = pipe._failure([a.info.remote() for a in actors], e) if actors else e
+        err = pipe._failure(refs, e)
         pipe.close()
         raise ClusterError(f"the pipeline did not start: {err}") from None
     version = metadata.version("ggml_py")

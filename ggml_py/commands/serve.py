@@ -135,6 +135,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
                            keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
                            drain_timeout=args.drain_timeout, api_key=api_key,
                            allowed_hosts=_csv(args.allowed_hosts), cors_origins=_csv(args.cors_origins))
+    stages: list[Any] = []
     model = load_model(args.model, backends=args.backend, n_threads=args.threads, n_ctx=None,
                        kv_type=args.kv_type.upper())
     try:
@@ -143,26 +144,25 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         def log(msg: str) -> None:
             print(msg, file=sys.stderr, flush=True)
 
-        stages = None
         if args.cluster is not None:
             from ggml_py.cluster import start_pipeline
 
             pipe = start_pipeline(model, ctx, args.parallel, max(args.batch, args.parallel),
-                                  address=None if args.cluster == "local" else args.cluster, n_stages=args.stages,
+                                  address=args.cluster, n_stages=args.stages,
                                   backends=args.backend, n_threads=args.threads)
             log(f"ggml-py serve: {len(pipe.specs)} pipeline stages: " + ", ".join(
                 f"blocks {a}-{b - 1} on {node}" for (a, b), node in zip((s.layers for s in pipe.specs), pipe.nodes)))
-            stages = [pipe]
+            stages.append(pipe)
         metrics = serve(model, host=args.host, port=args.port, n_parallel=args.parallel, n_ctx=ctx,
                         max_queue=args.queue, n_batch=args.batch, model_name=args.alias,
                         default_max_tokens=args.max_tokens, log=log, log_level=args.log_level, options=options,
-                        stages=stages)
-        for st in stages or ():
-            st.close()
+                        stages=stages or None)
         log(f"ggml-py serve: stopped after {metrics['requests_finished']} requests, "
             f"{metrics['tokens_generated']} tokens generated ({metrics['shutdown']})")
         # a second signal cut the drain short: exit as that signal would have (128 + its number)
         code = 128 + signal.Signals[metrics["signal"]].value if metrics["shutdown"] == "forced" else 0
         return {"model": model.path, "metrics": metrics}, code
     finally:
+        for st in stages:  # the pipeline's actors, whatever happened
+            st.close()
         model.close()

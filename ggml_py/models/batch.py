@@ -174,7 +174,7 @@ class BatchDecoder:
             return logits
 
     def stats(self) -> dict[str, Any]:
-        local = [st for st in self.stages if isinstance(st, Stage)]
+        local = self._local_stages()
         return {"n_ctx": self.n_ctx, "n_seq_max": self.n_seq_max, "n_batch": self.n_batch,
                 "active_sequences": self.n_active, "cells_used": self.cells.n_used, "n_kv": self.cells.n_kv,
                 "steps": self.steps, "tokens": self.tokens, "step_s": self.step_s, "stages": len(self.stages),
@@ -182,18 +182,21 @@ class BatchDecoder:
                 "plans_prepared": sum(st.plans_prepared for st in local),
                 "prepare_s": sum(st.prepare_s for st in local)}
 
+    def _local_stages(self) -> list[Stage]:
+        return [st for st in self.stages if isinstance(st, Stage)]
+
     @property
     def memory_parts(self) -> list[tuple[str, int]]:
         """What the local stages hold (their KV caches and compute buffers), as checked against MemAvailable."""
-        return [p for st in self.stages if isinstance(st, Stage) for p in st.memory_parts]
+        return [p for st in self._local_stages() for p in st.memory_parts]
 
     @property
     def plans_prepared(self) -> int:
-        return int(self.stats()["plans_prepared"])
+        return sum(st.plans_prepared for st in self._local_stages())
 
     @property
     def compute_s(self) -> float:
-        return float(self.stats()["compute_s"])
+        return sum(st.compute_s for st in self._local_stages())
 
     def close(self) -> None:
         """Free the plan of the decoder's own stage (the model's close() closes its decoders too); stages given to it
