@@ -28,6 +28,11 @@ class PlanError(GgmlPyError):
     """A graph could not be prepared, or a prepared plan was used wrongly."""
 
 
+class UnavailableError(GgmlPyError):
+    """Something outside this process that a computation needs is gone or did not answer (a pipeline stage on
+    another node): the request was not at fault, and trying again later may work (HTTP 503)."""
+
+
 class ModelError(GgmlPyError):
     """A model cannot be built or run (architecture, context, tokens)."""
 

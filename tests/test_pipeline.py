@@ -4,6 +4,8 @@ sequences joining, leaving and prefilled in chunks; only hidden states and a few
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from arch_factory import write_tiny
@@ -23,14 +25,23 @@ SHAPES = {"gemma3": dict(head_dim=128, n_swa=8, swa_pattern=2, rope_base=1e6, ro
 N_CTX, N_SEQ, N_BATCH = 128, 4, 32
 
 
-def _script(dec: BatchDecoder, rng: np.random.Generator) -> list[np.ndarray]:
+def _script(dec: BatchDecoder, rng: np.random.Generator,
+            after: Callable[[int], None] = lambda i: None) -> list[np.ndarray]:
     """Sequences of different lengths joining, prefilled in chunks beside others' decoding, one leaving early; the
-    logits of every step."""
-    out = []
+    logits of every step (`after(i)` is called after step i)."""
+    out: list[np.ndarray] = []
+    _decode = dec.decode
+
+    def decode(entries):
+        out.append(_decode(entries))
+        after(len(out) - 1)
+        return out[-1]
+
+    dec = _Decoding(decode, dec)
     a, b = dec.new_sequence(), dec.new_sequence()
     pa, pb = rng.integers(0, 200, 23), rng.integers(0, 200, 9)
-    out.append(dec.decode([(a, pa[:12], True), (b, pb, True)]))
-    out.append(dec.decode([(a, pa[12:], True), (b, [int(out[-1][1].argmax())], True)]))
+    dec.decode([(a, pa[:12], True), (b, pb, True)])
+    dec.decode([(a, pa[12:], True), (b, [int(out[-1][1].argmax())], True)])
     c = dec.new_sequence()
     for step in range(6):
         entries = [(a, [int(out[-1][0].argmax())], True), (b, [int(out[-1][1].argmax())], True)]
@@ -38,13 +49,23 @@ def _script(dec: BatchDecoder, rng: np.random.Generator) -> list[np.ndarray]:
             entries.append((c, rng.integers(0, 200, 5), False))
         elif step > 0:
             entries.append((c, [7 + step], True))
-        out.append(dec.decode(entries))
+        dec.decode(entries)
         if step == 3:
             dec.free_sequence(b)
             d = dec.new_sequence()
-            out.append(dec.decode([(a, [3], True), (c, [4], True), (d, rng.integers(0, 200, 6), True)]))
+            dec.decode([(a, [3], True), (c, [4], True), (d, rng.integers(0, 200, 6), True)])
             b = d
     return out
+
+
+class _Decoding:
+    """A decoder whose decode() is the given one (the script's, which records each step)."""
+
+    def __init__(self, decode: Callable, dec: BatchDecoder) -> None:
+        self.decode, self._dec = decode, dec
+
+    def __getattr__(self, name: str):
+        return getattr(self._dec, name)
 
 
 def _run(m, stages: list[range] | None) -> list[np.ndarray]:
@@ -125,3 +146,75 @@ def test_stages_serve_one_decoder_after_another(tmp_path):
         for st in stages:
             st.close()
         assert all(np.array_equal(x, y) for x, y in zip(*runs))
+
+
+class _LosableStage:
+    """A local stage that can be lost (its plan and cache closed: its steps raise) and is started afresh by
+    recover(), as a pipeline starts a dead stage's actor again."""
+
+    def __init__(self, m, layers: range) -> None:
+        self._make = lambda: Stage(m, layers, N_CTX, N_SEQ, N_BATCH)
+        self.stage: Stage | None = self._make()
+        self.started = 1
+
+    def lose(self) -> None:
+        assert self.stage is not None
+        self.stage.close()
+        self.stage = None
+
+    def step(self, meta: StepMeta, x: np.ndarray) -> np.ndarray:
+        if self.stage is None:
+            raise RuntimeError("stage lost")
+        return self.stage.step(meta, x)
+
+    def recover(self) -> bool:
+        if self.stage is not None:
+            return False
+        self.stage, self.started = self._make(), self.started + 1
+        return True
+
+    def reset(self) -> None:
+        if self.stage is not None:
+            self.stage.reset()
+
+    def close(self) -> None:
+        if self.stage is not None:
+            self.stage.close()
+
+
+@pytest.mark.parametrize("arch", sorted(set(SUPPORTED_ARCHITECTURES) - {"xverse"}))
+def test_a_lost_stage_is_rebuilt_from_the_sequences_tokens(arch, tmp_path):
+    """A stage lost mid-script (before or after a sequence ended) is started afresh, every stage's cache is rebuilt
+    from the active sequences' tokens into the same cells, and the step goes on: the logits of the run without loss."""
+    path = write_tiny(tmp_path / f"{arch}.gguf", arch, seed=4, n_layer=3, **SHAPES.get(arch, {}))
+    with load_model(path, backends=[BACKENDS[0]], n_ctx=N_CTX, progress=False) as m:
+        whole = _run(m, None)
+        stages = [_LosableStage(m, range(0, 1)), _LosableStage(m, range(1, 3))]
+        losses = {1: stages[1].lose, 4: stages[0].lose, 6: stages[1].lose}  # step 6 frees a sequence (_script)
+        try:
+            with BatchDecoder(m, n_ctx=N_CTX, n_seq_max=N_SEQ, n_batch=N_BATCH, stages=stages) as dec:
+                got = _script(dec, np.random.default_rng(0), lambda i: losses.get(i, lambda: None)())
+                assert dec.recoveries == 3 and [st.started for st in stages] == [2, 3]
+        finally:
+            for st in stages:
+                st.close()
+        for i, (x, y) in enumerate(zip(got, whole)):
+            assert nmse(x, y) < 1e-6, f"{arch}, step {i}: {nmse(x, y):.2e}"
+            assert (x.argmax(-1) == y.argmax(-1)).all()
+
+
+def test_a_stage_that_cannot_recover_fails_the_step(tmp_path):
+    """A stage that raises and has nothing to start again fails the step; the decoder's cells are as before it."""
+    path = write_tiny(tmp_path / "f.gguf", "llama", seed=4, n_layer=2)
+    with load_model(path, backends=[BACKENDS[0]], n_ctx=N_CTX, progress=False) as m:
+        st = _LosableStage(m, range(0, 2))
+        st.recover = lambda: False  # type: ignore[method-assign]
+        with BatchDecoder(m, n_ctx=N_CTX, n_seq_max=N_SEQ, n_batch=N_BATCH, stages=[st]) as dec:
+            s = dec.new_sequence()
+            dec.decode([(s, [1, 2, 3], True)])
+            st.lose()
+            used = dec.cells.n_used
+            with pytest.raises(RuntimeError, match="stage lost"):
+                dec.decode([(s, [4], True)])
+            assert dec.cells.n_used == used and dec.seq_len(s) == 3 and dec.recoveries == 0
+        st.close()

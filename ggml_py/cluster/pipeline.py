@@ -12,6 +12,7 @@ stage and its node.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import sys
 import time
@@ -23,7 +24,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from ggml_py.cluster.actor import ABI_STAGE, StageHost, StageSpec, file_sha256
-from ggml_py.errors import GgmlPyError
+from ggml_py.errors import UnavailableError
 from ggml_py.models.stage import StepMeta, split_layers
 
 if TYPE_CHECKING:
@@ -31,11 +32,13 @@ if TYPE_CHECKING:
 
 __all__ = ["ClusterError", "Pipeline", "StageSpec", "start_pipeline"]
 
+log = logging.getLogger("ggml_py.cluster")
+
 STEP_TIMEOUT_S = 60.0  # one step through every stage (a prefill chunk of a large model on a slow node included)
 START_TIMEOUT_S = 300.0  # a stage's start: hashing and mapping its file, loading the model
 
 
-class ClusterError(GgmlPyError):
+class ClusterError(UnavailableError):
     """A pipeline stage cannot start, died, or did not answer in time."""
 
 
@@ -75,20 +78,40 @@ def connect(address: str | None = None) -> Any:
 
 
 class Pipeline:
-    """The stage actors of one model, as one stage of a BatchDecoder (`step`, `close`)."""
+    """The stage actors of one model, as one stage of a BatchDecoder (`step`, `reset`, `recover`, `close`).
 
-    def __init__(self, ray: Any, actors: list[Any], specs: list[StageSpec], nodes: list[str], n_embd: int,
-                 timeout_s: float = STEP_TIMEOUT_S) -> None:
-        self._ray, self.actors, self.specs, self.nodes, self.timeout_s = ray, actors, specs, nodes, timeout_s
+    `max_restarts`: how many times in all a stage that died or stopped answering is started again (on its node if
+    that is alive, else on another node that holds the file); the decoder then rebuilds every stage's cache from its
+    sequences' tokens and the step goes on. 0: a lost stage fails the step, and the decoder, for good."""
+
+    def __init__(self, ray: Any, actors: list[Any], specs: list[StageSpec], node_ids: list[str], n_embd: int,
+                 timeout_s: float = STEP_TIMEOUT_S, max_restarts: int = 0) -> None:
+        self._ray, self.actors, self.specs, self.timeout_s = ray, actors, specs, timeout_s
+        self.node_ids = node_ids
         self.n_embd = n_embd
+        self.max_restarts = max_restarts
+        self.restarts: list[dict[str, Any]] = []  # one record a stage started again: which, where, how long
+        self._lost: set[int] = set()  # stages that died or did not answer in the last failed call
         self.steps = 0
         self.tokens = 0
         self.boundary_bytes = 0  # hidden states and metas handed from a stage to the next (what crosses a boundary)
         self.start_s = 0.0
 
+    @property
+    def nodes(self) -> list[str]:
+        """Each stage's node as 'address:node id prefix'."""
+        by_id = {n["NodeID"]: n for n in self._ray.nodes()}
+        return [f"{by_id[n]['NodeManagerAddress'] if n in by_id else '?'}:{n[:8]}" for n in self.node_ids]
+
     def _where(self, i: int) -> str:
         a, b = self.specs[i].layers
         return f"stage {i} (blocks {a}-{b - 1}) on node {self.nodes[i]}"
+
+    def _start(self, i: int, node_id: str) -> Any:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return self._ray.remote(StageHost).options(num_cpus=0, max_restarts=0, scheduling_strategy=(
+            NodeAffinitySchedulingStrategy(node_id, soft=False))).remote(self.specs[i], i)
 
     def step(self, meta: StepMeta, x: np.ndarray) -> np.ndarray:
         ray = self._ray
@@ -111,11 +134,13 @@ class Pipeline:
         if isinstance(e, ray.exceptions.GetTimeoutError):
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             i = len(ready) if len(ready) < len(refs) else len(refs) - 1
+            self._lost.add(i)
             return ClusterError(f"{self._where(i)} did not answer within {self.timeout_s:g} s")
         for i, r in enumerate(refs):
             try:
                 ray.get(r, timeout=0)
             except ray.exceptions.RayActorError:
+                self._lost.add(i)
                 return ClusterError(f"{self._where(i)} died: its process or node is gone")
             except ray.exceptions.RayTaskError as te:
                 cause = te.cause if getattr(te, "cause", None) is not None else te
@@ -133,6 +158,53 @@ class Pipeline:
             self._ray.get(refs, timeout=self.timeout_s)
         except Exception as e:
             raise self._failure(refs, e) from None
+
+    def recover(self) -> bool:
+        """Start again every stage that died or stopped answering (within `max_restarts` in all; each stage is asked
+        first): on its node if that is alive, else on the first other alive node that holds the file. True if one
+        was (the caller rebuilds the caches: BatchDecoder does); False if none was lost or max_restarts is 0.
+        ClusterError when one is lost and cannot be started again."""
+        ray = self._ray
+        if not self.max_restarts:
+            self._lost.clear()
+            return False  # the step's own error stands
+        refs = [a.info.remote() for a in self.actors]  # a node's death can take several stages: look at each
+        ray.wait(refs, num_returns=len(refs), timeout=min(self.timeout_s, 5.0))
+        for i, r in enumerate(refs):
+            try:
+                ray.get(r, timeout=0)
+            except Exception:
+                self._lost.add(i)
+        lost, self._lost = sorted(self._lost), set()
+        if not lost:
+            return False
+        for i in lost:
+            where = self._where(i)
+            if len(self.restarts) >= self.max_restarts:
+                raise ClusterError(f"{where} is lost again and the pipeline may not start it again "
+                                   f"(max_restarts={self.max_restarts}, all used)")
+            ray.kill(self.actors[i], no_restart=True)
+            t0 = time.perf_counter()
+            alive = [n["NodeID"] for n in _alive_nodes(ray)]
+            order = ([self.node_ids[i]] if self.node_ids[i] in alive else []) + [
+                n for n in alive if n != self.node_ids[i]]
+            errors = []
+            for node in order:
+                actor = self._start(i, node)
+                try:
+                    ray.get(actor.info.remote(), timeout=START_TIMEOUT_S)
+                except Exception as e:
+                    ray.kill(actor, no_restart=True)
+                    errors.append(f"{node[:8]}: {type(e).__name__}: {e}"[:300])
+                    continue
+                self.actors[i], self.node_ids[i] = actor, node
+                break
+            else:
+                raise ClusterError(f"{where} is lost and no node could start it again: " + "; ".join(errors))
+            took = time.perf_counter() - t0
+            self.restarts.append({"stage": i, "node": self.nodes[i], "start_s": took})
+            log.warning("%s was lost; started again on node %s in %.2f s", where, self.nodes[i], took)
+        return True
 
     def info(self) -> list[dict[str, Any]]:
         """Each stage's report (host, pid, blocks, backends, plans prepared, steps, compute seconds)."""
@@ -156,17 +228,15 @@ def _alive_nodes(ray: Any) -> list[dict[str, Any]]:
 def start_pipeline(model: Model, n_ctx: int, n_seq_max: int, n_batch: int, *, address: str | None = None,
                    n_stages: int | None = None, shares: Sequence[float] | None = None,
                    nodes: Sequence[str] | None = None, backends: str | None = None, n_threads: int | None = None,
-                   timeout_s: float = STEP_TIMEOUT_S) -> Pipeline:
+                   timeout_s: float = STEP_TIMEOUT_S, max_restarts: int = 0) -> Pipeline:
     """Start one stage actor per node of the cluster (or per node id in `nodes`) for `model` (the coordinator's:
     its file, which every node must hold at the same path), its blocks split in proportion to `shares` (default:
     each node's memory), and check that each one runs: its ggml_py, stage protocol and file (size and SHA-256) are
     the coordinator's. `n_stages` takes the first nodes (the head first; more stages than nodes share them). Use the
     result as the stages of a BatchDecoder of `n_ctx` cells, `n_seq_max` sequences and `n_batch` tokens a step (the
-    same numbers)."""
+    same numbers). `max_restarts`: see Pipeline."""
     path, n_layer, kv_type = model.path, model.hparams.n_layer, model.cache.dtype.name
     ray = connect(address)
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     alive = _alive_nodes(ray)
     by_id = {n["NodeID"]: n for n in alive}
     if nodes is not None:
@@ -184,13 +254,10 @@ def start_pipeline(model: Model, n_ctx: int, n_seq_max: int, n_batch: int, *, ad
     size, digest = os.path.getsize(path), file_sha256(path)
     specs = [StageSpec(os.path.abspath(path), size, digest, (r.start, r.stop), n_ctx, n_seq_max, n_batch, kv_type,
                        backends, n_threads) for r in ranges]
-    remote = ray.remote(StageHost)
-    actors = [remote.options(num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-        node["NodeID"], soft=False)).remote(spec, i) for i, (spec, node) in enumerate(zip(specs, chosen))]
-    names = [f"{n['NodeManagerAddress']}:{n['NodeID'][:8]}" for n in chosen]
-    pipe = Pipeline(ray, actors, specs, names, model.hparams.n_embd, timeout_s)
+    pipe = Pipeline(ray, [], specs, [n["NodeID"] for n in chosen], model.hparams.n_embd, timeout_s, max_restarts)
+    pipe.actors = [pipe._start(i, node_id) for i, node_id in enumerate(pipe.node_ids)]
     t0 = time.perf_counter()
-    refs = [a.info.remote() for a in actors]
+    refs = [a.info.remote() for a in pipe.actors]
     try:
         infos = ray.get(refs, timeout=START_TIMEOUT_S)
     except Exception as e:

@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(the cluster `ray start` made here) or 'local' (a Ray instance started for this server)")
     c.add_argument("--stages", type=int, default=None,
                    help="with --cluster: pipeline stages (default: one per node of the cluster)")
+    c.add_argument("--stage-restarts", type=int, default=0, metavar="N",
+                   help="with --cluster: start a lost stage again (on a node that holds the model file) and rebuild "
+                        "the caches, up to N times in all, instead of failing every request (default 0)")
     g = p.add_argument_group("limits and security (docs/serving.md, \"Limits and security\")")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help=f"larger request bodies get 413, unread (default: {d.max_body_bytes})")
@@ -106,8 +109,10 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
     at_least("--max-connections", 1)
     at_least("--drain-timeout", 0)
     at_least("--stages", 1)
-    if args.stages is not None and args.cluster is None:
-        bad.append("--stages needs --cluster")
+    at_least("--stage-restarts", 0)
+    for flag, v in (("--stages", args.stages is not None), ("--stage-restarts", args.stage_restarts)):
+        if v and args.cluster is None:
+            bad.append(f"{flag} needs --cluster")
     if args.ctx is not None and args.parallel >= 1 and args.ctx < 2 * args.parallel:
         bad.append(f"--ctx {args.ctx} is too small for {args.parallel} parallel sequences (at least 2 cells each)")
     if args.api_key is not None and not args.api_key.strip():
@@ -148,8 +153,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
             from ggml_py.cluster import start_pipeline
 
             pipe = start_pipeline(model, ctx, args.parallel, max(args.batch, args.parallel),
-                                  address=args.cluster, n_stages=args.stages,
-                                  backends=args.backend, n_threads=args.threads)
+                                  address=args.cluster, n_stages=args.stages, backends=args.backend,
+                                  n_threads=args.threads, max_restarts=args.stage_restarts)
             log(f"ggml-py serve: {len(pipe.specs)} pipeline stages: " + ", ".join(
                 f"blocks {a}-{b - 1} on {node}" for (a, b), node in zip((s.layers for s in pipe.specs), pipe.nodes)))
             stages.append(pipe)

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from ggml_py.models.model import Model
 
 DEFAULT_N_BATCH = 128  # tokens per step at most (the plan's bound on T)
+RECOVERIES_PER_STEP = 2  # a step is tried again at most this often after its stages restarted what they lost
 
 
 class StageLike(Protocol):
@@ -43,6 +44,8 @@ class StageLike(Protocol):
     def step(self, meta: StepMeta, x: np.ndarray) -> np.ndarray: ...
 
     def reset(self) -> None: ...
+
+    def recover(self) -> bool: ...
 
     def close(self) -> None: ...
 
@@ -82,11 +85,14 @@ class BatchDecoder:
             Stage(model, range(model.hparams.n_layer), n_ctx, n_seq_max, n_batch, kv, cells=self.cells)]
         self._free_ids = list(range(n_seq_max))
         self._next_pos: dict[int, int] = {}  # sequence id -> its next position (= tokens it holds)
+        self._tokens: dict[int, list[int]] = {}  # sequence id -> its tokens (replayed when a stage is rebuilt)
         self._freed: list[int] = []  # sequences ended since the last step (the stages' records free them then)
         self._released = np.zeros(0, np.int32)  # cells of a failed step (likewise)
         self.steps = 0
         self.tokens = 0
         self.step_s = 0.0
+        self.recoveries = 0  # lost stages started again (and every KV rebuilt) during a step
+        self._stale = False
         self._closed = False
         model._attach(self)
 
@@ -102,6 +108,7 @@ class BatchDecoder:
                 raise ModelError(f"all {self.n_seq_max} sequences are in use (n_seq_max); free one first")
             s = self._free_ids.pop(0)
             self._next_pos[s] = 0
+            self._tokens[s] = []
             return s
 
     def free_sequence(self, seq_id: int) -> None:
@@ -112,6 +119,7 @@ class BatchDecoder:
             self.cells.free(seq_id)
             self._freed.append(seq_id)
             del self._next_pos[seq_id]
+            del self._tokens[seq_id]
             self._free_ids.append(seq_id)
             self._free_ids.sort()
 
@@ -153,25 +161,70 @@ class BatchDecoder:
             pos = (np.repeat(starts - (ends - lens), lens) + np.arange(n)).astype(np.int32)
             want = np.array([bool(e[2]) for e in entries])
             out_rows = (ends - 1)[want].astype(np.int32)
-            cells = self.cells.alloc(seqs, pos)  # CacheFullError when the cache is full
-            meta = StepMeta(seqs, pos, cells, out_rows, tuple(self._freed), self._released)
-            try:
-                x: np.ndarray = ids
-                for st in self.stages:
-                    x = st.step(meta, x)
-            except BaseException:
-                self.cells.release(cells)  # the step did not happen: its cells are free again
-                self._released = np.concatenate([self._released, cells])  # and the stages' records are told
-                raise  # (so are the sequences freed before it: a stage the step did not reach has not seen them)
+            if self._stale:  # a rebuild failed half way: the stages' caches are not the sequences' yet
+                self._rebuild()
+            for attempt in range(RECOVERIES_PER_STEP + 1):
+                cells = self.cells.alloc(seqs, pos)  # CacheFullError when the cache is full
+                try:
+                    x = self._run_stages(StepMeta(seqs, pos, cells, out_rows, tuple(self._freed), self._released), ids)
+                    break
+                except BaseException as e:
+                    # the step did not happen: its cells are free again, and the stages' records are told (so are
+                    # the sequences freed before it: a stage the step did not reach has not seen them)
+                    self.cells.release(cells)
+                    self._released = np.concatenate([self._released, cells])
+                    if isinstance(e, Exception) and attempt < RECOVERIES_PER_STEP and self._recover():
+                        continue  # a lost stage was started again and every KV rebuilt: the same step once more
+                    raise
             self._freed.clear()
             self._released = np.zeros(0, np.int32)
             logits = x
-            for s, k in zip(seq_list, lens.tolist()):
+            for s, k, t in zip(seq_list, lens.tolist(), toks):
                 self._next_pos[s] += k
+                self._tokens[s].extend(t.tolist())
             self.steps += 1
             self.tokens += n
             self.step_s += time.perf_counter() - t_step
             return logits
+
+    def _run_stages(self, meta: StepMeta, ids: np.ndarray) -> np.ndarray:
+        x = ids
+        for st in self.stages:
+            x = st.step(meta, x)
+        return x
+
+    def _recover(self) -> bool:
+        """After a failed step: let each stage start again what it lost (a pipeline re-places a dead stage); if one
+        did, rebuild every stage's cache. False when no stage had anything to start again."""
+        if not any([st.recover() for st in self.stages]):
+            return False
+        self._stale = True
+        self._rebuild()
+        self.recoveries += 1
+        return True
+
+    def _rebuild(self) -> None:
+        """Every stage forgets its cache and the tokens of every active sequence are computed again, into the same
+        cells (steps of n_batch tokens in position order, no logits): the KV of a new stage is rebuilt and the
+        others' is as it was. Until it succeeds, no step runs on the stale caches (`_stale`)."""
+        for st in self.stages:
+            st.reset()
+        self._freed.clear()
+        self._released = np.zeros(0, np.int32)
+        parts: list[list[np.ndarray]] = [[], [], [], []]  # seqs, pos, cells, ids
+        for s in sorted(self._next_pos):
+            cells = np.flatnonzero(self.cells.seq == s).astype(np.int32)
+            cells = cells[np.argsort(self.cells.pos[cells], kind="stable")]
+            pos = self.cells.pos[cells]
+            for part, a in zip(parts, (np.full(cells.size, s, np.int32), pos, cells,
+                                       np.asarray(self._tokens[s], np.int32)[pos])):
+                part.append(a)
+        seqs, pos, cells, ids = (np.concatenate(p) if p else np.zeros(0, np.int32) for p in parts)
+        none = np.zeros(0, np.int32)
+        for a in range(0, seqs.size, self.n_batch):
+            sl = slice(a, a + self.n_batch)
+            self._run_stages(StepMeta(seqs[sl], pos[sl], cells[sl], none), ids[sl])
+        self._stale = False
 
     def stats(self) -> dict[str, Any]:
         local = self._local_stages()

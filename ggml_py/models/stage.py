@@ -163,6 +163,10 @@ class Stage:
         if self._mirror:
             self.cells.clear()
 
+    def recover(self) -> bool:
+        """A local stage has nothing to start again after a failed step (its plan and cache are in this process)."""
+        return False
+
     def close(self) -> None:
         if self._plan is not None:
             self._plan.close()

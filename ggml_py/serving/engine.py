@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ggml_py.errors import GgmlPyError, ModelError
+from ggml_py.errors import GgmlPyError, ModelError, UnavailableError
 from ggml_py.models.batch import BatchDecoder, StageLike
 from ggml_py.models.sampling import Sampler
 from ggml_py.serving.stop_strings import StopMatcher, check_stops
@@ -83,6 +83,7 @@ class Event:
     token: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+    unavailable: bool = False  # the error was not the request's: a part of the runtime was lost (HTTP 503)
 
 
 @dataclass
@@ -314,7 +315,7 @@ class Engine:
         except BaseException as e:  # the step did not happen: its requests cannot go on
             with self._cond:
                 for r in active:
-                    self._finish(r, "error", f"{type(e).__name__}: {e}")
+                    self._finish(r, "error", f"{type(e).__name__}: {e}", unavailable=isinstance(e, UnavailableError))
             raise
         n_prompt = sum(len(e[1]) for e in entries) - n_decode
         ids = self._sample(wanting, logits)
@@ -400,7 +401,7 @@ class Engine:
             r._emit(Event("token", out, r.tokens[-1]))
         return start is not None
 
-    def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
+    def _finish(self, r: Request, reason: str, error: str | None = None, unavailable: bool = False) -> None:
         """End r (under the lock): free its sequence, record, emit "done"."""
         if r.done.is_set():
             return
@@ -423,12 +424,12 @@ class Engine:
         else:
             self.requests_finished += 1
         r.done.set()
-        r._emit(Event("done", finish_reason=reason, error=error))
+        r._emit(Event("done", finish_reason=reason, error=error, unavailable=unavailable))
 
     def _fail_all(self, why: str) -> None:
         with self._cond:
             for r in list(self._active) + list(self._queue):
-                self._finish(r, "error", why)
+                self._finish(r, "error", why, unavailable=isinstance(self._error, UnavailableError))
             self._queue.clear()
 
     # -- state -------------------------------------------------------------------------------------------------------

@@ -331,6 +331,8 @@ class Server:
         if ev.finish_reason == "cancelled":
             return Response(status_code=499)
         if ev.finish_reason == "error":
+            if ev.unavailable:  # not the request's fault: a pipeline stage was lost
+                return error_response(503, ev.error or "generation failed", "server_unavailable")
             return error_response(500, ev.error or "generation failed", "server_error")
         c = req.result()
         usage = {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
@@ -376,7 +378,8 @@ class Server:
                     continue
                 done = True
                 if ev.finish_reason == "error":
-                    err = {"error": {"message": ev.error or "generation failed", "type": "server_error",
+                    err = {"error": {"message": ev.error or "generation failed",
+                                     "type": "server_unavailable" if ev.unavailable else "server_error",
                                      "param": None, "code": None}}
                     yield f"data: {json.dumps(err)}\n\n"
                     return
