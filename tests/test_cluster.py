@@ -181,6 +181,30 @@ def test_restarts_are_bounded(cluster, tmp_path):
             pipe.close()
 
 
+def test_a_memory_limit_splits_the_model_to_fit_or_refuses_it(cluster, tmp_path):
+    """Each stage may hold at most `memory_limit` bytes (weights, KV, compute buffer): the blocks are split so that
+    each stage fits, and each stage checked its parts against the limit; a limit no split can meet is refused before
+    any actor starts, naming what each stage would need."""
+    from ggml_py.models.stage import stage_memory_parts
+
+    path = write_tiny(tmp_path / "m.gguf", "llama", seed=4, n_layer=4)
+    with load_model(path, backends=["simd"], n_ctx=N_CTX, progress=False) as m:
+        whole = sum(n for _, n in stage_memory_parts(m, range(0, 4), N_CTX, N_SEQ, N_BATCH, m.cache.dtype))
+        limit = int(0.6 * whole)
+        pipe = start_pipeline(m, N_CTX, N_SEQ, N_BATCH, n_stages=2, backends="simd", n_threads=1,
+                              memory_limit=limit)
+        try:
+            held = [sum(n for _, n in i["memory_parts"]) for i in pipe.info()]
+            assert all(h <= limit for h in held) and sum(held) >= whole, (held, limit, whole)
+            with BatchDecoder(m, n_ctx=N_CTX, n_seq_max=N_SEQ, n_batch=N_BATCH, stages=[pipe]) as dec:
+                s = dec.new_sequence()
+                assert np.isfinite(dec.decode([(s, [1, 2, 3], True)])).all()
+        finally:
+            pipe.close()
+        with pytest.raises(ClusterError, match=r"does not fit in 2 stages .*stage 0: blocks 0-"):
+            start_pipeline(m, N_CTX, N_SEQ, N_BATCH, n_stages=2, memory_limit=int(0.4 * whole))
+
+
 def test_a_remote_cluster_without_token_authentication_is_refused(monkeypatch):
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     for address in ("10.0.0.7:6379", "ray://192.168.1.20:10001", "example.org:6379"):

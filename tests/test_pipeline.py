@@ -15,7 +15,7 @@ from ggml_py import load_model
 from ggml_py.errors import ModelError
 from ggml_py.models import SUPPORTED_ARCHITECTURES
 from ggml_py.models.batch import BatchDecoder
-from ggml_py.models.stage import Stage, StepMeta, split_layers
+from ggml_py.models.stage import Stage, StepMeta, split_by_memory, split_layers, stage_memory_parts
 
 from conftest import available_backends
 from model_factory import nmse
@@ -131,6 +131,39 @@ def test_split_layers():
     for bad in ([], [1, 0], [1] * 4):
         with pytest.raises(ModelError):
             split_layers(3, bad)
+
+
+def test_split_by_memory():
+    def cost(blocks: list[int]):
+        return lambda r: sum(blocks[r.start:r.stop])
+
+    assert split_by_memory(cost([1] * 6), 6, [1, 1]) == [range(0, 3), range(3, 6)]
+    assert split_by_memory(cost([1] * 6), 6, [2, 1]) == [range(0, 4), range(4, 6)]
+    assert split_by_memory(cost([5, 1, 1, 1, 1, 1]), 6, [1, 1]) == [range(0, 1), range(1, 6)]  # the embedding's
+    rng = np.random.default_rng(0)
+    for _ in range(20):  # the lowest worst ratio of every split, found by trying them all
+        blocks, budgets = rng.integers(1, 20, 7).tolist(), rng.integers(1, 5, 3).tolist()
+        ratio = lambda rs: max(sum(blocks[r.start:r.stop]) / b for r, b in zip(rs, budgets))  # noqa: E731
+        best = min(ratio([range(0, i), range(i, j), range(j, 7)]) for i in range(1, 6) for j in range(i + 1, 7))
+        got = split_by_memory(cost(blocks), 7, budgets)
+        assert [r.start for r in got] == [0, got[0].stop, got[1].stop] and got[-1].stop == 7
+        assert ratio(got) == best
+    for bad in ([], [1, 0], [1] * 7):
+        with pytest.raises(ModelError):
+            split_by_memory(cost([1] * 6), 6, bad)
+
+
+def test_a_stage_over_its_memory_limit_is_refused_before_allocating(tmp_path):
+    path = write_tiny(tmp_path / "l.gguf", "llama", seed=1, n_layer=2)
+    with load_model(path, backends=["numpy"], n_ctx=N_CTX, progress=False) as m:
+        parts = stage_memory_parts(m, range(1, 2), N_CTX, N_SEQ, N_BATCH, m.cache.dtype)
+        need = sum(n for _, n in parts)
+        assert parts[0][0] == "weights of blocks 1-1" and parts[0][1] > 0
+        with pytest.raises(ModelError, match=r"weights of blocks 1-1: .* more than the .* of memory limit"):
+            Stage(m, range(1, 2), N_CTX, N_SEQ, N_BATCH, count_weights=True, memory_limit=need - 1)
+        st = Stage(m, range(1, 2), N_CTX, N_SEQ, N_BATCH, count_weights=True, memory_limit=need)
+        assert sum(n for _, n in st.memory_parts) == need
+        st.close()
 
 
 def test_stages_serve_one_decoder_after_another(tmp_path):

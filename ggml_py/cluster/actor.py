@@ -37,6 +37,7 @@ class StageSpec:
     kv_type: str = "F16"
     backends: str | None = None  # as load_model takes them; None: the node's default order
     n_threads: int | None = None
+    memory_limit: int | None = None  # bytes the stage may hold (weights, KV, compute buffer); None: what is free
 
 
 def file_sha256(path: str, chunk: int = 1 << 24) -> str:
@@ -45,6 +46,18 @@ def file_sha256(path: str, chunk: int = 1 << 24) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def _status_bytes(field: str) -> int | None:
+    """A size from /proc/self/status (VmRSS: resident now, VmHWM: the peak), None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 class StageHost:
@@ -61,17 +74,24 @@ class StageHost:
             raise ModelError(f"{where}: the model file {spec.path} is not there: {e}") from None
         if size != spec.size or file_sha256(spec.path) != spec.sha256:
             raise ModelError(f"{where}: {spec.path} is not the coordinator's model file (size or SHA-256 differ)")
-        # the model's own single-sequence cache is never used here: the stage has one of its own blocks only
+        # the model's own single-sequence cache is never used here: the stage has one of its own blocks only; what
+        # the stage holds (its blocks' weights included) is checked by the Stage against the memory it may use
         self.model = load_model(spec.path, backends=spec.backends, n_threads=spec.n_threads, n_ctx=1,
-                                kv_type=spec.kv_type, progress=False)
-        self.stage = Stage(self.model, range(*spec.layers), spec.n_ctx, spec.n_seq_max, spec.n_batch)
+                                kv_type=spec.kv_type, progress=False, check_memory=False)
+        try:
+            self.stage = Stage(self.model, range(*spec.layers), spec.n_ctx, spec.n_seq_max, spec.n_batch,
+                               count_weights=True, memory_limit=spec.memory_limit)
+        except BaseException:
+            self.model.close()
+            raise
 
     def info(self) -> dict[str, Any]:
         return {"index": self.index, "host": socket.gethostname(), "pid": os.getpid(),
                 "ggml_py": metadata.version("ggml_py"), "stage_abi": ABI_STAGE,
                 "layers": list(self.spec.layers), "backends": self.model.backend_names,
                 "plans_prepared": self.stage.plans_prepared, "steps": self.stage.steps,
-                "compute_s": self.stage.compute_s}
+                "compute_s": self.stage.compute_s, "memory_parts": self.stage.memory_parts,
+                "rss_bytes": _status_bytes("VmRSS"), "peak_rss_bytes": _status_bytes("VmHWM")}
 
     def step(self, meta: StepMeta, x: np.ndarray) -> np.ndarray:
         return self.stage.step(meta, x)

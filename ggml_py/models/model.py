@@ -102,7 +102,7 @@ class Model:
 
     def __init__(self, gguf: Any, arch: Architecture, hparams: HParams, weights: Weights, backends: list[Any],
                  n_ctx: int, kv_type: dtypes.DType, graph_reuse: bool = True, tokenizer: Any = None,
-                 tokenizer_error: Exception | None = None, progress: bool = True) -> None:
+                 tokenizer_error: Exception | None = None, progress: bool = True, check_memory: bool = True) -> None:
         self.gguf = gguf
         self.path: str = gguf.path
         self.metadata: dict[str, Any] = gguf.metadata
@@ -120,7 +120,7 @@ class Model:
             raise ModelError(f"{self.path}: the tokenizer has {tokenizer.n_vocab} tokens but 'token_embd.weight' has "
                              f"{hparams.n_vocab} rows; they must be equal")
         copy_weights = self._must_copy_weights()
-        self._require_memory(kv_type, copy_weights)
+        self._require_memory(kv_type, copy_weights, check_memory)
         self.cache = KVCache(hparams, n_ctx, kv_type)
         self._tokenizer = tokenizer
         self._tokenizer_error = tokenizer_error
@@ -150,7 +150,7 @@ class Model:
         bt = self.backends[0].default_buffer_type
         return not (bt.is_host and bt.buffer_from_host(np.zeros(64, np.uint8)) is not None)
 
-    def _require_memory(self, kv_type: dtypes.DType, copy_weights: bool) -> None:
+    def _require_memory(self, kv_type: dtypes.DType, copy_weights: bool, check: bool = True) -> None:
         """Refuse, before allocating anything, a model whose weights (read every token, so they must all be
         resident), the preferred backend's caches of them, a host copy of them, the KV cache and the compute buffers
         of its step plans exceed MemAvailable. The parts are kept in `memory_parts`."""
@@ -171,7 +171,8 @@ class Model:
                       sum(bufs) if self.graph_reuse else max(bufs)))
         self.memory_parts: list[tuple[str, int]] = parts
         f16 = "kv_type F16, " if kv_type is not dtypes.F16 else ""
-        require_memory(parts, f"use a smaller n_ctx, {f16}another backend or a smaller model")
+        if check:
+            require_memory(parts, f"use a smaller n_ctx, {f16}another backend or a smaller model")
 
     def _copy_weights(self, progress: bool) -> None:
         """Copy the weights into the preferred backend's memory, once, with a progress bar."""

@@ -12,7 +12,7 @@ every step like any local plan.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -69,14 +69,68 @@ def split_layers(n_layer: int, shares: Sequence[float]) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
+def stage_weight_bytes(model: Model, layers: range) -> int:
+    """The bytes of the weights a stage of `layers` reads: its blocks', the token embedding on the first stage, the
+    output norm and head on the last (a tied head is the embedding: counted once)."""
+    w, n_layer = model.weights, model.hparams.n_layer
+    n = sum(t.nbytes for ly in w.layers[layers.start:layers.stop] for t in vars(ly).values() if t is not None)
+    if layers.start == 0:
+        n += w.tok_embd.nbytes
+    if layers.stop == n_layer:
+        n += w.output_norm.nbytes + (0 if w.tied and layers.start == 0 else w.output.nbytes)
+    return n
+
+
+def stage_memory_parts(model: Model, layers: range, n_ctx: int, n_seq_max: int, n_batch: int,
+                       kv: dtypes.DType) -> list[tuple[str, int]]:
+    """What a stage holds: its weights (mapped: resident once read, and read every step), the KV cache of its
+    blocks, its compute buffer (attention masks of n_batch x n_ctx, the last stage's logits)."""
+    hp = model.hparams
+    last = layers.stop == hp.n_layer
+    return [(f"weights of blocks {layers.start}-{layers.stop - 1}", stage_weight_bytes(model, layers)),
+            (f"KV cache of blocks {layers.start}-{layers.stop - 1} ({n_ctx} cells, {kv})",
+             KVCache.nbytes_for(hp, n_ctx, kv) // hp.n_layer * len(layers)),
+            (f"compute buffer (attention masks of {n_batch} x {n_ctx})",
+             step_buffer_bytes(hp, n_batch, n_ctx, n_seq_max if last else 0))]
+
+
+def split_by_memory(need: Callable[[range], int], n_layer: int, budgets: Sequence[int]) -> list[range]:
+    """Contiguous block ranges, one per budget, that keep the largest need(range) / budget as low as it can be (so
+    each stage's share of the model follows its node's memory, embeddings and head included). A dynamic programme
+    over (stages, blocks): a model has at most a few hundred blocks."""
+    p = len(budgets)
+    if not budgets or p > n_layer or any(not b > 0 for b in budgets):
+        raise ModelError(f"cannot split {n_layer} blocks by memory budgets {list(budgets)}: one positive budget per "
+                         "stage, at most one stage per block")
+    inf = float("inf")
+    # best[i][j]: the lowest worst ratio placing blocks [0, j) on the first i stages; cut[i][j]: where stage i-1 starts
+    best = [[inf] * (n_layer + 1) for _ in range(p + 1)]
+    cut = [[0] * (n_layer + 1) for _ in range(p + 1)]
+    best[0][0] = 0.0
+    for i in range(1, p + 1):
+        for j in range(i, n_layer - (p - i) + 1):
+            for k in range(i - 1, j):
+                if best[i - 1][k] < inf:
+                    r = max(best[i - 1][k], need(range(k, j)) / budgets[i - 1])
+                    if r < best[i][j]:
+                        best[i][j], cut[i][j] = r, k
+    bounds = [n_layer]
+    for i in range(p, 0, -1):
+        bounds.append(cut[i][bounds[-1]])
+    bounds.reverse()
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 class Stage:
     """Blocks `layers` of `model` on one prepared plan with at most `n_batch` tokens a step over `n_ctx` cells.
 
     `cells`: the decoder's own KVCells when the stage runs beside it (one local stage: nothing mirrored); None for a
-    stage that keeps its own mirror from the metas (any stage of a pipeline)."""
+    stage that keeps its own mirror from the metas (any stage of a pipeline). `count_weights`: its weights are part
+    of what it checks against the available memory (or `memory_limit` bytes) before allocating anything."""
 
     def __init__(self, model: Model, layers: range, n_ctx: int, n_seq_max: int, n_batch: int,
-                 kv_type: dtypes.DType | None = None, cells: KVCells | None = None) -> None:
+                 kv_type: dtypes.DType | None = None, cells: KVCells | None = None, count_weights: bool = False,
+                 memory_limit: int | None = None) -> None:
         hp = model.hparams
         if not (0 <= layers.start < layers.stop <= hp.n_layer and layers.step == 1):
             raise ModelError(f"stage layers {layers} are not a contiguous range of the model's {hp.n_layer} blocks")
@@ -86,13 +140,12 @@ class Stage:
         self.first = layers.start == 0
         self.last = layers.stop == hp.n_layer
         self.n_ctx, self.n_seq_max, self.n_batch = n_ctx, n_seq_max, n_batch
-        per_layer = KVCache.nbytes_for(hp, n_ctx, kv) // hp.n_layer
-        # its one plan holds masks of n_batch x n_ctx and (last stage) up to n_seq_max rows of logits
-        self.memory_parts = [(f"KV cache of blocks {layers.start}-{layers.stop - 1} ({n_ctx} cells, {kv})",
-                              per_layer * len(layers)),
-                             (f"compute buffer (attention masks of {n_batch} x {n_ctx})",
-                              step_buffer_bytes(hp, n_batch, n_ctx, n_seq_max if self.last else 0))]
-        require_memory(self.memory_parts, "use a smaller n_ctx or n_batch, or kv_type F16")
+        # its one plan holds masks of n_batch x n_ctx and (last stage) up to n_seq_max rows of logits; the weights
+        # are counted here only for a stage whose process loaded the model without counting them (a stage host)
+        parts = stage_memory_parts(model, layers, n_ctx, n_seq_max, n_batch, kv)
+        self.memory_parts = parts if count_weights else parts[1:]
+        require_memory(self.memory_parts, "use a smaller n_ctx or n_batch, kv_type F16, or more stages",
+                       memory_limit)
         self.cache = KVCache(hp, n_ctx, kv)  # state tensors: only this stage's blocks are ever allocated
         self._mirror = cells is None
         self.cells = KVCells(n_ctx, n_seq_max) if cells is None else cells
