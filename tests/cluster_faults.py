@@ -23,8 +23,9 @@ import threading
 import time
 from typing import Any
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every node on 127.0.0.1 (cluster/pipeline.py)
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+from ggml_py.cluster.pipeline import local_ray_env  # noqa: E402
+
+local_ray_env()  # before Ray starts: every node on 127.0.0.1
 
 PROMPTS = ["Once upon a time", "The capital of France is", "List three colors:", "def fib(n):"]
 N_CTX, N_PAR, N_BATCH = 512, 4, 64

@@ -17,18 +17,17 @@ from arch_factory import write_tiny
 from test_pipeline import N_BATCH, N_CTX, N_SEQ, SHAPES, _script
 
 from ggml_py import load_model
+from ggml_py.cluster import ClusterError, start_pipeline
+from ggml_py.cluster.pipeline import connect, local_ray_env
 from ggml_py.models.batch import BatchDecoder
 from ggml_py.serving.engine import Engine, GenParams
 
 from model_factory import nmse
 
-# Ray on one machine: nodes on 127.0.0.1 (Ray would advertise the host's address), no usage reports. Set before Ray
-# is imported, as connect() does for a local or loopback cluster.
-LOCAL_RAY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-os.environ.update(LOCAL_RAY)
+# Ray on one machine: nodes on 127.0.0.1 (Ray would advertise the host's address), no usage reports, the logits
+# returned in a call's reply. Set before Ray is imported, as connect() does for a local or loopback cluster.
+local_ray_env()
 ray = pytest.importorskip("ray", reason="the cluster extra: pip install 'ggml_py[cluster]'")
-from ggml_py.cluster import ClusterError, start_pipeline  # noqa: E402
-from ggml_py.cluster.pipeline import connect  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +38,11 @@ def cluster():
     for _ in range(2):
         c.add_node(num_cpus=1)
     connect(c.address)
-    # every node and this driver on loopback (LOCAL_RAY below): no traffic leaves 127.0.0.1
+    # every node and this driver on loopback (local_ray_env above): no traffic leaves 127.0.0.1
     assert c.address.startswith("127.0.0.1:") and {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+    from ggml_py.cluster.pipeline import _alive_nodes
+
+    assert _alive_nodes(ray)[0]["NodeID"] == c.head_node.node_id  # stage 0 goes to the head (the coordinator's)
     try:
         yield c
     finally:

@@ -143,7 +143,8 @@ def test_split_by_memory():
     rng = np.random.default_rng(0)
     for _ in range(20):  # the lowest worst ratio of every split, found by trying them all
         blocks, budgets = rng.integers(1, 20, 7).tolist(), rng.integers(1, 5, 3).tolist()
-        ratio = lambda rs: max(sum(blocks[r.start:r.stop]) / b for r, b in zip(rs, budgets))  # noqa: E731
+        ratio = lambda rs, blocks=blocks, budgets=budgets: max(  # noqa: E731
+            sum(blocks[r.start:r.stop]) / b for r, b in zip(rs, budgets))
         best = min(ratio([range(0, i), range(i, j), range(j, 7)]) for i in range(1, 6) for j in range(i + 1, 7))
         got = split_by_memory(cost(blocks), 7, budgets)
         assert [r.start for r in got] == [0, got[0].stop, got[1].stop] and got[-1].stop == 7

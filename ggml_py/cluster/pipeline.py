@@ -54,16 +54,33 @@ def _is_loopback(address: str) -> bool:
         return False
 
 
+# The Ray settings of a cluster this process starts on this machine (tests, `bench cluster`, address 'local'); on
+# real machines, the same variables are exported before `ray start` on every node (docs/cluster.md).
+LOCAL_RAY_ENV = {
+    # Ray replaces a loopback address by the host's own (so that other machines could reach it); on one machine
+    # this keeps every node, the driver and their traffic on 127.0.0.1
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",  # Ray reports nothing to anyone
+}
+# Ray returns results up to this size inside the call's reply, larger ones through its object store, which costs
+# about 1 ms more a call: the last stage's logits (n_vocab floats a row: 196 KB for 49k tokens) must fit
+RAY_DIRECT_CALL_ENV = {"RAY_max_direct_call_object_size": str(8 << 20)}
+
+
+def local_ray_env() -> None:
+    """Set (unless set already) the environment of a Ray cluster started by this process, before Ray starts."""
+    for k, v in {**LOCAL_RAY_ENV, **RAY_DIRECT_CALL_ENV}.items():
+        os.environ.setdefault(k, v)
+
+
 def connect(address: str | None = None) -> Any:
     """Ray, connected: to the cluster at `address` ("auto": the one `ray start` made on this machine), or a new local
     instance when None. A cluster beyond this machine is refused unless Ray's token authentication is on
     (RAY_AUTH_MODE=token on every node), since anyone who can reach an unauthenticated Ray can run code on it."""
     here = address in (None, "local") or (address != "auto" and _is_loopback(address))
     if here and "ray" not in sys.modules:
-        # Ray replaces a loopback address by the host's own (so that other machines could reach it); on one machine
-        # this keeps every node, the driver and their traffic on 127.0.0.1
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # Ray reports nothing to anyone
+        local_ray_env()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
         import ray
     except ImportError:
@@ -223,8 +240,13 @@ class Pipeline:
         self.actors = []
 
 
+def _is_head(node: dict[str, Any]) -> bool:
+    return bool(node.get("IsHead")) or "node:__internal_head__" in node.get("Resources", {})
+
+
 def _alive_nodes(ray: Any) -> list[dict[str, Any]]:
-    return sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: (not n.get("IsHead"), n["NodeID"]))
+    """The alive nodes, the head first."""
+    return sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: (not _is_head(n), n["NodeID"]))
 
 
 def start_pipeline(model: Model, n_ctx: int, n_seq_max: int, n_batch: int, *, address: str | None = None,

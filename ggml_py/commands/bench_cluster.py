@@ -9,7 +9,6 @@ that crossed each boundary, and the plans each stage prepared.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any
@@ -23,12 +22,12 @@ def _log(msg: str) -> None:
 
 def run(model: str | None = None, stages: int = 2, n_gen: int = 64, rounds: int = 3, threads: int = 1,
         backend: str | None = None, quick: bool = False, **_: Any) -> dict[str, Any]:
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # the cluster on 127.0.0.1 (cluster/pipeline.py)
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from ggml_py.cluster import start_pipeline
+    from ggml_py.cluster.pipeline import connect, local_ray_env
+
+    local_ray_env()  # before Ray starts: the cluster on 127.0.0.1
     from ray.cluster_utils import Cluster
 
-    from ggml_py.cluster import start_pipeline
-    from ggml_py.cluster.pipeline import connect
     from ggml_py.models import load_model
     from ggml_py.models.batch import BatchDecoder
 
