@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import time
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -48,6 +49,17 @@ def file_sha256(path: str, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
+class StageFailure(Exception):
+    """A stage's step raised: which stage, and what (it crosses back to the coordinator, which names the stage)."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(index, message)
+        self.index, self.message = index, message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def _status_bytes(field: str) -> int | None:
     """A size from /proc/self/status (VmRSS: resident now, VmHWM: the peak), None where there is none."""
     try:
@@ -67,6 +79,7 @@ class StageHost:
         from ggml_py.models import load_model
 
         self.spec, self.index = spec, index
+        self._busy_since = 0.0  # when the step in progress started (0: none is)
         where = f"stage {index} on {socket.gethostname()}"
         try:
             size = os.path.getsize(spec.path)
@@ -91,10 +104,17 @@ class StageHost:
                 "layers": list(self.spec.layers), "backends": self.model.backend_names,
                 "plans_prepared": self.stage.plans_prepared, "steps": self.stage.steps,
                 "compute_s": self.stage.compute_s, "memory_parts": self.stage.memory_parts,
-                "rss_bytes": _status_bytes("VmRSS"), "peak_rss_bytes": _status_bytes("VmHWM")}
+                "rss_bytes": _status_bytes("VmRSS"), "peak_rss_bytes": _status_bytes("VmHWM"),
+                "busy_s": time.perf_counter() - self._busy_since if self._busy_since else 0.0}
 
     def step(self, meta: StepMeta, x: np.ndarray) -> np.ndarray:
-        return self.stage.step(meta, x)
+        self._busy_since = time.perf_counter()
+        try:
+            return self.stage.step(meta, x)
+        except Exception as e:
+            raise StageFailure(self.index, f"{type(e).__name__}: {e}") from None
+        finally:
+            self._busy_since = 0.0
 
     def reset(self) -> None:
         self.stage.reset()

@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from ggml_py.cluster.actor import ABI_STAGE, StageHost, StageSpec, file_sha256
+from ggml_py.cluster.actor import ABI_STAGE, StageFailure, StageHost, StageSpec, file_sha256
 from ggml_py.errors import UnavailableError
 from ggml_py.models.stage import StepMeta, split_by_memory, split_layers, stage_memory_parts
 from ggml_py.sysmem import mib
@@ -99,13 +99,23 @@ def connect(address: str | None = None) -> Any:
 class Pipeline:
     """The stage actors of one model, as one stage of a BatchDecoder (`step`, `reset`, `recover`, `close`).
 
+    `compiled`: a step runs as a Ray compiled graph, prepared once (on the first step, and again after a restart):
+    each stage reads its input from and writes its output to a channel of its own, so the hidden states go from a
+    stage straight to the next and the logits from the last stage to the coordinator, with no task submitted per
+    step. False: plain actor calls, each stage's output passed to the next as an object reference (results up to
+    RAY_max_direct_call_object_size come back inside the reply: they pass through the coordinator).
+
     `max_restarts`: how many times in all a stage that died or stopped answering is started again (on its node if
     that is alive, else on another node that holds the file); the decoder then rebuilds every stage's cache from its
     sequences' tokens and the step goes on. 0: a lost stage fails the step, and the decoder, for good."""
 
     def __init__(self, ray: Any, actors: list[Any], specs: list[StageSpec], node_ids: list[str], n_embd: int,
-                 timeout_s: float = STEP_TIMEOUT_S, max_restarts: int = 0) -> None:
+                 timeout_s: float = STEP_TIMEOUT_S, max_restarts: int = 0, compiled: bool = True) -> None:
         self._ray, self.actors, self.specs, self.timeout_s = ray, actors, specs, timeout_s
+        self.compiled = compiled
+        self._dag: Any = None  # the compiled graph of a step (compiled mode; None until the first step)
+        self.compiles = 0
+        self.compile_s = 0.0
         self.node_ids = node_ids
         self.n_embd = n_embd
         self.max_restarts = max_restarts
@@ -133,19 +143,80 @@ class Pipeline:
             NodeAffinitySchedulingStrategy(node_id, soft=False))).remote(self.specs[i], i)
 
     def step(self, meta: StepMeta, x: np.ndarray) -> np.ndarray:
-        ray = self._ray
-        ref, refs = x, []
-        for actor in self.actors:  # each output goes on to the next stage as a reference: node to node
-            ref = actor.step.remote(meta, ref)
-            refs.append(ref)
-        try:
-            out = ray.get(ref, timeout=self.timeout_s)
-        except Exception as e:
-            raise self._failure(refs, e) from None
+        out = self._step_compiled(meta, x) if self.compiled else self._step_calls(meta, x)
         self.steps += 1
         self.tokens += meta.n_tokens
         self.boundary_bytes += (len(self.actors) - 1) * (meta.n_tokens * self.n_embd * 4 + meta.nbytes())
         return out
+
+    def _step_calls(self, meta: StepMeta, x: np.ndarray) -> np.ndarray:
+        ray = self._ray
+        ref, refs = x, []
+        for actor in self.actors:  # each output goes on to the next stage as a reference
+            ref = actor.step.remote(meta, ref)
+            refs.append(ref)
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except Exception as e:
+            raise self._failure(refs, e) from None
+
+    def _step_compiled(self, meta: StepMeta, x: np.ndarray) -> np.ndarray:
+        if self._dag is None:
+            self._compile()
+        try:
+            out = self._ray.get(self._dag.execute(meta, x), timeout=self.timeout_s)
+        except Exception as e:
+            raise self._compiled_failure(e) from None
+        # the array read from a channel is a view of the channel's buffer, which the last stage cannot write the
+        # next step's logits into while anything holds it: the caller gets its own copy
+        return np.array(out, copy=True)
+
+    def _compile(self) -> None:
+        """The step as a Ray compiled graph: (meta, x) -> stage 0 -> ... -> the last stage's output."""
+        from ray.dag import InputNode
+
+        t0 = time.perf_counter()
+        with InputNode() as inp:
+            node = inp[1]
+            for actor in self.actors:
+                node = actor.step.bind(inp[0], node)
+        self._dag = node.experimental_compile(_submit_timeout=self.timeout_s)
+        self.compiles += 1
+        self.compile_s += time.perf_counter() - t0
+
+    def _drop_dag(self) -> None:
+        if self._dag is not None:
+            dag, self._dag = self._dag, None
+            try:
+                dag.teardown()
+            except Exception:
+                pass  # a stage is gone: what is left of the graph goes with it
+
+    def _compiled_failure(self, e: BaseException) -> ClusterError:
+        """The stage a compiled step failed in, named. A stage's own error leaves the graph as it is; a stage that
+        died or did not answer breaks it: it is torn down, and compiled again once the stages are back."""
+        ray = self._ray
+        cause = getattr(e, "cause", None) if isinstance(e, ray.exceptions.RayTaskError) else None
+        if isinstance(cause, StageFailure):
+            return ClusterError(f"{self._where(cause.index)} failed: {cause}")
+        self._drop_dag()
+        refs = [a.info.remote() for a in self.actors]
+        ray.wait(refs, num_returns=len(refs), timeout=1.0)
+        busy = None
+        for i, r in enumerate(refs):
+            try:
+                info = ray.get(r, timeout=0)
+            except ray.exceptions.RayActorError:
+                self._lost.add(i)
+                return ClusterError(f"{self._where(i)} died: its process or node is gone")
+            except Exception:
+                info = None  # no answer within a second
+            if busy is None and (info is None or info["busy_s"] > 0):
+                busy = i
+        if busy is not None:
+            self._lost.add(busy)
+            return ClusterError(f"{self._where(busy)} did not answer within {self.timeout_s:g} s")
+        return ClusterError(f"the pipeline failed: {type(e).__name__}: {e}")
 
     def _failure(self, refs: list[Any], e: BaseException) -> ClusterError:
         """The first stage whose step failed, named, with what happened to it."""
@@ -163,6 +234,8 @@ class Pipeline:
                 return ClusterError(f"{self._where(i)} died: its process or node is gone")
             except ray.exceptions.RayTaskError as te:
                 cause = te.cause if getattr(te, "cause", None) is not None else te
+                if isinstance(cause, StageFailure):
+                    return ClusterError(f"{self._where(cause.index)} failed: {cause}")
                 if isinstance(cause, ray.exceptions.RayActorError):
                     continue  # an upstream stage's death, seen from here
                 return ClusterError(f"{self._where(i)} failed: {type(cause).__name__}: {cause}")
@@ -197,6 +270,7 @@ class Pipeline:
         lost, self._lost = sorted(self._lost), set()
         if not lost:
             return False
+        self._drop_dag()  # compiled again with the new actors at the next step
         for i in lost:
             where = self._where(i)
             if len(self.restarts) >= self.max_restarts:
@@ -231,6 +305,7 @@ class Pipeline:
 
     def close(self) -> None:
         ray = self._ray
+        self._drop_dag()
         for a in self.actors:
             try:
                 ray.get(a.close.remote(), timeout=10)
@@ -253,7 +328,7 @@ def start_pipeline(model: Model, n_ctx: int, n_seq_max: int, n_batch: int, *, ad
                    n_stages: int | None = None, shares: Sequence[float] | None = None,
                    nodes: Sequence[str] | None = None, backends: str | None = None, n_threads: int | None = None,
                    timeout_s: float = STEP_TIMEOUT_S, max_restarts: int = 0,
-                   memory_limit: int | Sequence[int] | None = None) -> Pipeline:
+                   memory_limit: int | Sequence[int] | None = None, compiled: bool = True) -> Pipeline:
     """Start one stage actor per node of the cluster (or per node id in `nodes`) for `model` (the coordinator's:
     its file, which every node must hold at the same path), and check that each one runs: its ggml_py, stage
     protocol and file (size and SHA-256) are the coordinator's. The blocks are split in proportion to `shares` (block
@@ -262,7 +337,7 @@ def start_pipeline(model: Model, n_ctx: int, n_seq_max: int, n_batch: int, *, ad
     one per stage), which each stage may then not exceed (ClusterError at once when the model cannot fit).
     `n_stages` takes the first nodes (the head first; more stages than nodes share them). Use the result as the
     stages of a BatchDecoder of `n_ctx` cells, `n_seq_max` sequences and `n_batch` tokens a step (the same numbers).
-    `max_restarts`: see Pipeline."""
+    `max_restarts`, `compiled`: see Pipeline."""
     path, n_layer, kv_type = model.path, model.hparams.n_layer, model.cache.dtype.name
     ray = connect(address)
     alive = _alive_nodes(ray)
@@ -307,7 +382,8 @@ def start_pipeline(model: Model, n_ctx: int, n_seq_max: int, n_batch: int, *, ad
     size, digest = os.path.getsize(path), file_sha256(path)
     specs = [StageSpec(os.path.abspath(path), size, digest, (r.start, r.stop), n_ctx, n_seq_max, n_batch, kv_type,
                        backends, n_threads, lim) for r, lim in zip(ranges, limits)]
-    pipe = Pipeline(ray, [], specs, [n["NodeID"] for n in chosen], model.hparams.n_embd, timeout_s, max_restarts)
+    pipe = Pipeline(ray, [], specs, [n["NodeID"] for n in chosen], model.hparams.n_embd, timeout_s, max_restarts,
+                    compiled)
     pipe.actors = [pipe._start(i, node_id) for i, node_id in enumerate(pipe.node_ids)]
     t0 = time.perf_counter()
     refs = [a.info.remote() for a in pipe.actors]
@@ -323,5 +399,11 @@ def start_pipeline(model: Model, n_ctx: int, n_seq_max: int, n_batch: int, *, ad
             pipe.close()
             raise ClusterError(f"{pipe._where(i)} runs ggml_py {info['ggml_py']} (stage protocol "
                                f"{info['stage_abi']}); this coordinator {version} ({ABI_STAGE})")
+    if compiled:
+        try:
+            pipe._compile()
+        except Exception as e:
+            pipe.close()
+            raise ClusterError(f"the pipeline's step graph did not compile: {type(e).__name__}: {e}") from None
     pipe.start_s = time.perf_counter() - t0
     return pipe
