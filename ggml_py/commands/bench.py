@@ -11,12 +11,12 @@ from ggml_py.errors import GgmlPyError
 
 BUILTIN = {"reuse": "ggml_py.commands.bench_reuse", "model": "ggml_py.commands.bench_model",
            "matrix": "ggml_py.commands.bench_matrix", "serve": "ggml_py.commands.bench_serve",
-           "cluster": "ggml_py.commands.bench_cluster"}
+           "cluster": "ggml_py.commands.bench_cluster", "write-model": "ggml_py.commands.bench_write_model"}
 ENTRY_POINT_GROUP = "ggml_py.benchmarks"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", help="reuse, model, matrix, serve, cluster, or one a backend provides (ops)")
+    p.add_argument("name", help="reuse, model, matrix, serve, cluster, write-model, or one a backend provides (ops)")
     p.add_argument("--stages", type=int, default=None, help="cluster: pipeline stages, one per local Ray node")
     p.add_argument("--backend", default=None, help="backend to measure (default: the benchmark's)")
     p.add_argument("--steps", type=int, default=None, help="repetitions (reuse)")
@@ -37,6 +37,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-prompt", type=int, default=None, dest="n_prompt", help="model, serve: prompt tokens")
     p.add_argument("--rounds", type=int, default=None,
                    help="serve, matrix: interleaved rounds (per concurrency for serve; best kept)")
+    p.add_argument("--shape", default=None,
+                   help="write-model: the model shape (smollm2-135m, smollm2-1.7b, llama3.2-1b: random weights, "
+                   "SmolLM2's tokenizer; llama3.2-1b's 128256-token vocabulary is SmolLM2's 49152 tokens and unused "
+                   "filler tokens)")
+    p.add_argument("--type", default=None, dest="type_name",
+                   help="write-model: file type (F16, Q4_0, Q8_0, Q4_K_M, Q6_K, ...: as ggml-py quantize)")
+    p.add_argument("-o", "--output", default=None, help="write-model: the GGUF file to write")
+    p.add_argument("--seed", type=int, default=None, help="write-model: seed of the random weights (default 0)")
+    p.add_argument("--force", action="store_true", help="write-model: replace the output file if it exists")
 
 
 def _find(name: str) -> Any:
@@ -76,6 +85,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise GgmlPyError(f"--streams must be comma-separated integers, got {args.streams!r}") from None
         if not opts["concurrency"] or min(opts["concurrency"]) < 1:
             raise GgmlPyError(f"--streams must be positive integers, got {args.streams!r}")
+    for name in ("shape", "type_name", "output", "seed"):
+        if getattr(args, name) is not None:
+            opts[name] = getattr(args, name)
+    if args.force:
+        opts["force"] = True
     for name in ("n_gen", "n_prompt", "rounds", "stages"):
         v = getattr(args, name)
         if v is not None:

@@ -3,7 +3,9 @@
 Two parts. `quantize_policy.choose_types` decides the type of every tensor for a *file type* such as Q4_K_M
 (llama.cpp's per-tensor rules). `quantize_file` here streams the model, one tensor at a time, into a new GGUF written
 with `gguf.GGUFWriter`: every metadata key copied, `general.file_type` and `general.quantization_version` set,
-tensor order and data alignment kept, the file written under a temporary name and renamed at the end.
+tensor order and data alignment kept, the file written under a temporary name and renamed at the end. `write_gguf`,
+the writing half, takes the tensors' bytes from a callback: `ggml-py bench write-model` streams random weights
+through it.
 
 The bytes come from `ggml_py.formats.quants` (bit-identical with `gguf.quants` and with ggml's reference quantizers, see
 there); for the types a backend's CPY can write (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16) the preferred backend's
@@ -42,7 +44,8 @@ from ggml_py.ir.dtypes import (
     DType,
 )
 
-__all__ = ["Result", "convert_tensor", "quantize_file"]
+__all__ = ["MetadataEntry", "Result", "TensorData", "check_output_path", "convert_tensor", "quantize_file",
+           "write_gguf"]
 
 
 # ------------------------------------------------------------------------------------------------- conversion
@@ -124,6 +127,14 @@ def convert_tensor(raw: np.ndarray, plan: TensorPlan, convert: Callable[[np.ndar
 # ------------------------------------------------------------------------------------------------- the file
 
 
+# One metadata entry of a GGUF to write: key, value, GGUF value type, array element type (None for scalars).
+MetadataEntry = tuple[str, Any, int, int | None]
+# What write_gguf writes for a tensor, given its plan and the converter (float32 rows, type -> raw rows): an array of
+# its raw bytes (p.nbytes() of them), or any object with `nbytes` and `tofile(file)` that writes them (to stream a
+# tensor in pieces: gguf.GGUFWriter.write_tensor_data needs no more of it).
+TensorData = Callable[[TensorPlan, Callable[[np.ndarray, DType], np.ndarray]], Any]
+
+
 @dataclass
 class Result:
     """What quantize_file did (also the --json output of `ggml-py quantize`)."""
@@ -150,12 +161,12 @@ class Result:
 _SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
 
 
-def _metadata_entries(gf: Any, ft: FileType) -> tuple[list[tuple[str, Any, int, int | None]], list[str]]:
+def _metadata_entries(gf: Any, ft: FileType) -> tuple[list[MetadataEntry], list[str]]:
     """The input's metadata as (key, value, GGUF value type, array element type) in file order, with
     general.file_type and general.quantization_version set as llama.cpp sets them; and the keys dropped (empty
     arrays, which gguf.GGUFWriter cannot write)."""
     from ggml_py.formats.gguf import T_ARRAY, T_STRING, T_UINT32, array_element_type
-    out: list[tuple[str, Any, int, int | None]] = []
+    out: list[MetadataEntry] = []
     dropped: list[str] = []
     for key, value in gf.metadata.items():
         vtype = gf.metadata_types[key]
@@ -184,9 +195,11 @@ def _metadata_entries(gf: Any, ft: FileType) -> tuple[list[tuple[str, Any, int, 
     return out, dropped
 
 
-def _check_paths(inp: str, out: str, force: bool) -> None:
+def check_output_path(out: str, force: bool, inp: str | None = None) -> None:
+    """Refuse to write `out` where it would replace the input `inp`, a folder, or (without `force`) any file, or
+    where its folder does not exist."""
     if os.path.exists(out):
-        if os.path.exists(inp) and os.path.samefile(inp, out):
+        if inp is not None and os.path.exists(inp) and os.path.samefile(inp, out):
             raise QuantizeError(f"{out}: the output is the input file; write to another path")
         if os.path.isdir(out):
             raise QuantizeError(f"{out}: is a directory")
@@ -239,9 +252,9 @@ def _die_after_cleanup() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _write(gf: Any, tmp: str, out: str, arch: str, entries: list[tuple[str, Any, int, int | None]],
-           plans: list[TensorPlan], use_backend: bool, progress: Callable[[int, int, TensorPlan], None] | None
-           ) -> dict[str, str]:
+def _write(tmp: str, out: str, arch: str, alignment: int | None, entries: list[MetadataEntry],
+           plans: list[TensorPlan], tensor_data: TensorData, use_backend: bool,
+           progress: Callable[[int, int, TensorPlan], None] | None) -> dict[str, str]:
     """Write the file as `tmp` (created here), then rename it to `out`; on any error or interrupt `tmp` is removed.
     Returns the converter of each type written (type name -> a backend's name or "quants")."""
     import gguf
@@ -252,7 +265,8 @@ def _write(gf: Any, tmp: str, out: str, arch: str, entries: list[tuple[str, Any,
     writer = None
     try:
         writer = gguf.GGUFWriter(tmp, arch)
-        writer.data_alignment = gf.alignment
+        if alignment is not None:
+            writer.data_alignment = alignment
         for key, value, vtype, sub in entries:
             writer.add_key_value(key, value, gguf.GGUFValueType(vtype),
                                  gguf.GGUFValueType(sub) if sub is not None else None)
@@ -266,8 +280,7 @@ def _write(gf: Any, tmp: str, out: str, arch: str, entries: list[tuple[str, Any,
         for i, p in enumerate(plans):
             if progress is not None:
                 progress(i, len(plans), p)
-            data = convert_tensor(gf.data(p.name), p, convert)
-            writer.write_tensor_data(data)
+            writer.write_tensor_data(tensor_data(p, convert))
         writer.close()
         writer = None
         os.replace(tmp, out)
@@ -282,6 +295,20 @@ def _write(gf: Any, tmp: str, out: str, arch: str, entries: list[tuple[str, Any,
     finally:
         convert.close()
     return convert.used
+
+
+def write_gguf(out: str, arch: str, entries: list[MetadataEntry], plans: list[TensorPlan], tensor_data: TensorData,
+               *, alignment: int | None = None, use_backend: bool = True,
+               progress: Callable[[int, int, TensorPlan], None] | None = None) -> dict[str, str]:
+    """Write a GGUF at `out`: architecture `arch`, the metadata `entries` in order, then the tensors of `plans` (in
+    their types `dst`) in order, each one's bytes from `tensor_data(plan, convert)`; `alignment` None keeps the
+    writer's default (32). The file appears only when complete (a hidden temporary file in its folder, renamed at
+    the end); on any error or interrupt nothing is left behind (see quantize_file). Returns the converter used for
+    each type (type name -> a backend's name, or "quants")."""
+    folder, base = os.path.split(os.path.abspath(out))
+    tmp = os.path.join(folder, f".{base}.{uuid.uuid4().hex[:12]}.part")
+    with _die_after_cleanup():
+        return _write(tmp, out, arch, alignment, entries, plans, tensor_data, use_backend, progress)
 
 
 def quantize_file(inp: str, out: str, type_name: str, *, allow_requantize: bool = False,
@@ -300,7 +327,7 @@ def quantize_file(inp: str, out: str, type_name: str, *, allow_requantize: bool 
     ft = file_type(type_name)
     out_t = tensor_type(output_type) if output_type else None
     embd_t = tensor_type(token_embedding_type) if token_embedding_type else None
-    _check_paths(inp, out, force)
+    check_output_path(out, force, inp)
     with open_gguf(inp) as gf:
         meta = gf.metadata
         if int(meta.get("split.count", 1) or 1) > 1:
@@ -318,10 +345,9 @@ def quantize_file(inp: str, out: str, type_name: str, *, allow_requantize: bool 
                 raise QuantizeError(f"{p.name} is {p.src.name}, which ggml_py cannot convert to {p.dst.name}")
         entries, dropped = _metadata_entries(gf, ft)
 
-        folder, base = os.path.split(os.path.abspath(out))
-        tmp = os.path.join(folder, f".{base}.{uuid.uuid4().hex[:12]}.part")
-        with _die_after_cleanup():
-            used = _write(gf, tmp, out, facts.arch, entries, plans, use_backend, progress)
+        used = write_gguf(out, facts.arch, entries, plans,
+                          lambda p, convert: convert_tensor(gf.data(p.name), p, convert),
+                          alignment=gf.alignment, use_backend=use_backend, progress=progress)
         counts: dict[str, int] = {}
         for p in plans:
             counts[p.dst.name] = counts.get(p.dst.name, 0) + 1
