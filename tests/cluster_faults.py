@@ -2,7 +2,7 @@
 worker node), the engine serving 4 requests at a time, and in every run one stage's process killed with SIGKILL at a
 random moment of the generation (mostly while a step is in flight).
 
-    .venv/bin/python tests/cluster_faults.py [--runs 100] [--max-tokens 24] [-t 1]
+    .venv/bin/python tests/cluster_faults.py [--runs 100] [--max-tokens 24] [-t 1] [--compiled]
 
 Without restarts, every request the kill affects must end with an error naming the stage within 1 s of the kill, and
 none may hang; with restarts on, the stage is started again, the caches rebuilt, and every request must end with the
@@ -75,7 +75,7 @@ def _killer(pids: list[int], delay: float, out: dict[str, Any]) -> threading.Thr
 
 
 def measure(runs: int = 100, max_tokens: int = 24, threads: int = 1, seed: int = 0,
-            address: str | None = None) -> dict[str, Any]:
+            address: str | None = None, compiled: bool = False) -> dict[str, Any]:
     """The fault runs on the Ray cluster at `address`, or on one started here (a head and a worker node)."""
     import ray
     from ray.cluster_utils import Cluster
@@ -93,7 +93,7 @@ def measure(runs: int = 100, max_tokens: int = 24, threads: int = 1, seed: int =
         address = cluster.address
     connect(address)
     model = gp.load_model(backends=["simd"], n_threads=threads, progress=False)
-    out: dict[str, Any] = {"runs": runs, "max_tokens": max_tokens, "prompts": len(PROMPTS)}
+    out: dict[str, Any] = {"runs": runs, "max_tokens": max_tokens, "prompts": len(PROMPTS), "compiled": compiled}
     try:
         def engine(stages: Any) -> Engine:
             e = Engine(model, n_parallel=N_PAR, n_ctx=N_CTX, n_batch=N_BATCH, stages=stages)
@@ -110,7 +110,8 @@ def measure(runs: int = 100, max_tokens: int = 24, threads: int = 1, seed: int =
         # without restarts: the affected requests end with the stage's error within a second, none hangs
         to_error, hung, completed_before, wrong_error, kinds = [], 0, 0, 0, set()
         for _ in range(runs):
-            pipe = start_pipeline(model, N_CTX, N_PAR, N_BATCH, n_stages=2, backends="simd", n_threads=threads)
+            pipe = start_pipeline(model, N_CTX, N_PAR, N_BATCH, n_stages=2, backends="simd", n_threads=threads,
+                                  compiled=compiled)
             pids = [i["pid"] for i in pipe.info()]
             e = engine([pipe])
             try:
@@ -140,7 +141,7 @@ def measure(runs: int = 100, max_tokens: int = 24, threads: int = 1, seed: int =
 
         # with restarts: the stage comes back, the caches are rebuilt, every request gets its tokens
         pipe = start_pipeline(model, N_CTX, N_PAR, N_BATCH, n_stages=2, backends="simd", n_threads=threads,
-                              max_restarts=runs)
+                              max_restarts=runs, compiled=compiled)
         e = engine([pipe])
         same, differ, hung, stalls, failed = 0, 0, 0, [], []
         try:
@@ -186,8 +187,9 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=100)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("-t", "--threads", type=int, default=1)
+    ap.add_argument("--compiled", action="store_true", help="the pipeline's steps as a Ray compiled graph")
     a = ap.parse_args()
-    print(json.dumps(measure(a.runs, a.max_tokens, a.threads), indent=1))
+    print(json.dumps(measure(a.runs, a.max_tokens, a.threads, compiled=a.compiled), indent=1))
     return 0
 
 

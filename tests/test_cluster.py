@@ -50,18 +50,18 @@ def cluster():
         c.shutdown()
 
 
-def _pipeline(m, n_stages: int):
-    return start_pipeline(m, N_CTX, N_SEQ, N_BATCH, n_stages=n_stages, backends="simd", n_threads=1)
+def _pipeline(m, n_stages: int, **kw):
+    return start_pipeline(m, N_CTX, N_SEQ, N_BATCH, n_stages=n_stages, backends="simd", n_threads=1, **kw)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_two_and_three_nodes_equal_one_process(cluster, arch, tmp_path):
+@pytest.mark.parametrize("arch,compiled", [("llama", False), ("gemma3", False), ("llama", True)])
+def test_two_and_three_nodes_equal_one_process(cluster, arch, compiled, tmp_path):
     path = write_tiny(tmp_path / f"{arch}.gguf", arch, seed=4, n_layer=3, **SHAPES.get(arch, {}))
     with load_model(path, backends=["simd"], n_ctx=N_CTX, progress=False) as m:
         with BatchDecoder(m, n_ctx=N_CTX, n_seq_max=N_SEQ, n_batch=N_BATCH) as dec:
             whole = _script(dec, np.random.default_rng(0))
         for n_stages in (2, 3):
-            pipe = _pipeline(m, n_stages)
+            pipe = _pipeline(m, n_stages, compiled=compiled)
             try:
                 infos = pipe.info()
                 assert len({i["pid"] for i in infos}) == n_stages and os.getpid() not in {i["pid"] for i in infos}
@@ -105,10 +105,11 @@ def test_the_engine_serves_from_a_pipeline(cluster, tmp_path):
             pipe.close()
 
 
-def test_a_killed_stage_fails_the_step_naming_it_within_a_second(cluster, tmp_path):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_killed_stage_fails_the_step_naming_it_within_a_second(cluster, compiled, tmp_path):
     path = write_tiny(tmp_path / "k.gguf", "llama", seed=5, n_layer=2)
     with load_model(path, backends=["simd"], n_ctx=N_CTX, progress=False) as m:
-        pipe = _pipeline(m, 2)
+        pipe = _pipeline(m, 2, compiled=compiled)
         try:
             with BatchDecoder(m, n_ctx=N_CTX, n_seq_max=N_SEQ, n_batch=N_BATCH, stages=[pipe]) as dec:
                 s = dec.new_sequence()
@@ -122,14 +123,15 @@ def test_a_killed_stage_fails_the_step_naming_it_within_a_second(cluster, tmp_pa
             pipe.close()
 
 
-def test_a_killed_stage_is_started_again_and_the_tokens_are_the_same(cluster, tmp_path):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_killed_stage_is_started_again_and_the_tokens_are_the_same(cluster, compiled, tmp_path):
     """With restarts on, a stage killed between steps (stage 1, then stage 0 just after a sequence ended) is started
     again on its node, every cache rebuilt from the sequences' tokens, and the script's logits are one process's."""
     path = write_tiny(tmp_path / "r.gguf", "llama", seed=4, n_layer=3)
     with load_model(path, backends=["simd"], n_ctx=N_CTX, progress=False) as m:
         with BatchDecoder(m, n_ctx=N_CTX, n_seq_max=N_SEQ, n_batch=N_BATCH) as dec:
             whole = _script(dec, np.random.default_rng(0))
-        pipe = start_pipeline(m, N_CTX, N_SEQ, N_BATCH, n_stages=2, backends="simd", n_threads=1, max_restarts=2)
+        pipe = _pipeline(m, 2, max_restarts=2, compiled=compiled)
         try:
             nodes = list(pipe.node_ids)
             kill = {1: 1, 6: 0}  # after step i, stage j's process is killed
@@ -143,6 +145,7 @@ def test_a_killed_stage_is_started_again_and_the_tokens_are_the_same(cluster, tm
                 assert dec.recoveries == 2
             assert [r["stage"] for r in pipe.restarts] == [1, 0] and pipe.node_ids == nodes  # on their own nodes
             assert [i["plans_prepared"] for i in pipe.info()] == [1, 1]  # the new actors prepared theirs once
+            assert pipe.compiles == (3 if compiled else 0)  # the graph: at start, and after each restart
         finally:
             pipe.close()
         for i, (x, y) in enumerate(zip(got, whole)):
@@ -261,6 +264,7 @@ def test_bench_cluster_runs(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
-    assert out["plans_prepared"] == [1, 1] and out["same_tokens"]
+    assert out["plans_prepared"] == [1, 1] and out["same_tokens"] and out["graphs_compiled"] == 1
     assert 0 < out["boundary_bytes_per_token"] <= out["limit_bytes_per_token"]
-    assert all(x > 0 for x in out["pipeline_ms_per_token"] + out["stage_compute_ms_per_token"])
+    assert all(x > 0 for way in ("compiled", "calls") for x in out["ms_per_token"][way]
+               + out["stage_compute_ms_per_token"][way])

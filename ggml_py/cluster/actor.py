@@ -103,7 +103,7 @@ class StageHost:
                 "ggml_py": metadata.version("ggml_py"), "stage_abi": ABI_STAGE,
                 "layers": list(self.spec.layers), "backends": self.model.backend_names,
                 "plans_prepared": self.stage.plans_prepared, "steps": self.stage.steps,
-                "compute_s": self.stage.compute_s, "memory_parts": self.stage.memory_parts,
+                "compute_s": self.stage.compute_s, "step_s": self.stage.step_s, "memory_parts": self.stage.memory_parts,
                 "rss_bytes": _status_bytes("VmRSS"), "peak_rss_bytes": _status_bytes("VmHWM"),
                 "busy_s": time.perf_counter() - self._busy_since if self._busy_since else 0.0}
 

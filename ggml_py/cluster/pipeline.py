@@ -99,18 +99,21 @@ def connect(address: str | None = None) -> Any:
 class Pipeline:
     """The stage actors of one model, as one stage of a BatchDecoder (`step`, `reset`, `recover`, `close`).
 
-    `compiled`: a step runs as a Ray compiled graph, prepared once (on the first step, and again after a restart):
-    each stage reads its input from and writes its output to a channel of its own, so the hidden states go from a
-    stage straight to the next and the logits from the last stage to the coordinator, with no task submitted per
-    step. False: plain actor calls, each stage's output passed to the next as an object reference (results up to
-    RAY_max_direct_call_object_size come back inside the reply: they pass through the coordinator).
+    `compiled` False (the default): a step is one plain actor call per stage, each stage's output passed to the next
+    as an object reference (Ray returns results up to RAY_max_direct_call_object_size inside the call's reply, so
+    the hidden states pass through the coordinator on their way to the next stage). True: a step runs as a Ray
+    compiled graph, compiled once (at start, and again after a restart): each stage reads its input from and writes
+    its output to a channel of its own, the hidden states go from a stage straight to the next and the logits from
+    the last stage to the coordinator, with no task submitted per step: less time per hop, but a reader waiting on
+    a channel spins, so the coordinator burns a core while a step runs, taken from stage 0 when they share a node
+    (docs/cluster.md has the figures).
 
     `max_restarts`: how many times in all a stage that died or stopped answering is started again (on its node if
     that is alive, else on another node that holds the file); the decoder then rebuilds every stage's cache from its
     sequences' tokens and the step goes on. 0: a lost stage fails the step, and the decoder, for good."""
 
     def __init__(self, ray: Any, actors: list[Any], specs: list[StageSpec], node_ids: list[str], n_embd: int,
-                 timeout_s: float = STEP_TIMEOUT_S, max_restarts: int = 0, compiled: bool = True) -> None:
+                 timeout_s: float = STEP_TIMEOUT_S, max_restarts: int = 0, compiled: bool = False) -> None:
         self._ray, self.actors, self.specs, self.timeout_s = ray, actors, specs, timeout_s
         self.compiled = compiled
         self._dag: Any = None  # the compiled graph of a step (compiled mode; None until the first step)
@@ -122,6 +125,7 @@ class Pipeline:
         self.restarts: list[dict[str, Any]] = []  # one record a stage started again: which, where, how long
         self._lost: set[int] = set()  # stages that died or did not answer in the last failed call
         self.steps = 0
+        self.step_s = 0.0  # waiting for steps, at the coordinator: the stages' steps and what carries them
         self.tokens = 0
         self.boundary_bytes = 0  # hidden states and metas handed from a stage to the next (what crosses a boundary)
         self.start_s = 0.0
@@ -143,7 +147,9 @@ class Pipeline:
             NodeAffinitySchedulingStrategy(node_id, soft=False))).remote(self.specs[i], i)
 
     def step(self, meta: StepMeta, x: np.ndarray) -> np.ndarray:
+        t0 = time.perf_counter()
         out = self._step_compiled(meta, x) if self.compiled else self._step_calls(meta, x)
+        self.step_s += time.perf_counter() - t0
         self.steps += 1
         self.tokens += meta.n_tokens
         self.boundary_bytes += (len(self.actors) - 1) * (meta.n_tokens * self.n_embd * 4 + meta.nbytes())
@@ -328,7 +334,7 @@ def start_pipeline(model: Model, n_ctx: int, n_seq_max: int, n_batch: int, *, ad
                    n_stages: int | None = None, shares: Sequence[float] | None = None,
                    nodes: Sequence[str] | None = None, backends: str | None = None, n_threads: int | None = None,
                    timeout_s: float = STEP_TIMEOUT_S, max_restarts: int = 0,
-                   memory_limit: int | Sequence[int] | None = None, compiled: bool = True) -> Pipeline:
+                   memory_limit: int | Sequence[int] | None = None, compiled: bool = False) -> Pipeline:
     """Start one stage actor per node of the cluster (or per node id in `nodes`) for `model` (the coordinator's:
     its file, which every node must hold at the same path), and check that each one runs: its ggml_py, stage
     protocol and file (size and SHA-256) are the coordinator's. The blocks are split in proportion to `shares` (block

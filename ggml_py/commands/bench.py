@@ -8,6 +8,7 @@ from importlib import metadata
 from typing import Any
 
 from ggml_py.errors import GgmlPyError
+from ggml_py.sysmem import parse_size
 
 BUILTIN = {"reuse": "ggml_py.commands.bench_reuse", "model": "ggml_py.commands.bench_model",
            "matrix": "ggml_py.commands.bench_matrix", "serve": "ggml_py.commands.bench_serve",
@@ -18,6 +19,10 @@ ENTRY_POINT_GROUP = "ggml_py.benchmarks"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="reuse, model, matrix, serve, cluster, write-model, or one a backend provides (ops)")
     p.add_argument("--stages", type=int, default=None, help="cluster: pipeline stages, one per local Ray node")
+    p.add_argument("--stage-memory", default=None, dest="stage_memory",
+                   help="cluster: the memory of each node and the most each stage may hold (e.g. 600M, 1.5G)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="cluster: requests served at the end on the pipeline (default 100)")
     p.add_argument("--backend", default=None, help="backend to measure (default: the benchmark's)")
     p.add_argument("--steps", type=int, default=None, help="repetitions (reuse)")
     p.add_argument("-t", "--threads", type=int, default=2)
@@ -90,7 +95,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             opts[name] = getattr(args, name)
     if args.force:
         opts["force"] = True
-    for name in ("n_gen", "n_prompt", "rounds", "stages"):
+    if args.stage_memory is not None:
+        try:
+            opts["stage_memory"] = parse_size(args.stage_memory)
+        except ValueError as e:
+            raise GgmlPyError(f"--stage-memory: {e}") from None
+    for name in ("n_gen", "n_prompt", "rounds", "stages", "requests"):
         v = getattr(args, name)
         if v is not None:
             if v < 1:

@@ -2,18 +2,28 @@
 
 It starts a Ray cluster on 127.0.0.1 (a head and `stages - 1` worker nodes, each its own raylet), puts the model's
 blocks on them as pipeline stages, and decodes `n_gen` tokens of one sequence, alternating rounds with the same
-steps in one process. Per step it reports the wall time at the coordinator, the sum of the stages' compute (as the
-stages time their own plans), the difference per hop (stage boundaries plus the way in and out), the bytes per token
-that crossed each boundary, and the plans each stage prepared.
+steps in one process. The same stages run twice: their step as a Ray compiled graph, and as plain actor calls. Per
+step it reports the wall time at the coordinator, the sum of the stages' compute (as the stages time their own
+plans), the difference per hop (stage boundaries plus the way in and out), the bytes per token that crossed each
+boundary, and the plans each stage prepared.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
 
 import numpy as np
+
+from ggml_py.sysmem import mib
+
+
+def _peak_rss() -> int | None:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def _log(msg: str) -> None:
@@ -21,7 +31,11 @@ def _log(msg: str) -> None:
 
 
 def run(model: str | None = None, stages: int = 2, n_gen: int = 64, rounds: int = 3, threads: int = 1,
-        backend: str | None = None, quick: bool = False, **_: Any) -> dict[str, Any]:
+        backend: str | None = None, quick: bool = False, stage_memory: int | None = None, requests: int = 100,
+        **_: Any) -> dict[str, Any]:
+    """`stage_memory`: bytes each node has (Ray's memory resource) and each stage may hold (start_pipeline's
+    memory_limit). `requests`: served at the end by an engine on the compiled pipeline (4 at a time), to count the
+    plans and graphs prepared over a run of many requests."""
     from ggml_py.cluster import start_pipeline
     from ggml_py.cluster.pipeline import connect, local_ray_env
 
@@ -30,59 +44,103 @@ def run(model: str | None = None, stages: int = 2, n_gen: int = 64, rounds: int 
 
     from ggml_py.models import load_model
     from ggml_py.models.batch import BatchDecoder
+    from ggml_py.serving.engine import Engine, GenParams
 
     if quick:
-        n_gen, rounds = 4, 1
-    n_ctx, n_batch = 256, 32
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        n_gen, rounds, requests = 4, 1, 4
+    n_ctx, n_batch, n_par = 256, 32, 4
+    node = {"num_cpus": 1, **({"memory": stage_memory} if stage_memory else {})}
+    c = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
     ray: Any = None
     try:
         for _ in range(stages - 1):
-            c.add_node(num_cpus=1)
+            c.add_node(**node)
         ray = connect(c.address)
         m = load_model(model, backends=backend, n_threads=threads, n_ctx=n_ctx, progress=False)
         try:
-            pipe = start_pipeline(m, n_ctx, 1, n_batch, n_stages=stages, backends=backend, n_threads=threads)
+            # the same stages twice: steps as a compiled graph, and as plain actor calls
+            pipes = {name: start_pipeline(m, n_ctx, n_par, n_batch, n_stages=stages, backends=backend,
+                                          n_threads=threads, compiled=name == "compiled", memory_limit=stage_memory)
+                     for name in ("compiled", "calls")}
             prompt = m.tokenize("The history of natural philosophy runs from the speculations")[:n_batch]
 
-            def decode(stage_list: list[Any] | None) -> tuple[float, int, list[int]]:
-                """Seconds of n_gen one-token steps after the prompt; steps; the tokens."""
-                with BatchDecoder(m, n_ctx=n_ctx, n_seq_max=1, n_batch=n_batch, stages=stage_list) as dec:
+            def decode(pipe: Any = None) -> tuple[float, list[int], float, float]:
+                """n_gen one-token steps after the prompt, on `pipe` or in one process: seconds per token, the
+                tokens, and on a pipe its stages' plan compute and what carrying the steps took, per token."""
+                with BatchDecoder(m, n_ctx=n_ctx, n_seq_max=n_par, n_batch=n_batch,
+                                  stages=None if pipe is None else [pipe]) as dec:
                     s = dec.new_sequence()
                     t = int(dec.decode([(s, prompt, True)])[0].argmax())
                     toks = [t]
+                    before, waited = (pipe.info(), pipe.step_s) if pipe is not None else ([], 0.0)
                     t0 = time.perf_counter()
                     for _ in range(n_gen):
                         t = int(dec.decode([(s, [t], True)])[0].argmax())
                         toks.append(t)
-                    return time.perf_counter() - t0, n_gen, toks
+                    dt = (time.perf_counter() - t0) / n_gen
+                if pipe is None:
+                    return dt, toks, 0.0, 0.0
+                after = pipe.info()
+                plans = sum(a["compute_s"] - b["compute_s"] for a, b in zip(after, before)) / n_gen
+                steps = sum(a["step_s"] - b["step_s"] for a, b in zip(after, before))  # all a stage does
+                return dt, toks, plans, (pipe.step_s - waited - steps) / n_gen
 
-            local_s, pipe_s, compute_s = [], [], []
-            for r in range(rounds):
-                before = sum(i["compute_s"] for i in pipe.info())
-                dt, n, toks_p = decode([pipe])
-                pipe_s.append(dt / n)
-                compute_s.append((sum(i["compute_s"] for i in pipe.info()) - before) / (n + 1))
-                dt, n, toks_l = decode(None)
-                local_s.append(dt / n)
-                _log(f"round {r + 1}: pipeline {pipe_s[-1] * 1e3:.2f} ms/token (stages computing "
-                     f"{compute_s[-1] * 1e3:.2f}), one process {local_s[-1] * 1e3:.2f} ms/token")
-            infos = pipe.info()
+            per_token: dict[str, list[float]] = {"compiled": [], "calls": [], "one process": []}
+            compute: dict[str, list[float]] = {"compiled": [], "calls": []}
+            carry: dict[str, list[float]] = {"compiled": [], "calls": []}  # pipe.step's wait over the stages' steps
+            same = True
+            for r in range(rounds):  # interleaved: every round runs each way once
+                dt, local, _, _ = decode()
+                per_token["one process"].append(dt)
+                for name, pipe in pipes.items():
+                    dt, toks, plans, carried = decode(pipe)
+                    per_token[name].append(dt)
+                    compute[name].append(plans)
+                    carry[name].append(carried)
+                    same &= toks == local
+                _log(f"round {r + 1}: " + ", ".join(f"{k} {v[-1] * 1e3:.2f} ms/token" for k, v in per_token.items()))
             hops = stages + 1  # coordinator -> stage 0 -> ... -> last stage -> coordinator
-            over = [p - c_ for p, c_ in zip(pipe_s, compute_s)]
+            pipe = pipes["compiled"]
+            pipes["calls"].close()
+            # many requests on one engine over the compiled pipeline: still one plan per stage, one graph
+            eng = Engine(m, n_parallel=n_par, n_ctx=n_ctx, n_batch=n_batch, max_queue=requests, stages=[pipe])
+            try:
+                prompts = [m.tokenize(f"Question {i}: what is {i} plus {i + 1}?") for i in range(8)]
+                reqs = [eng.submit(prompts[i % len(prompts)], GenParams(max_tokens=8, temperature=0))
+                        for i in range(requests)]
+                t0 = time.perf_counter()
+                eng.run_until_idle()
+                served_s = time.perf_counter() - t0
+                done = sum(r.result().finish_reason in ("stop", "length") for r in reqs)
+            finally:
+                eng.close()
+            infos = {"compiled": pipe.info()}
             tokens = max(pipe.tokens, 1)
             result = {
-                "model": m.path, "stages": stages, "layers": [i["layers"] for i in infos], "n_gen": n_gen,
-                "rounds": rounds, "threads": threads,
-                "pipeline_ms_per_token": [round(x * 1e3, 3) for x in pipe_s],
-                "stage_compute_ms_per_token": [round(x * 1e3, 3) for x in compute_s],
-                "one_process_ms_per_token": [round(x * 1e3, 3) for x in local_s],
-                "overhead_ms_per_token": round(float(np.median(over)) * 1e3, 3),
-                "overhead_ms_per_hop": round(float(np.median(over)) * 1e3 / hops, 3),
+                "model": m.path, "stages": stages, "layers": [i["layers"] for i in infos["compiled"]],
+                "n_gen": n_gen, "rounds": rounds, "threads": threads,
+                "ms_per_token": {k: [round(x * 1e3, 3) for x in v] for k, v in per_token.items()},
+                "stage_compute_ms_per_token": {k: [round(x * 1e3, 3) for x in v] for k, v in compute.items()},
+                # what the pipeline adds to its stages' compute, per token and per hop (the best round's)
+                "overhead_ms_per_hop": {k: round(min(p - c for p, c in zip(per_token[k], compute[k])) * 1e3 / hops,
+                                                 3) for k in compute},
+                "overhead_ms_per_hop_median": {k: round(float(np.median(
+                    [p - c for p, c in zip(per_token[k], compute[k])])) * 1e3 / hops, 3) for k in compute},
+                # the same without what the coordinator and the stages do around the plans (their host work):
+                # what carrying a step from stage to stage costs
+                "transport_ms_per_hop": {k: round(min(v) * 1e3 / hops, 3) for k, v in carry.items()},
+                "transport_ms_per_hop_median": {k: round(float(np.median(v)) * 1e3 / hops, 3)
+                                                for k, v in carry.items()},
                 "boundary_bytes_per_token": round(pipe.boundary_bytes / tokens / max(stages - 1, 1), 1),
                 "limit_bytes_per_token": m.hparams.n_embd * 4 + 64,
-                "plans_prepared": [i["plans_prepared"] for i in infos],
-                "same_tokens": toks_p == toks_l,
+                "plans_prepared": [i["plans_prepared"] for i in infos["compiled"]],
+                "graphs_compiled": pipe.compiles, "compile_s": round(pipe.compile_s, 3),
+                "same_tokens": same, "text": m.detokenize(toks),
+                "requests": {"served": requests, "completed": done, "seconds": round(served_s, 2)},
+                "file_bytes": os.path.getsize(m.path), "stage_memory_limit": stage_memory,
+                "stage_held_bytes": [sum(n for _, n in i["memory_parts"]) for i in infos["compiled"]],
+                "stage_peak_rss_bytes": [i["peak_rss_bytes"] for i in infos["compiled"]],
+                "coordinator_peak_rss_bytes": _peak_rss(),
             }
             pipe.close()
             return result
@@ -95,13 +153,26 @@ def run(model: str | None = None, stages: int = 2, n_gen: int = 64, rounds: int 
 
 
 def report(r: dict[str, Any]) -> str:
+    ms = r["ms_per_token"]
     return "\n".join([
         f"{r['stages']} stages on a Ray cluster on 127.0.0.1 (blocks {r['layers']}), {r['n_gen']} tokens x "
         f"{r['rounds']} rounds, {r['threads']} thread(s) per stage",
-        f"pipeline ms/token {r['pipeline_ms_per_token']}; the stages' compute {r['stage_compute_ms_per_token']}; "
-        f"one process {r['one_process_ms_per_token']}",
-        f"overhead {r['overhead_ms_per_token']} ms/token = {r['overhead_ms_per_hop']} ms per hop (median)",
+        *(f"{k:>12}: {v} ms/token" + (f"; the stages' compute {r['stage_compute_ms_per_token'][k]}; overhead "
+                                      f"{r['overhead_ms_per_hop'][k]} ms per hop (best round; median "
+                                      f"{r['overhead_ms_per_hop_median'][k]}), of which carrying the step "
+                                      f"{r['transport_ms_per_hop'][k]} (median {r['transport_ms_per_hop_median'][k]})"
+                                      if k in r['overhead_ms_per_hop']
+                                      else "") for k, v in ms.items()),
         f"bytes per token per boundary {r['boundary_bytes_per_token']} (n_embd x 4 + 64 = "
-        f"{r['limit_bytes_per_token']}); plans prepared per stage {r['plans_prepared']}; same greedy tokens as one "
-        f"process: {r['same_tokens']}",
+        f"{r['limit_bytes_per_token']}); plans prepared per stage {r['plans_prepared']}; graph compiled "
+        f"{r['graphs_compiled']}x in {r['compile_s']} s; same greedy tokens as one process: {r['same_tokens']}",
+        f"{r['requests']['completed']} of {r['requests']['served']} requests completed on the compiled pipeline in "
+        f"{r['requests']['seconds']} s; after them, plans prepared per stage {r['plans_prepared']}, graph compiled "
+        f"{r['graphs_compiled']}x",
+        f"memory: file {mib(r['file_bytes'])}; each stage may hold "
+        f"{mib(r['stage_memory_limit']) if r['stage_memory_limit'] else 'what its node has'}; held (weights, KV, "
+        f"compute) {[mib(x) for x in r['stage_held_bytes']]}; stages' peak RSS "
+        f"{[mib(x) for x in r['stage_peak_rss_bytes'] if x]}; the coordinator's (it also ran the model in one "
+        f"process) {mib(r['coordinator_peak_rss_bytes'] or 0)}",
+        f"text: {r['text']!r}",
     ])

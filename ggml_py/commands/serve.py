@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--stage-memory", type=_size, default=None, metavar="SIZE",
                    help="with --cluster: the memory each stage may hold (its weights, KV cache and compute buffer, "
                         "e.g. 600M or 1.5G); the blocks are split to fit, or the server refuses to start")
+    c.add_argument("--compiled-graph", action="store_true",
+                   help="with --cluster: run each step as a Ray compiled graph (less time per hop; the waiting "
+                        "coordinator spins on a core: docs/cluster.md)")
     c.add_argument("--stage-restarts", type=int, default=0, metavar="N",
                    help="with --cluster: start a lost stage again (on a node that holds the model file) and rebuild "
                         "the caches, up to N times in all, instead of failing every request (default 0)")
@@ -122,7 +125,7 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
     at_least("--stages", 1)
     at_least("--stage-restarts", 0)
     for flag, v in (("--stages", args.stages is not None), ("--stage-restarts", args.stage_restarts),
-                    ("--stage-memory", args.stage_memory is not None)):
+                    ("--stage-memory", args.stage_memory is not None), ("--compiled-graph", args.compiled_graph)):
         if v and args.cluster is None:
             bad.append(f"{flag} needs --cluster")
     if args.ctx is not None and args.parallel >= 1 and args.ctx < 2 * args.parallel:
@@ -167,7 +170,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
             pipe = start_pipeline(model, ctx, args.parallel, max(args.batch, args.parallel),
                                   address=args.cluster, n_stages=args.stages, backends=args.backend,
                                   n_threads=args.threads, max_restarts=args.stage_restarts,
-                                  memory_limit=args.stage_memory)
+                                  memory_limit=args.stage_memory, compiled=args.compiled_graph)
             log(f"ggml-py serve: {len(pipe.specs)} pipeline stages: " + ", ".join(
                 f"blocks {a}-{b - 1} on {node}" for (a, b), node in zip((s.layers for s in pipe.specs), pipe.nodes)))
             stages.append(pipe)

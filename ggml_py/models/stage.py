@@ -153,7 +153,8 @@ class Stage:
         self._plan: Plan | None = None
         self.plans_prepared = 0
         self.prepare_s = 0.0
-        self.compute_s = 0.0
+        self.compute_s = 0.0  # in the plan's compute
+        self.step_s = 0.0  # in step() in all: the plan's compute, its inputs, the masks, the mirror of the cells
         self.steps = 0
 
     def _prepared(self) -> tuple[StepGraph, Plan]:
@@ -172,6 +173,7 @@ class Stage:
     def step(self, meta: StepMeta, x: np.ndarray) -> np.ndarray:
         """Compute one step: `x` is the token ids (first stage) or the hidden states (T, n_embd) of the stage before.
         Returns the logits of meta.out_rows (last stage) or this stage's hidden states (T, n_embd)."""
+        t_step = time.perf_counter()
         g, plan = self._prepared()
         if self._mirror:
             for s in meta.freed:
@@ -209,6 +211,7 @@ class Stage:
                 self.cells.release(meta.cells)  # the step did not happen here
             raise
         self.steps += 1
+        self.step_s += time.perf_counter() - t_step
         return out
 
     def reset(self) -> None:
