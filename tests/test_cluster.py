@@ -105,11 +105,12 @@ def test_the_engine_serves_from_a_pipeline(cluster, tmp_path):
             pipe.close()
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_a_killed_stage_fails_the_step_naming_it_within_a_second(cluster, compiled, tmp_path):
+def test_a_killed_stage_fails_the_step_naming_it_within_a_second(cluster, tmp_path):
+    """(Not with a compiled graph: Ray 2.60's driver crashed in _raylet.so in about 1 of 8 such kills, in
+    tests/cluster_faults.py --compiled; docs/cluster.md.)"""
     path = write_tiny(tmp_path / "k.gguf", "llama", seed=5, n_layer=2)
     with load_model(path, backends=["simd"], n_ctx=N_CTX, progress=False) as m:
-        pipe = _pipeline(m, 2, compiled=compiled)
+        pipe = _pipeline(m, 2)
         try:
             with BatchDecoder(m, n_ctx=N_CTX, n_seq_max=N_SEQ, n_batch=N_BATCH, stages=[pipe]) as dec:
                 s = dec.new_sequence()
@@ -123,15 +124,14 @@ def test_a_killed_stage_fails_the_step_naming_it_within_a_second(cluster, compil
             pipe.close()
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_a_killed_stage_is_started_again_and_the_tokens_are_the_same(cluster, compiled, tmp_path):
+def test_a_killed_stage_is_started_again_and_the_tokens_are_the_same(cluster, tmp_path):
     """With restarts on, a stage killed between steps (stage 1, then stage 0 just after a sequence ended) is started
     again on its node, every cache rebuilt from the sequences' tokens, and the script's logits are one process's."""
     path = write_tiny(tmp_path / "r.gguf", "llama", seed=4, n_layer=3)
     with load_model(path, backends=["simd"], n_ctx=N_CTX, progress=False) as m:
         with BatchDecoder(m, n_ctx=N_CTX, n_seq_max=N_SEQ, n_batch=N_BATCH) as dec:
             whole = _script(dec, np.random.default_rng(0))
-        pipe = _pipeline(m, 2, max_restarts=2, compiled=compiled)
+        pipe = _pipeline(m, 2, max_restarts=2)
         try:
             nodes = list(pipe.node_ids)
             kill = {1: 1, 6: 0}  # after step i, stage j's process is killed
@@ -145,7 +145,6 @@ def test_a_killed_stage_is_started_again_and_the_tokens_are_the_same(cluster, co
                 assert dec.recoveries == 2
             assert [r["stage"] for r in pipe.restarts] == [1, 0] and pipe.node_ids == nodes  # on their own nodes
             assert [i["plans_prepared"] for i in pipe.info()] == [1, 1]  # the new actors prepared theirs once
-            assert pipe.compiles == (3 if compiled else 0)  # the graph: at start, and after each restart
         finally:
             pipe.close()
         for i, (x, y) in enumerate(zip(got, whole)):
@@ -264,7 +263,8 @@ def test_bench_cluster_runs(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
-    assert out["plans_prepared"] == [1, 1] and out["same_tokens"] and out["graphs_compiled"] == 1
+    assert out["plans_prepared"] == out["plans_prepared_compiled"] == [1, 1] and out["same_tokens"]
+    assert out["graphs_compiled"] == 1 and out["requests"]["completed"] == out["requests"]["served"]
     assert 0 < out["boundary_bytes_per_token"] <= out["limit_bytes_per_token"]
     assert all(x > 0 for way in ("compiled", "calls") for x in out["ms_per_token"][way]
                + out["stage_compute_ms_per_token"][way])

@@ -105,8 +105,9 @@ class Pipeline:
     compiled graph, compiled once (at start, and again after a restart): each stage reads its input from and writes
     its output to a channel of its own, the hidden states go from a stage straight to the next and the logits from
     the last stage to the coordinator, with no task submitted per step: less time per hop, but a reader waiting on
-    a channel spins, so the coordinator burns a core while a step runs, taken from stage 0 when they share a node
-    (docs/cluster.md has the figures).
+    a channel spins, so the coordinator burns a core while a step runs, taken from stage 0 when they share a node,
+    and when a stage dies Ray (2.60) can crash the coordinator tearing the graph down: experimental (docs/cluster.md
+    has the figures).
 
     `max_restarts`: how many times in all a stage that died or stopped answering is started again (on its node if
     that is alive, else on another node that holds the file); the decoder then rebuilds every stage's cache from its

@@ -50,8 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --cluster: the memory each stage may hold (its weights, KV cache and compute buffer, "
                         "e.g. 600M or 1.5G); the blocks are split to fit, or the server refuses to start")
     c.add_argument("--compiled-graph", action="store_true",
-                   help="with --cluster: run each step as a Ray compiled graph (less time per hop; the waiting "
-                        "coordinator spins on a core: docs/cluster.md)")
+                   help="with --cluster: run each step as a Ray compiled graph (experimental: less time per hop, "
+                        "but the waiting coordinator spins on a core, and Ray may crash it when a stage dies: "
+                        "docs/cluster.md)")
     c.add_argument("--stage-restarts", type=int, default=0, metavar="N",
                    help="with --cluster: start a lost stage again (on a node that holds the model file) and rebuild "
                         "the caches, up to N times in all, instead of failing every request (default 0)")
