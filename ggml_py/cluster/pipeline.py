@@ -38,6 +38,7 @@ log = logging.getLogger("ggml_py.cluster")
 
 STEP_TIMEOUT_S = 60.0  # one step through every stage (a prefill chunk of a large model on a slow node included)
 START_TIMEOUT_S = 300.0  # a stage's start: hashing and mapping its file, loading the model
+MAX_IN_FLIGHT = 16  # steps submitted to a compiled graph and not collected yet, at most
 
 
 class ClusterError(UnavailableError):
@@ -132,6 +133,10 @@ class Pipeline:
         self.start_s = 0.0
 
     @property
+    def n_stages(self) -> int:
+        return len(self.specs)
+
+    @property
     def nodes(self) -> list[str]:
         """Each stage's node as 'address:node id prefix'."""
         by_id = {n["NodeID"]: n for n in self._ray.nodes()}
@@ -148,35 +153,47 @@ class Pipeline:
             NodeAffinitySchedulingStrategy(node_id, soft=False))).remote(self.specs[i], i)
 
     def step(self, meta: StepMeta, x: np.ndarray) -> np.ndarray:
+        return self.collect(self.submit(meta, x))
+
+    def submit(self, meta: StepMeta, x: np.ndarray) -> Any:
+        """Start a step through every stage and return at once (a handle for `collect`). Steps submitted one after
+        another follow each other through the stages, each stage taking them in order: while stage 1 computes one,
+        stage 0 computes the next (micro-batches; a BatchDecoder keeps them apart)."""
         t0 = time.perf_counter()
-        out = self._step_compiled(meta, x) if self.compiled else self._step_calls(meta, x)
+        if self.compiled:
+            if self._dag is None:
+                self._compile()
+            try:
+                handle: Any = (self._dag.execute(meta, x), None)
+            except Exception as e:
+                raise self._compiled_failure(e) from None
+        else:
+            ref, refs = x, []
+            for actor in self.actors:  # each output goes on to the next stage as a reference
+                ref = actor.step.remote(meta, ref)
+                refs.append(ref)
+            handle = (ref, refs)
         self.step_s += time.perf_counter() - t0
         self.steps += 1
         self.tokens += meta.n_tokens
         self.boundary_bytes += (len(self.actors) - 1) * (meta.n_tokens * self.n_embd * 4 + meta.nbytes())
+        return handle
+
+    def collect(self, handle: Any) -> np.ndarray:
+        """The logits of a submitted step (steps are collected in the order they were submitted)."""
+        t0 = time.perf_counter()
+        ref, refs = handle
+        try:
+            out = self._ray.get(ref, timeout=self.timeout_s)
+        except Exception as e:
+            raise (self._compiled_failure(e) if refs is None else self._failure(refs, e)) from None
+        finally:
+            self.step_s += time.perf_counter() - t0
+        if self.compiled:
+            # the array read from a channel is a view of the channel's buffer, which the last stage cannot write the
+            # next step's logits into while anything holds it: the caller gets its own copy
+            out = np.array(out, copy=True)
         return out
-
-    def _step_calls(self, meta: StepMeta, x: np.ndarray) -> np.ndarray:
-        ray = self._ray
-        ref, refs = x, []
-        for actor in self.actors:  # each output goes on to the next stage as a reference
-            ref = actor.step.remote(meta, ref)
-            refs.append(ref)
-        try:
-            return ray.get(ref, timeout=self.timeout_s)
-        except Exception as e:
-            raise self._failure(refs, e) from None
-
-    def _step_compiled(self, meta: StepMeta, x: np.ndarray) -> np.ndarray:
-        if self._dag is None:
-            self._compile()
-        try:
-            out = self._ray.get(self._dag.execute(meta, x), timeout=self.timeout_s)
-        except Exception as e:
-            raise self._compiled_failure(e) from None
-        # the array read from a channel is a view of the channel's buffer, which the last stage cannot write the
-        # next step's logits into while anything holds it: the caller gets its own copy
-        return np.array(out, copy=True)
 
     def _compile(self) -> None:
         """The step as a Ray compiled graph: (meta, x) -> stage 0 -> ... -> the last stage's output."""
@@ -187,7 +204,8 @@ class Pipeline:
             node = inp[1]
             for actor in self.actors:
                 node = actor.step.bind(inp[0], node)
-        self._dag = node.experimental_compile(_submit_timeout=self.timeout_s)
+        self._dag = node.experimental_compile(_submit_timeout=self.timeout_s,
+                                              _max_inflight_executions=MAX_IN_FLIGHT)
         self.compiles += 1
         self.compile_s += time.perf_counter() - t0
 

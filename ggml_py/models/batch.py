@@ -21,7 +21,9 @@ power-of-two token counts (row r = position r is the one-sequence case of the sa
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -48,6 +50,42 @@ class StageLike(Protocol):
     def recover(self) -> bool: ...
 
     def close(self) -> None: ...
+
+
+@dataclass
+class _Step:
+    """A step from its submission to its result: the arrays it was given and what became of it."""
+
+    seq_list: list[int]
+    lens: list[int]
+    toks: list[list[int]]
+    ids: np.ndarray
+    seqs: np.ndarray
+    pos: np.ndarray
+    out_rows: np.ndarray
+    cells: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    handle: Any = None  # the pipeline's, while in flight
+    logits: np.ndarray | None = None
+    error: BaseException | None = None
+
+    @staticmethod
+    def empty(n_vocab: int) -> _Step:
+        z = np.zeros(0, np.int32)
+        return _Step([], [], [], z, z, z, z, logits=np.zeros((0, n_vocab), np.float32))
+
+
+class PendingStep:
+    """A submitted step (BatchDecoder.submit): `result()` waits for its logits (or raises its error)."""
+
+    def __init__(self, decoder: BatchDecoder, step: _Step) -> None:
+        self._decoder, self._step = decoder, step
+
+    @property
+    def done(self) -> bool:
+        return self._step.logits is not None or self._step.error is not None
+
+    def result(self) -> np.ndarray:
+        return self._decoder._result(self._step)
 
 
 class BatchDecoder:
@@ -93,6 +131,9 @@ class BatchDecoder:
         self.step_s = 0.0
         self.recoveries = 0  # lost stages started again (and every KV rebuilt) during a step
         self._stale = False
+        self._inflight: deque[_Step] = deque()  # steps submitted to a pipeline, not collected yet, in order
+        self._ended: list[int] = []  # ended sequences whose ids a step in flight still has
+        self._broken: BaseException | None = None  # a step failed and the stages could not be recovered
         self._closed = False
         model._attach(self)
 
@@ -100,6 +141,17 @@ class BatchDecoder:
     @property
     def n_active(self) -> int:
         return len(self._next_pos)
+
+    @property
+    def has_free_sequence(self) -> bool:
+        """Whether new_sequence() has an id to give (an ended sequence's id comes back once no step in flight has
+        it)."""
+        return bool(self._free_ids)
+
+    @property
+    def pipeline(self) -> Any:
+        """The stage that takes steps in flight (a pipeline of P stages: `n_stages`), or None."""
+        return self._async_stage()
 
     def new_sequence(self) -> int:
         """A new, empty sequence's id (ModelError when n_seq_max are active)."""
@@ -120,8 +172,16 @@ class BatchDecoder:
             self._freed.append(seq_id)
             del self._next_pos[seq_id]
             del self._tokens[seq_id]
-            self._free_ids.append(seq_id)
-            self._free_ids.sort()
+            self._ended.append(seq_id)
+            self._reuse_ids()
+
+    def _reuse_ids(self) -> None:
+        """Ended sequences' ids become free once no step in flight has them."""
+        busy = {s for q in self._inflight for s in q.seq_list}
+        back = [s for s in self._ended if s not in busy]
+        if back:
+            self._ended = [s for s in self._ended if s in busy]
+            self._free_ids = sorted(self._free_ids + back)
 
     def seq_len(self, seq_id: int) -> int:
         """Tokens the sequence holds (= position of its next token)."""
@@ -132,60 +192,180 @@ class BatchDecoder:
         """One step over entries (seq_id, new token ids, want_logits): every entry's tokens are appended to its
         sequence; returns (number of entries wanting logits, n_vocab) float32, the logits of each such entry's
         last token, in entry order. A sequence may appear once per step."""
+        return self.submit(entries).result()
+
+    def submit(self, entries: Sequence[tuple[int, Sequence[int] | np.ndarray, bool]]) -> PendingStep:
+        """Start a step (as decode) and return at once: `result()` of what it returns waits for the logits. On a
+        pipeline (a stage with `submit`, ggml_py/cluster/) several steps may be in flight, each on other sequences,
+        so that the stages work on them at the same time (micro-batches); on local stages the step is computed
+        here. Results are collected in the order the steps were submitted; a sequence in a step in flight cannot be
+        in another until that one's result is collected."""
         t_step = time.perf_counter()
         m = self.model
         with m._lock:
             m._check_open()
             if self._closed:
                 raise ModelError("this batch decoder is closed")
+            if self._broken is not None:
+                raise ModelError(f"this batch decoder's stages failed: {self._broken}")
             m._check_file()
             if not entries:
-                return np.zeros((0, m.n_vocab), np.float32)
-            seq_list = [int(e[0]) for e in entries]
-            if len(set(seq_list)) != len(seq_list):
-                raise ModelError("a sequence appears twice in one step")
-            for s in seq_list:
-                if s not in self._next_pos:
-                    raise ModelError(f"sequence {s} is not active (new_sequence() first)")
-            toks = [np.asarray(e[1]) for e in entries]
-            lens = np.array([t.size for t in toks], np.int64)
-            if lens.min() < 1:
-                raise ModelError("every entry of a step needs at least one token")
-            n = int(lens.sum())
-            if n > self.n_batch:
-                raise ModelError(f"{n} tokens in one step exceed the batch size {self.n_batch} (n_batch)")
-            ids = m.check_ids(np.concatenate(toks), n_past=0, check_ctx=False)
-            seqs = np.repeat(np.array(seq_list, np.int32), lens)
-            ends = np.cumsum(lens)
-            starts = np.array([self._next_pos[s] for s in seq_list], np.int64)
-            pos = (np.repeat(starts - (ends - lens), lens) + np.arange(n)).astype(np.int32)
-            want = np.array([bool(e[2]) for e in entries])
-            out_rows = (ends - 1)[want].astype(np.int32)
-            if self._stale:  # a rebuild failed half way: the stages' caches are not the sequences' yet
-                self._rebuild()
-            for attempt in range(RECOVERIES_PER_STEP + 1):
-                cells = self.cells.alloc(seqs, pos)  # CacheFullError when the cache is full
+                return PendingStep(self, _Step.empty(m.n_vocab))
+            st = self._prepare(entries)
+            stage = self._async_stage()
+            if stage is None or self._stale:
+                if self._inflight:  # a rebuild happens only with nothing in flight
+                    self._collect(self._inflight[-1])
+                if self._stale:  # a rebuild failed half way: the stages' caches are not the sequences' yet
+                    self._rebuild()
+                st.logits = self._run(st)
+            else:
+                st.cells = self.cells.alloc(st.seqs, st.pos)  # CacheFullError when the cache is full
+                meta = StepMeta(st.seqs, st.pos, st.cells, st.out_rows, tuple(self._freed), self._released)
                 try:
-                    x = self._run_stages(StepMeta(seqs, pos, cells, out_rows, tuple(self._freed), self._released), ids)
-                    break
-                except BaseException as e:
-                    # the step did not happen: its cells are free again, and the stages' records are told (so are
-                    # the sequences freed before it: a stage the step did not reach has not seen them)
-                    self.cells.release(cells)
-                    self._released = np.concatenate([self._released, cells])
-                    if isinstance(e, Exception) and attempt < RECOVERIES_PER_STEP and self._recover():
-                        continue  # a lost stage was started again and every KV rebuilt: the same step once more
+                    st.handle = stage.submit(meta, st.ids)
+                except BaseException:
+                    self.cells.release(st.cells)
                     raise
-            self._freed.clear()
-            self._released = np.zeros(0, np.int32)
-            logits = x
-            for s, k, t in zip(seq_list, lens.tolist(), toks):
-                self._next_pos[s] += k
-                self._tokens[s].extend(t.tolist())
-            self.steps += 1
-            self.tokens += n
+                self._freed.clear()
+                self._released = np.zeros(0, np.int32)
+                self._commit(st)  # the sequences' positions move on now: the next step of each follows this one
+                self._inflight.append(st)
             self.step_s += time.perf_counter() - t_step
-            return logits
+            return PendingStep(self, st)
+
+    def _prepare(self, entries: Sequence[tuple[int, Sequence[int] | np.ndarray, bool]]) -> _Step:
+        """A step's arrays, checked: each token's sequence and position, the rows whose logits are wanted."""
+        m = self.model
+        seq_list = [int(e[0]) for e in entries]
+        if len(set(seq_list)) != len(seq_list):
+            raise ModelError("a sequence appears twice in one step")
+        for s in seq_list:
+            if s not in self._next_pos:
+                raise ModelError(f"sequence {s} is not active (new_sequence() first)")
+            if any(s in q.seq_list for q in self._inflight):
+                raise ModelError(f"sequence {s} is in a step in flight: collect its result first")
+        toks = [np.asarray(e[1]) for e in entries]
+        lens = np.array([t.size for t in toks], np.int64)
+        if lens.min() < 1:
+            raise ModelError("every entry of a step needs at least one token")
+        n = int(lens.sum())
+        if n > self.n_batch:
+            raise ModelError(f"{n} tokens in one step exceed the batch size {self.n_batch} (n_batch)")
+        ids = m.check_ids(np.concatenate(toks), n_past=0, check_ctx=False)
+        seqs = np.repeat(np.array(seq_list, np.int32), lens)
+        ends = np.cumsum(lens)
+        starts = np.array([self._next_pos[s] for s in seq_list], np.int64)
+        pos = (np.repeat(starts - (ends - lens), lens) + np.arange(n)).astype(np.int32)
+        want = np.array([bool(e[2]) for e in entries])
+        return _Step(seq_list, lens.tolist(), [t.tolist() for t in toks], ids, seqs, pos,
+                     (ends - 1)[want].astype(np.int32))
+
+    def _run(self, st: _Step) -> np.ndarray:
+        """Compute a step now, through every stage; a stage lost on the way is started again, the caches rebuilt,
+        and the step tried once more (RECOVERIES_PER_STEP)."""
+        for attempt in range(RECOVERIES_PER_STEP + 1):
+            cells = self.cells.alloc(st.seqs, st.pos)  # CacheFullError when the cache is full
+            try:
+                x = self._run_stages(StepMeta(st.seqs, st.pos, cells, st.out_rows, tuple(self._freed),
+                                              self._released), st.ids)
+                break
+            except BaseException as e:
+                # the step did not happen: its cells are free again, and the stages' records are told (so are
+                # the sequences freed before it: a stage the step did not reach has not seen them)
+                self.cells.release(cells)
+                self._released = np.concatenate([self._released, cells])
+                if isinstance(e, Exception) and attempt < RECOVERIES_PER_STEP and self._recover():
+                    continue  # a lost stage was started again and every KV rebuilt: the same step once more
+                raise
+        st.cells = cells
+        self._freed.clear()
+        self._released = np.zeros(0, np.int32)
+        self._commit(st)
+        self._count(st)
+        return x
+
+    def _commit(self, st: _Step) -> None:
+        for s, k, t in zip(st.seq_list, st.lens, st.toks):
+            self._next_pos[s] += k
+            self._tokens[s].extend(t)
+
+    def _count(self, st: _Step) -> None:
+        self.steps += 1
+        self.tokens += int(st.seqs.size)
+
+    def _async_stage(self) -> Any:
+        """The one stage that can take steps in flight (a pipeline), or None."""
+        if len(self.stages) == 1 and hasattr(self.stages[0], "submit"):
+            return self.stages[0]
+        return None
+
+    def _result(self, st: _Step) -> np.ndarray:
+        with self.model._lock:
+            if st.logits is None and st.error is None:
+                self._collect(st)
+            if st.error is not None:
+                raise st.error
+            assert st.logits is not None
+            return st.logits
+
+    def _collect(self, st: _Step) -> None:
+        """Collect the steps in flight up to `st`, in order. When one failed, every step in flight is collected,
+        those that failed are undone (cells, positions, tokens), and if the stages can start again what they lost
+        the caches are rebuilt and the failed steps computed again; else the decoder stays failed."""
+        stage = self._async_stage()
+        while self._inflight and st.logits is None and st.error is None:
+            q = self._inflight[0]
+            t0 = time.perf_counter()
+            try:
+                q.logits = stage.collect(q.handle)
+            except Exception as e:
+                q.error = e
+                self._fail_inflight()
+                return
+            self._inflight.popleft()
+            self._reuse_ids()
+            self._count(q)
+            self.step_s += time.perf_counter() - t0
+
+    def _fail_inflight(self) -> None:
+        stage = self._async_stage()
+        failed = []
+        for q in self._inflight:
+            if q.error is None:
+                try:
+                    q.logits = stage.collect(q.handle)
+                    self._count(q)
+                except Exception as e:
+                    q.error = e
+            if q.error is not None:
+                failed.append(q)
+        self._inflight.clear()
+        self._reuse_ids()
+        for q in reversed(failed):  # undone: the cells still theirs, the positions and tokens of live sequences
+            mine = (self.cells.seq[q.cells] == q.seqs) & (self.cells.pos[q.cells] == q.pos)
+            self.cells.release(q.cells[mine])
+            for s, k in zip(q.seq_list, q.lens):
+                if s in self._next_pos and self._next_pos[s] >= k:
+                    self._next_pos[s] -= k
+                    del self._tokens[s][-k:]
+        try:
+            recovered = self._recover()
+        except Exception as e:
+            recovered, failed[0].error = False, e
+        if not recovered:
+            self._broken = failed[0].error
+            return
+        for q in failed:  # computed again, in order, on the rebuilt caches
+            if any(s not in self._next_pos for s in q.seq_list):
+                q.error = ModelError("a sequence of this step ended while the step was being recovered")
+                continue
+            q.error = None
+            try:
+                q.logits = self._run(q)
+            except Exception as e:
+                q.error = self._broken = e
+                return
 
     def _run_stages(self, meta: StepMeta, ids: np.ndarray) -> np.ndarray:
         x = ids
@@ -255,6 +435,8 @@ class BatchDecoder:
         """Free the plan of the decoder's own stage (the model's close() closes its decoders too); stages given to it
         are the caller's to close."""
         with self.model._lock:
+            if self._inflight:  # collected (their errors dropped): the stages are done with them
+                self._collect(self._inflight[-1])
             self._closed = True
             if self._own_stages:
                 for st in self.stages:

@@ -119,6 +119,7 @@ class Request:
         self.on_event = on_event
         self.stream = StreamDecoder(decoder, special=False) if decoder is not None else None
         self.seq: int | None = None
+        self.group = 0  # its micro-batch (Engine.n_groups)
         self.n_prefilled = 0
         self.limit = 0  # positions this request may use (set at admission)
         self.next_token: int | None = None  # sampled, not yet in the cache
@@ -162,7 +163,8 @@ class Engine:
     """
 
     def __init__(self, model: Model, n_parallel: int = 4, n_ctx: int | None = None, max_queue: int = 64,
-                 n_batch: int = 128, kv_type: str | None = None, stages: Sequence[StageLike] | None = None) -> None:
+                 n_batch: int = 128, kv_type: str | None = None, stages: Sequence[StageLike] | None = None,
+                 micro_batches: int | None = None) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ModelError(f"max_queue must be a non-negative integer, got {max_queue!r}")
         if isinstance(n_parallel, bool) or not isinstance(n_parallel, int) or n_parallel < 1:
@@ -178,6 +180,11 @@ class Engine:
         self.decoder = BatchDecoder(model, n_ctx=n_ctx, n_seq_max=n_parallel, n_batch=n_batch, kv_type=kv_type,
                                     stages=stages)  # stages: e.g. a pipeline on a cluster (ggml_py/cluster/)
         self.n_batch = n_batch
+        # on a pipeline of P stages, the active requests are split into P + 1 micro-batches whose steps follow each
+        # other through the stages, so that every stage has one to compute (each up to n_batch tokens)
+        pipe = self.decoder.pipeline
+        self.n_groups = micro_batches or (pipe.n_stages + 1 if pipe is not None else 1)
+        self._inflight: deque[tuple[int, Any, list[Request], list[Request], int]] = deque()
         self._tok = model.tokenizer_or_none
         self._cond = threading.Condition()
         self._queue: deque[Request] = deque()
@@ -259,7 +266,7 @@ class Engine:
             self._fail_all("the server stopped" if self._error is None else f"the server failed: {self._error}")
 
     def _work_locked(self) -> bool:
-        return bool(self._queue or self._active)
+        return bool(self._queue or self._active or self._inflight)
 
     def run_until_idle(self) -> None:
         """Step on the calling thread until no request is waiting or running (offline batching)."""
@@ -278,46 +285,42 @@ class Engine:
             for r in [r for r in self._queue if r.cancelled]:
                 self._queue.remove(r)
                 self._finish(r, "cancelled")
-            while self._queue and len(self._active) < self.n_parallel:
+            while self._queue and len(self._active) < self.n_parallel and self.decoder.has_free_sequence:
                 r = self._queue.popleft()
                 if r.params.max_tokens == 0:
                     self._finish(r, "length")
                     continue
                 r.seq = self.decoder.new_sequence()
                 r.limit = self.n_ctx_seq
+                sizes = [sum(q.group == g for q in self._active) for g in range(self.n_groups)]
+                r.group = sizes.index(min(sizes))
                 self._active.append(r)
             active = list(self._active)
-        if not active:
+            busy = {g for g, *_ in self._inflight}
+        if not active and not self._inflight:
             return False
-        entries: list[tuple[int, Any, bool]] = []
-        wanting: list[Request] = []
-        budget = self.n_batch
-        for r in active:  # decoding first: one token each
-            if r.next_token is not None:
-                entries.append((r.seq, [r.next_token], True))
-                wanting.append(r)
-                budget -= 1
-        n_decode = len(entries)
-        for r in active:  # then prompt chunks, oldest first
-            left = len(r.prompt) - r.n_prefilled
-            if r.next_token is None and left > 0 and budget > 0:
-                k = min(left, budget)
-                last = k == left
-                entries.append((r.seq, r.prompt[r.n_prefilled:r.n_prefilled + k], last))
-                if last:
-                    wanting.append(r)
-                r.n_prefilled += k
-                budget -= k
+        for g in range(self.n_groups):  # a step for every micro-batch that has none in flight
+            members = [r for r in active if r.group == g]
+            if g in busy or not members:
+                continue
+            entries, wanting, n_prompt = self._entries(members)
+            try:
+                if not entries:
+                    raise ModelError("internal error: active requests but nothing to compute")
+                pending = self.decoder.submit(entries)
+            except BaseException as e:  # the step did not happen: its requests cannot go on
+                self._fail_step(members, e)
+                raise
+            self._inflight.append((g, pending, members, wanting, n_prompt))
+        if not self._inflight:
+            return False
+        g, pending, members, wanting, n_prompt = self._inflight.popleft()  # the oldest step's logits
         try:
-            if not entries:
-                raise ModelError("internal error: active requests but nothing to compute")
-            logits = self.decoder.decode(entries)
-        except BaseException as e:  # the step did not happen: its requests cannot go on
-            with self._cond:
-                for r in active:
-                    self._finish(r, "error", f"{type(e).__name__}: {e}", unavailable=isinstance(e, UnavailableError))
+            logits = pending.result()
+        except BaseException as e:
+            self._fail_step(members + [r for q in self._inflight for r in q[2]], e)
+            self._inflight.clear()
             raise
-        n_prompt = sum(len(e[1]) for e in entries) - n_decode
         ids = self._sample(wanting, logits)
         new = 0
         with self._cond:
@@ -341,6 +344,36 @@ class Engine:
             while self._recent and now - self._recent[0][0] > 10.0:
                 self._recent.popleft()
         return True
+
+    def _entries(self, members: list[Request]) -> tuple[list[tuple[int, Any, bool]], list[Request], int]:
+        """One step's entries for these requests (decoding first, one token each, then prompt chunks, oldest first,
+        within n_batch tokens), the requests that get a token from it, and its prompt tokens."""
+        entries: list[tuple[int, Any, bool]] = []
+        wanting: list[Request] = []
+        budget = self.n_batch
+        for r in members:
+            if r.next_token is not None:
+                entries.append((r.seq, [r.next_token], True))
+                wanting.append(r)
+                budget -= 1
+        n_prompt = 0
+        for r in members:
+            left = len(r.prompt) - r.n_prefilled
+            if r.next_token is None and left > 0 and budget > 0:
+                k = min(left, budget)
+                last = k == left
+                entries.append((r.seq, r.prompt[r.n_prefilled:r.n_prefilled + k], last))
+                if last:
+                    wanting.append(r)
+                r.n_prefilled += k
+                budget -= k
+                n_prompt += k
+        return entries, wanting, n_prompt
+
+    def _fail_step(self, reqs: list[Request], e: BaseException) -> None:
+        with self._cond:
+            for r in reqs:
+                self._finish(r, "error", f"{type(e).__name__}: {e}", unavailable=isinstance(e, UnavailableError))
 
     def _sample(self, reqs: list[Request], logits: np.ndarray) -> list[int | Exception]:
         """Each request's next token, or the exception its sampler raised (that request alone fails)."""
