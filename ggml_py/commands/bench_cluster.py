@@ -104,18 +104,26 @@ def run(model: str | None = None, stages: int = 2, n_gen: int = 64, rounds: int 
             compiles, compile_s = pipes["compiled"].compiles, pipes["compiled"].compile_s
             pipes["compiled"].close()
             pipe = pipes["calls"]
-            # many requests on one engine over the pipeline (plain calls, the default): still one plan per stage
-            eng = Engine(m, n_parallel=n_par, n_ctx=n_ctx, n_batch=n_batch, max_queue=requests, stages=[pipe])
-            try:
-                prompts = [m.tokenize(f"Question {i}: what is {i} plus {i + 1}?") for i in range(8)]
-                reqs = [eng.submit(prompts[i % len(prompts)], GenParams(max_tokens=8, temperature=0))
-                        for i in range(requests)]
-                t0 = time.perf_counter()
-                eng.run_until_idle()
-                served_s = time.perf_counter() - t0
-                done = sum(r.result().finish_reason in ("stop", "length") for r in reqs)
-            finally:
-                eng.close()
+            # many requests on one engine over the pipeline (plain calls, the default): still one plan per stage;
+            # once with every request in one step, once in P + 1 micro-batches in flight (the engine's default)
+            served: dict[str, dict[str, float]] = {}
+            prompts = [m.tokenize(f"Question {i}: what is {i} plus {i + 1}?") for i in range(8)]
+            for label, mb in (("one batch", 1), (f"{stages + 1} micro-batches", None)):
+                eng = Engine(m, n_parallel=n_par, n_ctx=n_ctx, n_batch=n_batch, max_queue=requests, stages=[pipe],
+                             micro_batches=mb)
+                try:
+                    reqs = [eng.submit(prompts[i % len(prompts)], GenParams(max_tokens=8, temperature=0))
+                            for i in range(requests)]
+                    t0 = time.perf_counter()
+                    eng.run_until_idle()
+                    dt = time.perf_counter() - t0
+                    done = sum(r.result().finish_reason in ("stop", "length") for r in reqs)
+                    gen = sum(len(r.result().tokens) for r in reqs)
+                finally:
+                    eng.close()
+                served[label] = {"completed": done, "seconds": round(dt, 2), "tokens": gen,
+                                 "tokens_per_s": round(gen / dt, 1)}
+                _log(f"{requests} requests, {label}: {gen / dt:.1f} generated tokens/s")
             infos["calls"] = pipe.info()
             tokens = max(pipe.tokens, 1)
             result = {
@@ -139,7 +147,7 @@ def run(model: str | None = None, stages: int = 2, n_gen: int = 64, rounds: int 
                 "plans_prepared_compiled": [i["plans_prepared"] for i in infos["compiled"]],
                 "graphs_compiled": compiles, "compile_s": round(compile_s, 3),
                 "same_tokens": same, "text": m.detokenize(toks),
-                "requests": {"served": requests, "completed": done, "seconds": round(served_s, 2)},
+                "requests": {"served": requests, **served},
                 "file_bytes": os.path.getsize(m.path), "stage_memory_limit": stage_memory,
                 "stage_held_bytes": [sum(n for _, n in i["memory_parts"]) for i in infos["calls"]],
                 "stage_peak_rss_bytes": [i["peak_rss_bytes"] for i in infos["calls"]],
@@ -170,8 +178,9 @@ def report(r: dict[str, Any]) -> str:
         f"{r['limit_bytes_per_token']}); the compiled pipeline's plans per stage {r['plans_prepared_compiled']}, its "
         f"graph compiled {r['graphs_compiled']}x in {r['compile_s']} s; same greedy tokens as one process (both "
         f"ways): {r['same_tokens']}",
-        f"{r['requests']['completed']} of {r['requests']['served']} requests completed on the pipeline (plain calls) "
-        f"in {r['requests']['seconds']} s; after them and the rounds, plans prepared per stage {r['plans_prepared']}",
+        f"{r['requests']['served']} requests (4 at a time, 8 tokens each) on the pipeline (plain calls): " + "; ".join(
+            f"{k}: {v['completed']} completed, {v['tokens_per_s']} tokens/s" for k, v in r["requests"].items()
+            if isinstance(v, dict)) + f"; after them and the rounds, plans prepared per stage {r['plans_prepared']}",
         f"memory: file {mib(r['file_bytes'])}; each stage may hold "
         f"{mib(r['stage_memory_limit']) if r['stage_memory_limit'] else 'what its node has'}; held (weights, KV, "
         f"compute) {[mib(x) for x in r['stage_held_bytes']]}; stages' peak RSS "
