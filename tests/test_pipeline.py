@@ -120,7 +120,10 @@ def test_what_crosses_a_stage_boundary_is_small(tmp_path):
         assert len(seen) > 5
         for meta, x in seen:
             assert x.dtype == np.float32 and x.shape == (meta.n_tokens, m.hparams.n_embd)
-            assert meta.nbytes() <= 64 * meta.n_tokens
+            assert meta.nbytes() <= 64 * meta.n_tokens and meta.pack().nbytes <= 64 * meta.n_tokens
+            back = StepMeta.unpack(meta.pack())  # what a remote stage gets
+            assert back.freed == meta.freed and all(np.array_equal(getattr(back, k), getattr(meta, k))
+                                                    for k in ("seqs", "pos", "cells", "out_rows", "released"))
 
 
 def test_split_layers():

@@ -21,7 +21,7 @@ import numpy as np
 from ggml_py.errors import ModelError
 from ggml_py.models.stage import Stage, StepMeta
 
-ABI_STAGE = 1  # the version of what a stage host and a coordinator say to each other (bumped on any change)
+ABI_STAGE = 2  # the version of what a stage host and a coordinator say to each other (bumped on any change)
 
 
 @dataclass(frozen=True)
@@ -107,10 +107,11 @@ class StageHost:
                 "rss_bytes": _status_bytes("VmRSS"), "peak_rss_bytes": _status_bytes("VmHWM"),
                 "busy_s": time.perf_counter() - self._busy_since if self._busy_since else 0.0}
 
-    def step(self, meta: StepMeta, x: np.ndarray) -> np.ndarray:
+    def step(self, meta: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """One step: `meta` is a packed StepMeta (StepMeta.pack)."""
         self._busy_since = time.perf_counter()
         try:
-            return self.stage.step(meta, x)
+            return self.stage.step(StepMeta.unpack(meta), x)
         except Exception as e:
             raise StageFailure(self.index, f"{type(e).__name__}: {e}") from None
         finally:

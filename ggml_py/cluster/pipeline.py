@@ -160,23 +160,24 @@ class Pipeline:
         another follow each other through the stages, each stage taking them in order: while stage 1 computes one,
         stage 0 computes the next (micro-batches; a BatchDecoder keeps them apart)."""
         t0 = time.perf_counter()
+        packed = meta.pack()
         if self.compiled:
             if self._dag is None:
                 self._compile()
             try:
-                handle: Any = (self._dag.execute(meta, x), None)
+                handle: Any = (self._dag.execute(packed, x), None)
             except Exception as e:
                 raise self._compiled_failure(e) from None
         else:
             ref, refs = x, []
             for actor in self.actors:  # each output goes on to the next stage as a reference
-                ref = actor.step.remote(meta, ref)
+                ref = actor.step.remote(packed, ref)
                 refs.append(ref)
             handle = (ref, refs)
         self.step_s += time.perf_counter() - t0
         self.steps += 1
         self.tokens += meta.n_tokens
-        self.boundary_bytes += (len(self.actors) - 1) * (meta.n_tokens * self.n_embd * 4 + meta.nbytes())
+        self.boundary_bytes += (len(self.actors) - 1) * (meta.n_tokens * self.n_embd * 4 + packed.nbytes)
         return handle
 
     def collect(self, handle: Any) -> np.ndarray:

@@ -112,7 +112,8 @@ def run(model: str | None = None, stages: int = 2, n_gen: int = 64, rounds: int 
                 eng = Engine(m, n_parallel=n_par, n_ctx=n_ctx, n_batch=n_batch, max_queue=requests, stages=[pipe],
                              micro_batches=mb)
                 try:
-                    reqs = [eng.submit(prompts[i % len(prompts)], GenParams(max_tokens=8, temperature=0))
+                    reqs = [eng.submit(prompts[i % len(prompts)], GenParams(max_tokens=8, temperature=0,
+                                                                            stop_at_eos=False))
                             for i in range(requests)]
                     t0 = time.perf_counter()
                     eng.run_until_idle()

@@ -51,6 +51,19 @@ class StepMeta:
         return (self.seqs.nbytes + self.pos.nbytes + self.cells.nbytes + self.out_rows.nbytes + 4 * len(self.freed)
                 + self.released.nbytes)
 
+    def pack(self) -> np.ndarray:
+        """One int32 array (4 counts, then seqs, pos, cells, out_rows, freed, released): what a remote stage is
+        sent, one buffer to serialize instead of six."""
+        n, o, f, r = self.n_tokens, self.out_rows.size, len(self.freed), self.released.size
+        return np.concatenate([np.array([n, o, f, r], np.int32), self.seqs, self.pos, self.cells, self.out_rows,
+                               np.array(self.freed, np.int32), self.released]).astype(np.int32, copy=False)
+
+    @staticmethod
+    def unpack(a: np.ndarray) -> StepMeta:
+        n, o, f, r = (int(v) for v in a[:4])
+        parts = np.split(a[4:], np.cumsum([n, n, n, o, f]))
+        return StepMeta(parts[0], parts[1], parts[2], parts[3], tuple(parts[4].tolist()), parts[5])
+
 
 def split_layers(n_layer: int, shares: Sequence[float]) -> list[range]:
     """Contiguous block ranges, one per stage, in proportion to `shares` (e.g. each node's free memory); every
