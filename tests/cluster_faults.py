@@ -2,7 +2,7 @@
 worker node), the engine serving 4 requests at a time, and in every run one stage's process killed with SIGKILL at a
 random moment of the generation (mostly while a step is in flight).
 
-    .venv/bin/python tests/cluster_faults.py [--runs 100] [--max-tokens 24] [-t 1] [--compiled]
+    .venv/bin/python tests/cluster_faults.py [--runs 100] [--max-tokens 24] [-t 1] [--compiled] [--micro-batches N]
 
 Without restarts, every request the kill affects must end with an error naming the stage within 1 s of the kill, and
 none may hang; with restarts on, the stage is started again, the caches rebuilt, and every request must end with the
@@ -75,7 +75,7 @@ def _killer(pids: list[int], delay: float, out: dict[str, Any]) -> threading.Thr
 
 
 def measure(runs: int = 100, max_tokens: int = 24, threads: int = 1, seed: int = 0,
-            address: str | None = None, compiled: bool = False) -> dict[str, Any]:
+            address: str | None = None, compiled: bool = False, micro_batches: int = 1) -> dict[str, Any]:
     """The fault runs on the Ray cluster at `address`, or on one started here (a head and a worker node)."""
     import ray
     from ray.cluster_utils import Cluster
@@ -93,12 +93,14 @@ def measure(runs: int = 100, max_tokens: int = 24, threads: int = 1, seed: int =
         address = cluster.address
     connect(address)
     model = gp.load_model(backends=["simd"], n_threads=threads, progress=False)
-    out: dict[str, Any] = {"runs": runs, "max_tokens": max_tokens, "prompts": len(PROMPTS), "compiled": compiled}
+    out: dict[str, Any] = {"runs": runs, "max_tokens": max_tokens, "prompts": len(PROMPTS), "compiled": compiled,
+                           "micro_batches": micro_batches}
     try:
         def engine(stages: Any) -> Engine:
-            # the reference in one process splits the requests into the micro-batches a 2-stage pipeline does:
-            # which requests share a step moves the logits by rounding (issue 26) and so can move a near tie
-            e = Engine(model, n_parallel=N_PAR, n_ctx=N_CTX, n_batch=N_BATCH, stages=stages, micro_batches=3)
+            # the reference in one process splits the requests into the same micro-batches as the pipeline: which
+            # requests share a step moves the logits by rounding (issue 26) and so can move a near tie
+            e = Engine(model, n_parallel=N_PAR, n_ctx=N_CTX, n_batch=N_BATCH, stages=stages,
+                       micro_batches=micro_batches)
             e.start()
             return e
 
@@ -162,6 +164,12 @@ def measure(runs: int = 100, max_tokens: int = 24, threads: int = 1, seed: int =
                 ok = [c.tokens for c in ends] == reference
                 same += ok
                 differ += not ok
+                if not ok and os.environ.get("FAULTS_DEBUG"):
+                    for c, ref_t in zip(ends, reference):
+                        if c.tokens != ref_t:
+                            i = next(j for j, (a, b) in enumerate(zip(c.tokens, ref_t)) if a != b)
+                            print("differs at", i, c.tokens[max(0, i - 2):i + 3], ref_t[max(0, i - 2):i + 3],
+                                  file=sys.stderr)
                 if len(pipe.restarts) > n_before and run.gaps:
                     stalls.append(max(run.gaps))
                 if len(pipe.restarts) == n_before:  # the kill came after the last step: start it again now
@@ -190,8 +198,10 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("-t", "--threads", type=int, default=1)
     ap.add_argument("--compiled", action="store_true", help="the pipeline's steps as a Ray compiled graph")
+    ap.add_argument("--micro-batches", type=int, default=1, help="the engine's micro-batches (3: one per stage + 1)")
     a = ap.parse_args()
-    print(json.dumps(measure(a.runs, a.max_tokens, a.threads, compiled=a.compiled), indent=1))
+    print(json.dumps(measure(a.runs, a.max_tokens, a.threads, compiled=a.compiled, micro_batches=a.micro_batches),
+                     indent=1))
     return 0
 
 

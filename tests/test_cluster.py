@@ -115,13 +115,15 @@ def test_steps_in_flight_give_the_logits_of_steps_one_at_a_time(cluster, tmp_pat
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 200, n) for n in (5, 9, 3, 7, 4, 6)]
 
-    def script(dec: BatchDecoder) -> list[np.ndarray]:
+    def script(dec: BatchDecoder, kill=None) -> list[np.ndarray]:
         seqs = [dec.new_sequence() for _ in prompts]
         groups = [[0, 1], [2, 3], [4, 5]]
         out: list[np.ndarray] = []
         nxt = {s: list(p) for s, p in zip(seqs, prompts)}
-        for _ in range(4):
+        for step in range(4):
             pend = [dec.submit([(seqs[i], nxt[seqs[i]], True) for i in g]) for g in groups]  # all in flight
+            if kill is not None and step == 2:
+                kill()  # while they are: every step in flight fails, is undone, and runs again after the restart
             for g, p in zip(groups, pend):
                 logits = p.result()
                 out.append(logits)
@@ -145,8 +147,18 @@ def test_steps_in_flight_give_the_logits_of_steps_one_at_a_time(cluster, tmp_pat
                 assert 0 in dec._free_ids
         finally:
             pipe.close()
-    for i, (x, y) in enumerate(zip(got, whole)):
-        assert nmse(x, y) < 1e-6, f"step {i}: {nmse(x, y):.2e}"
+        for i, (x, y) in enumerate(zip(got, whole)):
+            assert nmse(x, y) < 1e-6, f"step {i}: {nmse(x, y):.2e}"
+        pipe = start_pipeline(m, N_CTX, 6, N_BATCH, n_stages=2, backends="simd", n_threads=1, max_restarts=1)
+        try:
+            with BatchDecoder(m, n_ctx=N_CTX, n_seq_max=6, n_batch=N_BATCH, stages=[pipe]) as dec:
+                got = script(dec, lambda: os.kill(pipe.info()[1]["pid"], signal.SIGKILL))
+                assert dec.recoveries == 1
+        finally:
+            pipe.close()
+        for i, (x, y) in enumerate(zip(got, whole)):
+            assert nmse(x, y) < 1e-6, f"after a restart, step {i}: {nmse(x, y):.2e}"
+            assert (x.argmax(-1) == y.argmax(-1)).all()
 
 
 def test_a_killed_stage_fails_the_step_naming_it_within_a_second(cluster, tmp_path):

@@ -108,7 +108,7 @@ def run(model: str | None = None, stages: int = 2, n_gen: int = 64, rounds: int 
             # once with every request in one step, once in P + 1 micro-batches in flight (the engine's default)
             served: dict[str, dict[str, float]] = {}
             prompts = [m.tokenize(f"Question {i}: what is {i} plus {i + 1}?") for i in range(8)]
-            for label, mb in (("one batch", 1), (f"{stages + 1} micro-batches", None)):
+            for label, mb in (("one batch", 1), (f"{stages + 1} micro-batches", stages + 1)):
                 eng = Engine(m, n_parallel=n_par, n_ctx=n_ctx, n_batch=n_batch, max_queue=requests, stages=[pipe],
                              micro_batches=mb)
                 try:

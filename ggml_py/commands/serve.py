@@ -49,6 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--stage-memory", type=_size, default=None, metavar="SIZE",
                    help="with --cluster: the memory each stage may hold (its weights, KV cache and compute buffer, "
                         "e.g. 600M or 1.5G); the blocks are split to fit, or the server refuses to start")
+    c.add_argument("--micro-batches", type=int, default=None, metavar="N",
+                   help="with --cluster: split the requests into N micro-batches, one step of each in flight (N = "
+                        "stages + 1 keeps every stage busy; pays where steps are bound by arithmetic: "
+                        "docs/cluster.md); default 1")
     c.add_argument("--compiled-graph", action="store_true",
                    help="with --cluster: run each step as a Ray compiled graph (experimental: less time per hop, "
                         "but the waiting coordinator spins on a core, and Ray may crash it when a stage dies: "
@@ -125,8 +129,10 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
     at_least("--drain-timeout", 0)
     at_least("--stages", 1)
     at_least("--stage-restarts", 0)
+    at_least("--micro-batches", 1)
     for flag, v in (("--stages", args.stages is not None), ("--stage-restarts", args.stage_restarts),
-                    ("--stage-memory", args.stage_memory is not None), ("--compiled-graph", args.compiled_graph)):
+                    ("--stage-memory", args.stage_memory is not None), ("--compiled-graph", args.compiled_graph),
+                    ("--micro-batches", args.micro_batches is not None)):
         if v and args.cluster is None:
             bad.append(f"{flag} needs --cluster")
     if args.ctx is not None and args.parallel >= 1 and args.ctx < 2 * args.parallel:
@@ -178,7 +184,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         metrics = serve(model, host=args.host, port=args.port, n_parallel=args.parallel, n_ctx=ctx,
                         max_queue=args.queue, n_batch=args.batch, model_name=args.alias,
                         default_max_tokens=args.max_tokens, log=log, log_level=args.log_level, options=options,
-                        stages=stages or None)
+                        stages=stages or None, micro_batches=args.micro_batches)
         log(f"ggml-py serve: stopped after {metrics['requests_finished']} requests, "
             f"{metrics['tokens_generated']} tokens generated ({metrics['shutdown']})")
         # a second signal cut the drain short: exit as that signal would have (128 + its number)

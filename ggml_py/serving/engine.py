@@ -180,10 +180,14 @@ class Engine:
         self.decoder = BatchDecoder(model, n_ctx=n_ctx, n_seq_max=n_parallel, n_batch=n_batch, kv_type=kv_type,
                                     stages=stages)  # stages: e.g. a pipeline on a cluster (ggml_py/cluster/)
         self.n_batch = n_batch
-        # on a pipeline of P stages, the active requests are split into P + 1 micro-batches whose steps follow each
-        # other through the stages, so that every stage has one to compute (each up to n_batch tokens)
-        pipe = self.decoder.pipeline
-        self.n_groups = micro_batches or (pipe.n_stages + 1 if pipe is not None else 1)
+        # micro_batches > 1 (on a pipeline: P + 1 for P stages keeps every stage busy): the active requests are
+        # split into that many groups whose steps follow each other through the stages, one step of each in flight
+        # (each up to n_batch tokens). One by default: a decode step reads all weights whatever its rows, so on
+        # memory-bound steps splitting gains nothing, and which requests share a step moves near ties (issue 26)
+        if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)
+                                          or micro_batches < 1):
+            raise ModelError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+        self.n_groups = micro_batches or 1
         self._inflight: deque[tuple[int, Any, list[Request], list[Request], int]] = deque()
         self._tok = model.tokenizer_or_none
         self._cond = threading.Condition()
