@@ -433,13 +433,21 @@ raise SystemExit(main(["quantize", *sys.argv[1:]]))
 """
 
 
+def _default_signals() -> None:
+    """The child starts with the signals at their default action, whatever this process inherited: under `nohup`
+    SIGHUP is ignored, in a background job of a non-interactive shell SIGINT is, and an ignored signal is inherited
+    (found running CI's script in the background: the child ignored them and finished)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda s: s.name)
 def test_a_signal_mid_run_leaves_no_part_file(tiny, tmp_path, sig):
     """SIGTERM and SIGHUP (default action: the process ends without unwinding) remove the hidden .part file as Ctrl-C
     does, then end the process by that same signal; SIGINT exits 130 with `error: interrupted`."""
     out = tmp_path / "out.gguf"
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_QUANTIZE, tiny["llama"], str(out), "Q4_K_M"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_signals)
     try:
         for _ in range(3):  # three tensors converted: the .part file is being written
             assert proc.stdout.readline() == "tensor\n", proc.stderr.read()

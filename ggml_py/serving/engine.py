@@ -281,7 +281,8 @@ class Engine:
             self.step()
 
     def step(self) -> bool:
-        """One scheduling step (admit, one batched decode, sample, stream, finish); False when idle."""
+        """One scheduling step (admit; a step for each micro-batch with none in flight; the oldest step's logits:
+        sample, stream, finish); False when idle. With one micro-batch: one batched decode."""
         t0 = time.perf_counter()
         with self._cond:
             for r in [r for r in self._active if r.cancelled]:
