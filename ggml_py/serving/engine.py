@@ -183,7 +183,8 @@ class Engine:
         # micro_batches > 1 (on a pipeline: P + 1 for P stages keeps every stage busy): the active requests are
         # split into that many groups whose steps follow each other through the stages, one step of each in flight
         # (each up to n_batch tokens). One by default: a decode step reads all weights whatever its rows, so on
-        # memory-bound steps splitting gains nothing, and which requests share a step moves near ties (issue 26)
+        # memory-bound steps splitting gains nothing, and a cache rebuilt after a lost stage is exact only for steps
+        # of as many rows as the rebuild's (issue 26; docs/cluster.md)
         if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)
                                           or micro_batches < 1):
             raise ModelError(f"micro_batches must be a positive integer, got {micro_batches!r}")
