@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import signal
 import time
 
@@ -302,6 +303,50 @@ def test_the_server_on_a_two_stage_cluster_answers_16_concurrent_clients(cluster
     assert all(r.choices[0].finish_reason in ("length", "stop") and r.choices[0].text for r in got)
     assert sum(r.usage.completion_tokens for r in got) == m["tokens_generated"] >= 16
     assert m["requests_finished"] == 16
+
+
+def _stage_pids() -> list[int]:
+    """The processes of stage actors now alive on this machine (Ray names a worker's process after its actor)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if b"StageHost" in f.read():
+                        pids.append(int(d))
+            except OSError:
+                pass
+    return pids
+
+
+def test_the_server_answers_503_naming_a_lost_stage(cluster):
+    """Without restarts, a stage that dies ends the request with HTTP 503 (server_unavailable: not the request's
+    fault) naming the stage and its node; the health check then says the server failed."""
+    import httpx
+    from serve_helpers import ServerProc
+
+    from ggml_py.models import default_model_path
+
+    before = set(_stage_pids())
+    srv = ServerProc(default_model_path(), "--cluster", cluster.address, "--stages", "2", "-np", "2", "-t", "1",
+                     "--backend", "simd")
+    try:
+        body = {"model": "x", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).status_code == 200
+        stages = set(_stage_pids()) - before
+        assert len(stages) == 2
+        for pid in stages:
+            os.kill(pid, signal.SIGKILL)
+        t0 = time.perf_counter()
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+        assert time.perf_counter() - t0 < 2.0
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["type"] == "server_unavailable" and re.search(r"stage \d \(blocks \d+-\d+\) on node .* died",
+                                                                   err["message"]), err
+        assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 500
+    finally:
+        srv.stop()
 
 
 def test_bench_cluster_runs(tmp_path):
