@@ -162,6 +162,29 @@ def test_steps_in_flight_give_the_logits_of_steps_one_at_a_time(cluster, tmp_pat
             assert (x.argmax(-1) == y.argmax(-1)).all()
 
 
+def test_generate_batch_on_a_pipeline_and_bounds_checked(cluster, tmp_path):
+    """`generate_batch(model, prompts, stages=[pipe])` takes the pipeline's numbers and gives one process's tokens; a
+    decoder asking for more cells, sequences or tokens a step than the stages were made for is refused."""
+    import ggml_py as gp
+    from ggml_py.errors import ModelError
+
+    path = write_tiny(tmp_path / "g.gguf", "llama", seed=3, n_layer=2)
+    with load_model(path, backends=["simd"], n_ctx=N_CTX, progress=False) as m:
+        prompts = ["Hello there", "one two three", "the cat"]
+        pipe = _pipeline(m, 2)
+        try:
+            got = gp.generate_batch(m, prompts, max_tokens=5, temperature=0, stop_at_eos=False, stages=[pipe])
+            want = gp.generate_batch(m, prompts, max_tokens=5, temperature=0, stop_at_eos=False, n_parallel=N_SEQ,
+                                     n_ctx=N_CTX)
+            assert [c.tokens for c in got] == [c.tokens for c in want]
+            for kw in ({"n_ctx": 2 * N_CTX}, {"n_seq_max": N_SEQ + 1}, {"n_batch": 2 * N_BATCH}):
+                args = {"n_ctx": N_CTX, "n_seq_max": N_SEQ, "n_batch": N_BATCH, **kw}
+                with pytest.raises(ModelError, match=f"a stage was made for {next(iter(kw))}="):
+                    BatchDecoder(m, stages=[pipe], **args)
+        finally:
+            pipe.close()
+
+
 def test_a_killed_stage_fails_the_step_naming_it_within_a_second(cluster, tmp_path):
     """(Not with a compiled graph: Ray 2.60's driver crashed in _raylet.so in about 1 of 8 such kills, in
     tests/cluster_faults.py --compiled; docs/cluster.md.)"""

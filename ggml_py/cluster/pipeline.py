@@ -137,6 +137,19 @@ class Pipeline:
         return len(self.specs)
 
     @property
+    def n_ctx(self) -> int:
+        """Cells of every stage's KV cache (a decoder on this pipeline may use at most these)."""
+        return self.specs[0].n_ctx
+
+    @property
+    def n_seq_max(self) -> int:
+        return self.specs[0].n_seq_max
+
+    @property
+    def n_batch(self) -> int:
+        return self.specs[0].n_batch
+
+    @property
     def nodes(self) -> list[str]:
         """Each stage's node as 'address:node id prefix'."""
         by_id = {n["NodeID"]: n for n in self._ray.nodes()}

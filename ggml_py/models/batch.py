@@ -118,6 +118,12 @@ class BatchDecoder:
         # each with its own record of the cells kept from the step metas (stage.py)
         self._own_stages = stages is None  # given stages are the caller's to close; this decoder starts them afresh
         for st in stages or ():
+            for name, need in (("n_ctx", n_ctx), ("n_seq_max", n_seq_max), ("n_batch", n_batch)):
+                have = getattr(st, name, None)
+                if have is not None and have < need:
+                    raise ModelError(f"a stage was made for {name}={have}, less than this decoder's {need}: make "
+                                     "the stages (start_pipeline) and the decoder or engine with the same numbers")
+        for st in stages or ():
             st.reset()
         self.stages: list[StageLike] = list(stages) if stages is not None else [
             Stage(model, range(model.hparams.n_layer), n_ctx, n_seq_max, n_batch, kv, cells=self.cells)]
