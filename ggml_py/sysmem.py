@@ -15,6 +15,36 @@ def available_memory() -> int | None:
     return None
 
 
+def _status_bytes(field: str) -> int | None:
+    """A size from /proc/self/status (e.g. VmRSS, VmHWM), None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory now (VmRSS), None where Linux does not tell it."""
+    return _status_bytes("VmRSS")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak RSS: VmHWM of its own memory map where Linux tells it (ru_maxrss also counts the RSS of
+    the process it was forked from)."""
+    peak = _status_bytes("VmHWM")
+    if peak is not None:
+        return peak
+    import resource
+    import sys
+
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(r) * (1 if sys.platform == "darwin" else 1024)
+
+
 def mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 

@@ -173,7 +173,7 @@ _NUMPY_HEAD = """
 import sys
 import numpy as np
 from ggml_py import load_model
-from ggml_py.commands.bench_model import peak_rss_bytes
+from ggml_py.sysmem import peak_rss_bytes
 
 with load_model(sys.argv[1], backends=["numpy"], n_ctx=64, progress=False) as m:
     logits = m.eval(m.tokenize(sys.argv[2]), last_only=True)

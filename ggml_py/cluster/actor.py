@@ -20,6 +20,7 @@ import numpy as np
 
 from ggml_py.errors import ModelError
 from ggml_py.models.stage import Stage, StepMeta
+from ggml_py.sysmem import peak_rss_bytes, rss_bytes
 
 ABI_STAGE = 2  # the version of what a stage host and a coordinator say to each other (bumped on any change)
 
@@ -60,18 +61,6 @@ class StageFailure(Exception):
         return self.message
 
 
-def _status_bytes(field: str) -> int | None:
-    """A size from /proc/self/status (VmRSS: resident now, VmHWM: the peak), None where there is none."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 class StageHost:
     """One stage of a pipeline in its own process."""
 
@@ -104,7 +93,7 @@ class StageHost:
                 "layers": list(self.spec.layers), "backends": self.model.backend_names,
                 "plans_prepared": self.stage.plans_prepared, "steps": self.stage.steps,
                 "compute_s": self.stage.compute_s, "step_s": self.stage.step_s, "memory_parts": self.stage.memory_parts,
-                "rss_bytes": _status_bytes("VmRSS"), "peak_rss_bytes": _status_bytes("VmHWM"),
+                "rss_bytes": rss_bytes(), "peak_rss_bytes": peak_rss_bytes(),
                 "busy_s": time.perf_counter() - self._busy_since if self._busy_since else 0.0}
 
     def step(self, meta: np.ndarray, x: np.ndarray) -> np.ndarray:

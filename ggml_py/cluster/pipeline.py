@@ -223,6 +223,19 @@ class Pipeline:
         self.compiles += 1
         self.compile_s += time.perf_counter() - t0
 
+    def _ask_each(self, timeout_s: float) -> list[Any]:
+        """Each stage's info(), or the exception in its place (it died, or did not answer within `timeout_s`)."""
+        ray = self._ray
+        refs = [a.info.remote() for a in self.actors]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        answers: list[Any] = []
+        for r in refs:
+            try:
+                answers.append(ray.get(r, timeout=0))
+            except Exception as e:
+                answers.append(e)
+        return answers
+
     def _drop_dag(self) -> None:
         if self._dag is not None:
             dag, self._dag = self._dag, None
@@ -239,19 +252,14 @@ class Pipeline:
         if isinstance(cause, StageFailure):
             return ClusterError(f"{self._where(cause.index)} failed: {cause}")
         self._drop_dag()
-        refs = [a.info.remote() for a in self.actors]
-        ray.wait(refs, num_returns=len(refs), timeout=1.0)
+        answers = self._ask_each(1.0)
         busy = None
-        for i, r in enumerate(refs):
-            try:
-                info = ray.get(r, timeout=0)
-            except ray.exceptions.RayActorError:
+        for i, info in enumerate(answers):
+            if isinstance(info, ray.exceptions.RayActorError):
                 self._lost.add(i)
                 return ClusterError(f"{self._where(i)} died: its process or node is gone")
-            except Exception:
-                info = None  # no answer within a second
-            if busy is None and (info is None or info["busy_s"] > 0):
-                busy = i
+            if busy is None and (isinstance(info, BaseException) or info["busy_s"] > 0):
+                busy = i  # no answer within a second, or still in its step
         if busy is not None:
             self._lost.add(busy)
             return ClusterError(f"{self._where(busy)} did not answer within {self.timeout_s:g} s")
@@ -299,13 +307,9 @@ class Pipeline:
         if not self.max_restarts:
             self._lost.clear()
             return False  # the step's own error stands
-        refs = [a.info.remote() for a in self.actors]  # a node's death can take several stages: look at each
-        ray.wait(refs, num_returns=len(refs), timeout=min(self.timeout_s, 5.0))
-        for i, r in enumerate(refs):
-            try:
-                ray.get(r, timeout=0)
-            except Exception:
-                self._lost.add(i)
+        # a node's death can take several stages: each is asked
+        self._lost.update(i for i, info in enumerate(self._ask_each(min(self.timeout_s, 5.0)))
+                          if isinstance(info, BaseException))
         lost, self._lost = sorted(self._lost), set()
         if not lost:
             return False

@@ -17,13 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ggml_py.sysmem import mib
-
-
-def _peak_rss() -> int | None:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+from ggml_py.sysmem import mib, peak_rss_bytes
 
 
 def _log(msg: str) -> None:
@@ -152,7 +146,7 @@ def run(model: str | None = None, stages: int = 2, n_gen: int = 64, rounds: int 
                 "file_bytes": os.path.getsize(m.path), "stage_memory_limit": stage_memory,
                 "stage_held_bytes": [sum(n for _, n in i["memory_parts"]) for i in infos["calls"]],
                 "stage_peak_rss_bytes": [i["peak_rss_bytes"] for i in infos["calls"]],
-                "coordinator_peak_rss_bytes": _peak_rss(),
+                "coordinator_peak_rss_bytes": peak_rss_bytes(),
             }
             pipe.close()
             return result

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json as _json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import numpy as np
 
 from ggml_py.commands import llamacpp_venv
 from ggml_py.errors import GgmlPyError
+from ggml_py.sysmem import peak_rss_bytes
 
 # The side venv with llama-cpp-python (made on first use); LLAMA_CPP_PYTHON, when set, names an interpreter to use
 # instead (e.g. the one `make llamacpp-venv` makes).
@@ -52,17 +52,6 @@ def prompt_tokens(model: Any, n: int) -> list[int]:
 def _greedy(model: Any, ids: list[int], n_gen: int) -> tuple[list[int], dict[str, Any]]:
     toks = [t.id for t in model.generate(ids, n_gen + 1, temperature=0.0, stop_at_eos=False)]
     return toks, model.timings
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak RSS: VmHWM of its own memory map where Linux tells it (ru_maxrss also counts the RSS of
-    the process it was forked from)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) * 1024
-    except (OSError, StopIteration, ValueError):
-        r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(r) * (1 if sys.platform == "darwin" else 1024)
 
 
 def run(vs_llamacpp: bool = False, n_prompt: int = 128, n_gen: int = 64, threads: int = 2, json: bool = False,

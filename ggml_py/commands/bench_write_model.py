@@ -227,7 +227,7 @@ def write_model(shape: Shape | str, type_name: str, out: str, *, seed: int = 0, 
     """Write `out`: a random-weight model of `shape` (a Shape or a name in SHAPES) in file type `type_name` (Q4_0,
     Q4_K_M, F16, ...: docs/quantize.md). `progress(bytes_done, bytes_total)` is called as the tensors are written.
     Returns what was written (the --json output)."""
-    from ggml_py.commands.bench_model import peak_rss_bytes
+    from ggml_py.sysmem import peak_rss_bytes
 
     t0 = time.perf_counter()
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:

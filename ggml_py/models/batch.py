@@ -80,10 +80,6 @@ class PendingStep:
     def __init__(self, decoder: BatchDecoder, step: _Step) -> None:
         self._decoder, self._step = decoder, step
 
-    @property
-    def done(self) -> bool:
-        return self._step.logits is not None or self._step.error is not None
-
     def result(self) -> np.ndarray:
         return self._decoder._result(self._step)
 
