@@ -296,6 +296,26 @@ def test_a_remote_cluster_without_token_authentication_is_refused(monkeypatch):
             connect(address)
 
 
+def test_a_local_cluster_is_new_even_beside_a_dead_one():
+    """connect() with no address starts a new local instance, even when the last cluster started on this machine
+    left its address behind and is gone (Ray's own default would try to join it, and fail after 40 s)."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    code = ("from ggml_py.cluster.pipeline import connect; "
+            "print(connect(None).get_runtime_context().gcs_address)")
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:  # short: Ray's socket paths under it must be < 108 bytes
+        (Path(tmp) / "ray").mkdir()
+        (Path(tmp) / "ray" / "ray_current_cluster").write_text("127.0.0.1:9")  # nothing listens there
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TMPDIR": tmp},
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] != "127.0.0.1:9" and time.perf_counter() - t0 < 30
+
+
 def test_the_server_on_a_two_stage_cluster_answers_16_concurrent_clients(cluster):
     """`ggml-py serve --cluster ADDRESS --stages 2` on SmolLM2: 16 openai clients at once all complete, with their
     token counts, and the stages are in the log. (Which tokens a request gets beside 15 others can differ from one
@@ -393,3 +413,4 @@ def test_bench_cluster_runs(tmp_path):
     assert 0 < out["boundary_bytes_per_token"] <= out["limit_bytes_per_token"]
     assert all(x > 0 for way in ("compiled", "calls") for x in out["ms_per_token"][way]
                + out["stage_compute_ms_per_token"][way])
+    assert 0 < out["ray_alone_ms_per_hop"] <= out["ray_alone_ms_per_hop_median"]

@@ -22,7 +22,7 @@ from ggml_py.errors import ModelError
 from ggml_py.models.stage import Stage, StepMeta
 from ggml_py.sysmem import peak_rss_bytes, rss_bytes
 
-ABI_STAGE = 2  # the version of what a stage host and a coordinator say to each other (bumped on any change)
+ABI_STAGE = 3  # the version of what a stage host and a coordinator say to each other (bumped on any change)
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,18 @@ def file_sha256(path: str, chunk: int = 1 << 24) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def frame(meta: np.ndarray, x: np.ndarray) -> bytes:
+    """What a stage is sent: a packed StepMeta followed by the step's input, as one bytes object. Ray hands bytes
+    over as they are where it pickles an array (an echo chain on loopback: 0.63 against 0.81 ms a hop)."""
+    return meta.tobytes() + np.ascontiguousarray(x).tobytes()
+
+
+def unframe(msg: bytes) -> tuple[np.ndarray, memoryview]:
+    """The packed meta of a message and the bytes after it."""
+    size = StepMeta.packed_size(np.frombuffer(msg, np.int32, 4))
+    return np.frombuffer(msg, np.int32, size), memoryview(msg)[4 * size:]
 
 
 class StageFailure(Exception):
@@ -96,11 +108,16 @@ class StageHost:
                 "rss_bytes": rss_bytes(), "peak_rss_bytes": peak_rss_bytes(),
                 "busy_s": time.perf_counter() - self._busy_since if self._busy_since else 0.0}
 
-    def step(self, meta: np.ndarray, x: np.ndarray) -> np.ndarray:
-        """One step: `meta` is a packed StepMeta (StepMeta.pack)."""
+    def step(self, msg: bytes) -> bytes:
+        """One step: `msg` is a frame(packed StepMeta, input: token ids on the first stage, else the hidden states).
+        Returns the logits' bytes (the last stage) or a frame(the same meta, this stage's hidden states)."""
         self._busy_since = time.perf_counter()
         try:
-            return self.stage.step(StepMeta.unpack(meta), x)
+            packed, body = unframe(msg)
+            first = self.stage.first
+            x = np.frombuffer(body, np.int32 if first else np.float32)
+            out = self.stage.step(StepMeta.unpack(packed), x if first else x.reshape(int(packed[0]), -1))
+            return out.tobytes() if self.stage.last else frame(packed, out)
         except Exception as e:
             raise StageFailure(self.index, f"{type(e).__name__}: {e}") from None
         finally:

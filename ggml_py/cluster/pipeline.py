@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from ggml_py.cluster.actor import ABI_STAGE, StageFailure, StageHost, StageSpec, file_sha256
+from ggml_py.cluster.actor import ABI_STAGE, StageFailure, StageHost, StageSpec, file_sha256, frame
 from ggml_py.errors import UnavailableError
 from ggml_py.models.stage import StepMeta, split_by_memory, split_layers, stage_memory_parts
 from ggml_py.sysmem import mib
@@ -92,8 +92,9 @@ def connect(address: str | None = None) -> Any:
                                "authentication is off; start every node with RAY_AUTH_MODE=token (and RAY_AUTH_TOKEN "
                                "or a token file), see docs/cluster.md")
     if not ray.is_initialized():
-        ray.init(address=None if address == "local" else address, include_dashboard=False, logging_level="ERROR",
-                 log_to_driver=False, configure_logging=False)
+        # "local": always a new instance (None would join the last cluster `ray start` made here, even a dead one)
+        ray.init(address="local" if address in (None, "local") else address, include_dashboard=False,
+                 logging_level="ERROR", log_to_driver=False, configure_logging=False)
     return ray
 
 
@@ -115,14 +116,15 @@ class Pipeline:
     sequences' tokens and the step goes on. 0: a lost stage fails the step, and the decoder, for good."""
 
     def __init__(self, ray: Any, actors: list[Any], specs: list[StageSpec], node_ids: list[str], n_embd: int,
-                 timeout_s: float = STEP_TIMEOUT_S, max_restarts: int = 0, compiled: bool = False) -> None:
+                 n_vocab: int, *, timeout_s: float = STEP_TIMEOUT_S, max_restarts: int = 0,
+                 compiled: bool = False) -> None:
         self._ray, self.actors, self.specs, self.timeout_s = ray, actors, specs, timeout_s
         self.compiled = compiled
         self._dag: Any = None  # the compiled graph of a step (compiled mode; None until the first step)
         self.compiles = 0
         self.compile_s = 0.0
         self.node_ids = node_ids
-        self.n_embd = n_embd
+        self.n_embd, self.n_vocab = n_embd, n_vocab
         self.max_restarts = max_restarts
         self.restarts: list[dict[str, Any]] = []  # one record a stage started again: which, where, how long
         self._lost: set[int] = set()  # stages that died or did not answer in the last failed call
@@ -174,19 +176,20 @@ class Pipeline:
         stage 0 computes the next (micro-batches; a BatchDecoder keeps them apart)."""
         t0 = time.perf_counter()
         packed = meta.pack()
+        msg = frame(packed, x)
         if self.compiled:
             if self._dag is None:
                 self._compile()
             try:
-                handle: Any = (self._dag.execute(packed, x), None)
+                handle: Any = (self._dag.execute(msg), None, meta.out_rows.size)
             except Exception as e:
                 raise self._compiled_failure(e) from None
         else:
-            ref, refs = x, []
+            ref, refs = msg, []
             for actor in self.actors:  # each output goes on to the next stage as a reference
-                ref = actor.step.remote(packed, ref)
+                ref = actor.step.options(enable_task_events=False).remote(ref)
                 refs.append(ref)
-            handle = (ref, refs)
+            handle = (ref, refs, meta.out_rows.size)
         self.step_s += time.perf_counter() - t0
         self.steps += 1
         self.tokens += meta.n_tokens
@@ -196,28 +199,24 @@ class Pipeline:
     def collect(self, handle: Any) -> np.ndarray:
         """The logits of a submitted step (steps are collected in the order they were submitted)."""
         t0 = time.perf_counter()
-        ref, refs = handle
+        ref, refs, n_out = handle
         try:
             out = self._ray.get(ref, timeout=self.timeout_s)
         except Exception as e:
             raise (self._compiled_failure(e) if refs is None else self._failure(refs, e)) from None
         finally:
             self.step_s += time.perf_counter() - t0
-        if self.compiled:
-            # the array read from a channel is a view of the channel's buffer, which the last stage cannot write the
-            # next step's logits into while anything holds it: the caller gets its own copy
-            out = np.array(out, copy=True)
-        return out
+        return np.frombuffer(out, np.float32).reshape(n_out, self.n_vocab)  # read-only: nothing can change bytes
 
     def _compile(self) -> None:
-        """The step as a Ray compiled graph: (meta, x) -> stage 0 -> ... -> the last stage's output."""
+        """The step as a Ray compiled graph: frame(meta, x) -> stage 0 -> ... -> the last stage's output."""
         from ray.dag import InputNode
 
         t0 = time.perf_counter()
         with InputNode() as inp:
-            node = inp[1]
+            node = inp
             for actor in self.actors:
-                node = actor.step.bind(inp[0], node)
+                node = actor.step.bind(node)
         self._dag = node.experimental_compile(_submit_timeout=self.timeout_s,
                                               _max_inflight_executions=MAX_IN_FLIGHT)
         self.compiles += 1
@@ -425,8 +424,8 @@ def start_pipeline(model: Model, n_ctx: int, n_seq_max: int, n_batch: int, *, ad
     size, digest = os.path.getsize(path), file_sha256(path)
     specs = [StageSpec(os.path.abspath(path), size, digest, (r.start, r.stop), n_ctx, n_seq_max, n_batch, kv_type,
                        backends, n_threads, lim) for r, lim in zip(ranges, limits)]
-    pipe = Pipeline(ray, [], specs, [n["NodeID"] for n in chosen], model.hparams.n_embd, timeout_s, max_restarts,
-                    compiled)
+    pipe = Pipeline(ray, [], specs, [n["NodeID"] for n in chosen], model.hparams.n_embd, model.n_vocab,
+                    timeout_s=timeout_s, max_restarts=max_restarts, compiled=compiled)
     pipe.actors = [pipe._start(i, node_id) for i, node_id in enumerate(pipe.node_ids)]
     t0 = time.perf_counter()
     refs = [a.info.remote() for a in pipe.actors]

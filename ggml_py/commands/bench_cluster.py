@@ -5,7 +5,8 @@ blocks on them as pipeline stages, and decodes `n_gen` tokens of one sequence, a
 steps in one process. The same stages run twice: their step as a Ray compiled graph, and as plain actor calls. Per
 step it reports the wall time at the coordinator, the sum of the stages' compute (as the stages time their own
 plans), the difference per hop (stage boundaries plus the way in and out), the bytes per token that crossed each
-boundary, and the plans each stage prepared.
+boundary, and the plans each stage prepared; and beside them, round by round, what Ray alone costs a hop for steps
+as long as the stages' (actors that only spin), the floor under the pipeline's figure.
 """
 
 from __future__ import annotations
@@ -24,6 +25,20 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+class Spinner:
+    """An actor standing in for a stage: it spins as long as the stage's step took and returns as many bytes, so
+    that what Ray alone costs a hop, for steps this long on these nodes, is measured beside the pipeline."""
+
+    def __init__(self, out_bytes: int) -> None:
+        self.out = bytes(out_bytes)
+
+    def step(self, msg: bytes, busy_s: float) -> bytes:
+        t = time.perf_counter()
+        while time.perf_counter() - t < busy_s:
+            pass
+        return self.out
+
+
 def run(model: str | None = None, stages: int = 2, n_gen: int = 64, rounds: int = 3, threads: int = 1,
         backend: str | None = None, quick: bool = False, stage_memory: int | None = None, requests: int = 100,
         **_: Any) -> dict[str, Any]:
@@ -35,6 +50,7 @@ def run(model: str | None = None, stages: int = 2, n_gen: int = 64, rounds: int 
 
     local_ray_env()  # before Ray starts: the cluster on 127.0.0.1
     from ray.cluster_utils import Cluster
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from ggml_py.models import load_model
     from ggml_py.models.batch import BatchDecoder
@@ -76,12 +92,31 @@ def run(model: str | None = None, stages: int = 2, n_gen: int = 64, rounds: int 
                     return dt, toks, 0.0, 0.0
                 after = pipe.info()
                 plans = sum(a["compute_s"] - b["compute_s"] for a, b in zip(after, before)) / n_gen
-                steps = sum(a["step_s"] - b["step_s"] for a, b in zip(after, before))  # all a stage does
-                return dt, toks, plans, (pipe.step_s - waited - steps) / n_gen
+                steps = [(a["step_s"] - b["step_s"]) / n_gen for a, b in zip(after, before)]  # all a stage does
+                stage_steps[:] = steps
+                return dt, toks, plans, (pipe.step_s - waited) / n_gen - sum(steps)
+
+            stage_steps: list[float] = []  # each stage's step, per token, in the last pipelined decode
+            spinners = [ray.remote(Spinner).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+                node, soft=False)).remote(m.n_vocab * 4 if i == stages - 1 else m.hparams.n_embd * 4 + 64)
+                for i, node in enumerate(pipes["calls"].node_ids)]
+
+            def ray_alone() -> float:
+                """Per token, what n_gen steps chained through the spinners take over their spinning."""
+                calls = [a.step.options(enable_task_events=False) for a in spinners]
+                ray.get([a.step.remote(b"", 0.0) for a in spinners])
+                t0 = time.perf_counter()
+                for _ in range(n_gen):
+                    ref: Any = bytes(64)
+                    for call, busy in zip(calls, stage_steps):
+                        ref = call.remote(ref, busy)
+                    ray.get(ref)
+                return (time.perf_counter() - t0) / n_gen - sum(stage_steps)
 
             per_token: dict[str, list[float]] = {"compiled": [], "calls": [], "one process": []}
             compute: dict[str, list[float]] = {"compiled": [], "calls": []}
             carry: dict[str, list[float]] = {"compiled": [], "calls": []}  # pipe.step's wait over the stages' steps
+            floor: list[float] = []  # Ray alone, for steps as long as the plain-call stages' of the same round
             same = True
             for r in range(rounds):  # interleaved: every round runs each way once
                 dt, local, _, _ = decode()
@@ -92,6 +127,7 @@ def run(model: str | None = None, stages: int = 2, n_gen: int = 64, rounds: int 
                     compute[name].append(plans)
                     carry[name].append(carried)
                     same &= toks == local
+                floor.append(ray_alone())
                 _log(f"round {r + 1}: " + ", ".join(f"{k} {v[-1] * 1e3:.2f} ms/token" for k, v in per_token.items()))
             hops = stages + 1  # coordinator -> stage 0 -> ... -> last stage -> coordinator
             infos = {"compiled": pipes["compiled"].info()}
@@ -136,6 +172,8 @@ def run(model: str | None = None, stages: int = 2, n_gen: int = 64, rounds: int 
                 "transport_ms_per_hop": {k: round(min(v) * 1e3 / hops, 3) for k, v in carry.items()},
                 "transport_ms_per_hop_median": {k: round(float(np.median(v)) * 1e3 / hops, 3)
                                                 for k, v in carry.items()},
+                "ray_alone_ms_per_hop": round(min(floor) * 1e3 / hops, 3),
+                "ray_alone_ms_per_hop_median": round(float(np.median(floor)) * 1e3 / hops, 3),
                 "boundary_bytes_per_token": round(pipe.boundary_bytes / tokens / max(stages - 1, 1), 1),
                 "limit_bytes_per_token": m.hparams.n_embd * 4 + 64,
                 "plans_prepared": [i["plans_prepared"] for i in infos["calls"]],
@@ -169,6 +207,8 @@ def report(r: dict[str, Any]) -> str:
                                       f"{r['transport_ms_per_hop'][k]} (median {r['transport_ms_per_hop_median'][k]})"
                                       if k in r['overhead_ms_per_hop']
                                       else "") for k, v in ms.items()),
+        f"Ray alone, actors that only spin as long as the plain-call stages' steps and pass as many bytes: "
+        f"{r['ray_alone_ms_per_hop']} ms per hop (median {r['ray_alone_ms_per_hop_median']})",
         f"bytes per token per boundary {r['boundary_bytes_per_token']} (n_embd x 4 + 64 = "
         f"{r['limit_bytes_per_token']}); the compiled pipeline's plans per stage {r['plans_prepared_compiled']}, its "
         f"graph compiled {r['graphs_compiled']}x in {r['compile_s']} s; same greedy tokens as one process (both "

@@ -59,6 +59,12 @@ class StepMeta:
                                np.array(self.freed, np.int32), self.released]).astype(np.int32, copy=False)
 
     @staticmethod
+    def packed_size(counts: np.ndarray) -> int:
+        """The int32 values of a packed meta, from its first 4 (the counts)."""
+        n, o, f, r = (int(v) for v in counts[:4])
+        return 4 + 3 * n + o + f + r
+
+    @staticmethod
     def unpack(a: np.ndarray) -> StepMeta:
         n, o, f, r = (int(v) for v in a[:4])
         parts = np.split(a[4:], np.cumsum([n, n, n, o, f]))
