@@ -182,13 +182,10 @@ int64_t gemm_min_rows(int type);
 // Whether the CPU has AVX512-VNNI (cpu.cpp's detection): the avx512 level's x8 kernels use vpdpbusd where it does.
 bool cpu_has_avx512_vnni();
 
-// FLASH_ATTN_EXT of a decode step splits the keys into this many ranges at most, of ~128 keys each; a partial result
-// per head and range is FA_PART(Dv) floats (acc[Dv], M, pad, S as a double)
-enum { FA_MAX_KEY_CHUNKS = 16 };
-static inline int64_t fa_key_chunks(int64_t nkv) {
-    const int64_t c = (nkv + 127) / 128;
-    return c < 1 ? 1 : (c > FA_MAX_KEY_CHUNKS ? FA_MAX_KEY_CHUNKS : c);
-}
+// FLASH_ATTN_EXT sums a query row's keys in chunks of this many visible tiles of 8 keys (256 keys), merged in order,
+// on every path: a decode step splits its keys across threads at these chunks, and a chunk's partial result per
+// head is FA_PART(Dv) floats (acc[Dv], M, pad, S as a double)
+enum { FA_CHUNK_TILES = 32 };
 static inline int64_t FA_PART(int64_t dv) { return dv + 4; }
 
 // Interleaved weight layout "x8" (GEMV of constant Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights): groups

@@ -46,69 +46,111 @@ GP_INLINE __m256 load8(const uint8_t* p, bool f16) {
     return f16 ? load_f16x8((const uint16_t*)p) : _mm256_loadu_ps((const float*)p);
 }
 
-// One query row against keys [0, Nkv): the online softmax over tiles of 8 keys. DV8 > 0: Dv = 8 * DV8, the output
-// accumulated in registers; DV8 == 0: any Dv that is a multiple of 8, accumulated in out[0..Dv), which the caller
-// zeroes. Returns the softmax denominator S; the unnormalised output is left in out[0..Dv) and the running maximum in
-// *m_out. The two forms differ only in the order of two sums, each kept as it was so that results do not change: a
-// key's q.k (DV8 > 0: two partial sums over alternate blocks of 8; DV8 == 0: one) and S (DV8 > 0: a tile's
-// probabilities summed in a register, then added; DV8 == 0: added one by one).
+// A head's result so far (acc[Dv] unnormalised, M, S) merged with a chunk's: the one way chunks are combined,
+// in chunk order, by every path (an empty total takes the chunk as it is).
+GP_INLINE void fa_merge(float* acc, float* M, double* S, const float* acc_c, float M_c, double S_c, int64_t Dv) {
+    if (!(M_c > -INFINITY)) return;
+    if (!(*M > -INFINITY)) {
+        memcpy(acc, acc_c, sizeof(float) * Dv);
+        *M = M_c;
+        *S = S_c;
+        return;
+    }
+    const float Mn = fmaxf(*M, M_c);
+    const float w = expf(*M - Mn), w_c = expf(M_c - Mn);
+    *S = *S * (double)w + S_c * (double)w_c;
+    const __m256 vw = _mm256_set1_ps(w), vw_c = _mm256_set1_ps(w_c);
+    for (int64_t i = 0; i < Dv; i += 8)
+        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(_mm256_loadu_ps(acc_c + i), vw_c,
+                                                  _mm256_mul_ps(_mm256_loadu_ps(acc + i), vw)));
+    *M = Mn;
+}
+
+// q.k for the 8 keys of a tile (masked keys: 0): two FMA chains over alternate blocks of 8 elements, then the 8
+// horizontal sums. Every kernel computes a key's score this way.
+GP_INLINE __m256 fa_scores8(const float* qf, int64_t D, const uint8_t* const* kr, int64_t kes, bool kf16) {
+    __m256 part[8];
+    for (int t = 0; t < 8; ++t) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        if (kr[t]) {
+            int64_t i = 0;
+            for (; i + 16 <= D; i += 16) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load8(kr[t] + i * kes, kf16), a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i + 8), load8(kr[t] + (i + 8) * kes, kf16), a1);
+            }
+            for (; i < D; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load8(kr[t] + i * kes, kf16), a0);
+        }
+        part[t] = _mm256_add_ps(a0, a1);
+    }
+    return hsum_lanes8(part);
+}
+
+// A tile's scores (raw q.k sums) to logits: scale, softcap, plus slope x mask; masked lanes -inf.
+GP_INLINE __m256 fa_logits8(__m256 sc, float scale, float softcap, float slope, __m256 mask_raw) {
+    const __m256 masked = _mm256_cmp_ps(mask_raw, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    sc = _mm256_mul_ps(sc, _mm256_set1_ps(scale));
+    if (softcap != 0.0f) sc = _mm256_mul_ps(_mm256_set1_ps(softcap), tanh_ps(sc));
+    sc = _mm256_add_ps(sc, _mm256_mul_ps(_mm256_set1_ps(slope), _mm256_blendv_ps(mask_raw, _mm256_setzero_ps(), masked)));
+    return _mm256_blendv_ps(sc, _mm256_set1_ps(-INFINITY), masked);
+}
+
+// The mask of keys [j0, j0 + 8) (past nkv: -inf); false if every one is masked (the tile is skipped: exactly as if
+// its keys were not there).
+GP_INLINE bool fa_tile_mask(const uint8_t* mp, int64_t ms_stride, int mtype, int64_t j0, int64_t nkv, float* mraw) {
+    bool any = false;
+    for (int t = 0; t < 8; ++t) {
+        mraw[t] = j0 + t >= nkv ? -INFINITY : (mp ? load_elem(mp + (j0 + t) * ms_stride, mtype) : 0.0f);
+        any |= mraw[t] != -INFINITY;
+    }
+    return any;
+}
+
+// One head's softmax over keys [0, Nkv) (a whole row, or one chunk of it), its result merged into (tot, *M_tot,
+// *S_tot) chunk by chunk: FA_CHUNK_TILES visible tiles of 8 keys each, an online softmax within a chunk. DV8 > 0:
+// Dv = 8 * DV8, the chunk accumulated in registers; DV8 == 0: any Dv that is a multiple of 8, the chunk in cbuf[Dv].
 template <int DV8>
-static double fa_row_tiles(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bool kf16, const uint8_t* vb,
-                           int64_t vs, bool vf16, int64_t Nkv, const uint8_t* mp, int64_t ms_stride, int mtype,
-                           float slope, float scale, float softcap, int64_t Dv, float* out, float* m_out) {
+static void fa_row_tiles(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bool kf16, const uint8_t* vb,
+                         int64_t vs, bool vf16, int64_t Nkv, const uint8_t* mp, int64_t ms_stride, int mtype,
+                         float slope, float scale, float softcap, int64_t Dv, float* cbuf, float* tot, float* M_tot,
+                         double* S_tot) {
     constexpr bool regs = DV8 > 0;
     __m256 acc[regs ? DV8 : 1];
-    if constexpr (regs) {
-        for (int i = 0; i < DV8; ++i) acc[i] = _mm256_setzero_ps();
-        Dv = 8 * DV8;
-    }
+    alignas(32) float spill[regs ? DV8 * 8 : 8];
+    if constexpr (regs) Dv = 8 * DV8;
+    float* const ca = regs ? spill : cbuf;  // the chunk's acc when merged
     float M = -INFINITY;
     double S = 0.0;
+    int vis = 0;
+    auto clear = [&]() {
+        if constexpr (regs) {
+            for (int i = 0; i < DV8; ++i) acc[i] = _mm256_setzero_ps();
+        } else {
+            for (int64_t i = 0; i < Dv; i += 8) _mm256_storeu_ps(cbuf + i, _mm256_setzero_ps());
+        }
+        M = -INFINITY;
+        S = 0.0;
+        vis = 0;
+    };
+    auto flush = [&]() {
+        if constexpr (regs)
+            for (int i = 0; i < DV8; ++i) _mm256_store_ps(spill + 8 * i, acc[i]);
+        fa_merge(tot, M_tot, S_tot, ca, M, S, Dv);
+    };
+    clear();
     const int64_t es = kf16 ? 2 : 4;
     const int64_t kbytes = D * es, vbytes = Dv * (vf16 ? 2 : 4);
     for (int64_t j0 = 0; j0 < Nkv; j0 += 8) {
-        const int64_t nt = imin(8, Nkv - j0);
         prefetch_kv_rows(kb, ks, kbytes, vb, vs, vbytes, j0 + 16, imin(j0 + 24, Nkv));  // the tile after next
-        alignas(32) float mv[8];
-        bool any = false;
-        for (int t = 0; t < 8; ++t) {
-            if (t < nt) {
-                mv[t] = mp ? slope * load_elem(mp + (j0 + t) * ms_stride, mtype) : 0.0f;
-                any |= mv[t] != -INFINITY;
-            } else {
-                mv[t] = -INFINITY;
-            }
+        alignas(32) float mraw[8];
+        if (!fa_tile_mask(mp, ms_stride, mtype, j0, Nkv, mraw)) continue;
+        if (vis == FA_CHUNK_TILES) {
+            flush();
+            clear();
         }
-        if (!any) continue;
-        __m256 part[8];
-        for (int t = 0; t < 8; ++t) {
-            part[t] = _mm256_setzero_ps();
-            if (mv[t] == -INFINITY) continue;
-            const uint8_t* kr = kb + (j0 + t) * ks;
-            if constexpr (regs) {
-                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-                int64_t i = 0;
-                for (; i + 16 <= D; i += 16) {
-                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load8(kr + i * es, kf16), a0);
-                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i + 8), load8(kr + (i + 8) * es, kf16), a1);
-                }
-                for (; i < D; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load8(kr + i * es, kf16), a0);
-                part[t] = _mm256_add_ps(a0, a1);
-            } else if (kf16) {
-                for (int64_t i = 0; i < D; i += 8)
-                    part[t] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load_f16x8((const uint16_t*)kr + i), part[t]);
-            } else {
-                for (int64_t i = 0; i < D; i += 8)
-                    part[t] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), _mm256_loadu_ps((const float*)kr + i), part[t]);
-            }
-        }
-        __m256 sc = hsum_lanes8(part);
-        sc = _mm256_mul_ps(sc, _mm256_set1_ps(scale));
-        if (softcap != 0.0f) sc = _mm256_mul_ps(_mm256_set1_ps(softcap), tanh_ps(sc));
-        const __m256 vmv = _mm256_load_ps(mv);
-        sc = _mm256_add_ps(sc, vmv);
-        // masked lanes: -inf (the product above is finite there)
-        sc = _mm256_blendv_ps(sc, _mm256_set1_ps(-INFINITY), _mm256_cmp_ps(vmv, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
+        ++vis;
+        const uint8_t* kr[8];
+        for (int t = 0; t < 8; ++t) kr[t] = mraw[t] == -INFINITY ? nullptr : kb + (j0 + t) * ks;
+        const __m256 sc = fa_logits8(fa_scores8(qf, D, kr, es, kf16), scale, softcap, slope, _mm256_load_ps(mraw));
         const float mt = hmax(sc);
         if (!(mt > -INFINITY)) continue;
         if (mt > M) {
@@ -120,92 +162,103 @@ static double fa_row_tiles(const float* qf, int64_t D, const uint8_t* kb, int64_
                 for (int i = 0; i < DV8; ++i) acc[i] = _mm256_mul_ps(acc[i], vms);
             } else {
                 for (int64_t i = 0; i < Dv; i += 8)
-                    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(out + i), vms));
+                    _mm256_storeu_ps(cbuf + i, _mm256_mul_ps(_mm256_loadu_ps(cbuf + i), vms));
             }
         }
         const __m256 p = exp_ps(_mm256_sub_ps(sc, _mm256_set1_ps(M)));
         alignas(32) float pv[8];
         _mm256_store_ps(pv, p);
-        if constexpr (regs) S += (double)hsum(p);
-        for (int t = 0; t < 8; ++t) {
+        S += (double)hsum(p);
+        for (int t = 0; t < 8; ++t) {  // key by key, one FMA each (every kernel's order); p = 0 adds nothing
             if (pv[t] == 0.0f) continue;
-            if constexpr (!regs) S += pv[t];
             const __m256 w = _mm256_set1_ps(pv[t]);
             const uint8_t* vr = vb + (j0 + t) * vs;
             if constexpr (regs) {
-                if (vf16) {
-                    for (int i = 0; i < DV8; ++i)
-                        acc[i] = _mm256_fmadd_ps(w, load_f16x8((const uint16_t*)vr + 8 * i), acc[i]);
-                } else {
-                    for (int i = 0; i < DV8; ++i)
-                        acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps((const float*)vr + 8 * i), acc[i]);
-                }
-            } else if (vf16) {
-                for (int64_t i = 0; i < Dv; i += 8)
-                    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(w, load_f16x8((const uint16_t*)vr + i),
-                                                              _mm256_loadu_ps(out + i)));
+                for (int i = 0; i < DV8; ++i)
+                    acc[i] = _mm256_fmadd_ps(w, load8(vr + 8 * i * (vf16 ? 2 : 4), vf16), acc[i]);
             } else {
                 for (int64_t i = 0; i < Dv; i += 8)
-                    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(w, _mm256_loadu_ps((const float*)vr + i),
-                                                              _mm256_loadu_ps(out + i)));
+                    _mm256_storeu_ps(cbuf + i, _mm256_fmadd_ps(w, load8(vr + i * (vf16 ? 2 : 4), vf16),
+                                                               _mm256_loadu_ps(cbuf + i)));
             }
         }
     }
-    if constexpr (regs)
-        for (int i = 0; i < DV8; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
-    *m_out = M;
-    return S;
+    if (vis) flush();
 }
 
-// fa_row_tiles for the G query heads that share one KV head (one query row, keys [0, Nkv)): each block of 8 key or
-// value elements is converted from F16 once and used by all G heads, which cuts the conversions, the larger part of
-// the per-key work, to 1/G. qf: G x D floats; head g's partial result (acc[Dv], M, pad, S) goes to out + g * ostride.
+// fa_row_tiles for the G query heads that share one KV head (one query row): each block of 8 key or value elements
+// is converted from F16 once and used by all G heads, which cuts the conversions, the larger part of the per-key
+// work, to 1/G; the arithmetic of each head is fa_row_tiles'. qf: G x D floats; head g's result (acc[Dv], M, pad,
+// S), merged chunk by chunk, goes to out + g * ostride.
 template <int DV8, int G>
 static void fa_rows_gqa(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bool kf16, const uint8_t* vb,
                         int64_t vs, bool vf16, int64_t Nkv, const uint8_t* mp, int64_t ms_stride, int mtype,
                         const float* slope, float scale, float softcap, float* out, int64_t ostride) {
-    alignas(32) float acc[G][DV8 * 8];
+    constexpr int64_t Dv = DV8 * 8;
+    alignas(32) float acc[G][Dv];
     float M[G];
     double S[G];
+    int vis = 0;
     for (int g = 0; g < G; ++g) {
-        for (int i = 0; i < DV8 * 8; ++i) acc[g][i] = 0.0f;
-        M[g] = -INFINITY;
-        S[g] = 0.0;
+        float* pg = out + g * ostride;
+        pg[Dv] = -INFINITY;
+        const double zero = 0.0;
+        memcpy(pg + Dv + 2, &zero, sizeof(double));
     }
+    auto clear = [&]() {
+        for (int g = 0; g < G; ++g) {
+            for (int64_t i = 0; i < Dv; ++i) acc[g][i] = 0.0f;
+            M[g] = -INFINITY;
+            S[g] = 0.0;
+        }
+        vis = 0;
+    };
+    auto flush = [&]() {
+        for (int g = 0; g < G; ++g) {
+            float* pg = out + g * ostride;
+            double St;
+            memcpy(&St, pg + Dv + 2, sizeof(double));
+            fa_merge(pg, pg + Dv, &St, acc[g], M[g], S[g], Dv);
+            memcpy(pg + Dv + 2, &St, sizeof(double));
+        }
+    };
+    clear();
     const int64_t kes = kf16 ? 2 : 4, ves = vf16 ? 2 : 4;
-    const int64_t kbytes = D * kes, vbytes = DV8 * 8 * ves;
+    const int64_t kbytes = D * kes, vbytes = Dv * ves;
     for (int64_t j0 = 0; j0 < Nkv; j0 += 8) {
-        const int64_t nt = imin(8, Nkv - j0);
         prefetch_kv_rows(kb, ks, kbytes, vb, vs, vbytes, j0 + 16, imin(j0 + 24, Nkv));  // the tile after next
         alignas(32) float mraw[8];
-        bool any = false;
-        for (int t = 0; t < 8; ++t) {
-            mraw[t] = t >= nt ? -INFINITY : (mp ? load_elem(mp + (j0 + t) * ms_stride, mtype) : 0.0f);
-            any |= mraw[t] != -INFINITY;
+        if (!fa_tile_mask(mp, ms_stride, mtype, j0, Nkv, mraw)) continue;
+        if (vis == FA_CHUNK_TILES) {
+            flush();
+            clear();
         }
-        if (!any) continue;
+        ++vis;
         __m256 part[G][8];
-        for (int t = 0; t < 8; ++t) {
-            __m256 a[G];
-            for (int g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
+        for (int t = 0; t < 8; ++t) {  // fa_scores8's two chains, for G heads at once
+            __m256 a0[G], a1[G];
+            for (int g = 0; g < G; ++g) a0[g] = a1[g] = _mm256_setzero_ps();
             if (mraw[t] != -INFINITY) {
                 const uint8_t* kr = kb + (j0 + t) * ks;
-                for (int64_t i = 0; i < D; i += 8) {
-                    const __m256 kv = load8(kr + i * kes, kf16);
-                    for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + i), kv, a[g]);
+                int64_t i = 0;
+                for (; i + 16 <= D; i += 16) {
+                    const __m256 k0 = load8(kr + i * kes, kf16), k1 = load8(kr + (i + 8) * kes, kf16);
+                    for (int g = 0; g < G; ++g) {
+                        a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + i), k0, a0[g]);
+                        a1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + i + 8), k1, a1[g]);
+                    }
+                }
+                for (; i < D; i += 8) {
+                    const __m256 k0 = load8(kr + i * kes, kf16);
+                    for (int g = 0; g < G; ++g) a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + i), k0, a0[g]);
                 }
             }
-            for (int g = 0; g < G; ++g) part[g][t] = a[g];
+            for (int g = 0; g < G; ++g) part[g][t] = _mm256_add_ps(a0[g], a1[g]);
         }
         const __m256 vmr = _mm256_load_ps(mraw);
-        const __m256 masked = _mm256_cmp_ps(vmr, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
-        const __m256 mzero = _mm256_blendv_ps(vmr, _mm256_setzero_ps(), masked);
         alignas(32) float pv[G][8];
         for (int g = 0; g < G; ++g) {
-            __m256 sc = _mm256_mul_ps(hsum_lanes8(part[g]), _mm256_set1_ps(scale));
-            if (softcap != 0.0f) sc = _mm256_mul_ps(_mm256_set1_ps(softcap), tanh_ps(sc));
-            sc = _mm256_fmadd_ps(_mm256_set1_ps(slope[g]), mzero, sc);
-            sc = _mm256_blendv_ps(sc, _mm256_set1_ps(-INFINITY), masked);
+            const __m256 sc = fa_logits8(hsum_lanes8(part[g]), scale, softcap, slope[g], vmr);
             const float mt = hmax(sc);
             if (!(mt > -INFINITY)) {  // nothing of this tile for this head (as fa_row_tiles)
                 _mm256_store_ps(pv[g], _mm256_setzero_ps());
@@ -229,17 +282,13 @@ static void fa_rows_gqa(const float* qf, int64_t D, const uint8_t* kb, int64_t k
             for (int t = 0; t < 8; ++t) {
                 if (mraw[t] == -INFINITY) continue;  // a masked row may hold anything (never written)
                 const __m256 vv = load8(vb + (j0 + t) * vs + 8 * i * ves, vf16);
-                for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(&pv[g][t]), vv, a[g]);
+                for (int g = 0; g < G; ++g)
+                    if (pv[g][t] != 0.0f) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(&pv[g][t]), vv, a[g]);
             }
             for (int g = 0; g < G; ++g) _mm256_store_ps(acc[g] + 8 * i, a[g]);
         }
     }
-    for (int g = 0; g < G; ++g) {
-        float* pg = out + g * ostride;
-        memcpy(pg, acc[g], sizeof(float) * DV8 * 8);
-        pg[DV8 * 8] = M[g];
-        memcpy(pg + DV8 * 8 + 2, &S[g], sizeof(double));
-    }
+    if (vis) flush();
 }
 
 // fa_rows_gqa for Dv in {32, 64, 128} and G in {2, 3, 4} (the caller's condition)
@@ -259,13 +308,14 @@ static void fa_rows_group(int64_t G, const float* qf, int64_t D, const uint8_t* 
 #undef GP_FA_GQA
 }
 
-// fa_row_tiles: accumulators in registers for Dv in {32, 64, 128}, in out[] (zeroed by the caller) for other Dv
-static double fa_row(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bool kf16, const uint8_t* vb,
-                     int64_t vs, bool vf16, int64_t Nkv, const uint8_t* mp, int64_t ms_stride, int mtype, float slope,
-                     float scale, float softcap, int64_t Dv, float* out, float* m_out) {
+// fa_row_tiles: the chunk in registers for Dv in {32, 64, 128}, in cbuf[Dv] for other Dv. The head's result goes
+// to tot[Dv], *M, *S (which the caller sets to -inf and 0).
+static void fa_row(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bool kf16, const uint8_t* vb,
+                   int64_t vs, bool vf16, int64_t Nkv, const uint8_t* mp, int64_t ms_stride, int mtype, float slope,
+                   float scale, float softcap, int64_t Dv, float* cbuf, float* tot, float* M, double* S) {
 #define GP_FA_ROW(DV8)                                                                                               \
     return fa_row_tiles<DV8>(qf, D, kb, ks, kf16, vb, vs, vf16, Nkv, mp, ms_stride, mtype, slope, scale, softcap, Dv, \
-                             out, m_out)
+                             cbuf, tot, M, S)
     if (Dv == 32) GP_FA_ROW(4);
     if (Dv == 64) GP_FA_ROW(8);
     if (Dv == 128) GP_FA_ROW(16);
@@ -276,7 +326,8 @@ static double fa_row(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, 
 
 #if GP_AVX2
 // All G query heads that share one KV head, for one query row: each tile of 8 keys and values is converted to F32
-// once and used by every head (GQA). scratch: 8*D + 8*Dv + G*(D + Dv) floats + G*2 doubles.
+// once and used by every head (GQA); each head's arithmetic is fa_row_tiles'. scratch: 8*D + 8*Dv + G*(D + 2*Dv)
+// floats + 2*G floats + 2*G doubles.
 static void fa_group(const Node& n, int64_t iq, int64_t hk, int64_t b, float* scratch) {
     const Tensor& dst = n.dst;
     const Tensor& q = n.src[0];
@@ -293,72 +344,63 @@ static void fa_group(const Node& n, int64_t iq, int64_t hk, int64_t b, float* sc
     float* kt = scratch;              // 8 x D
     float* vt = kt + 8 * D;           // 8 x Dv
     float* qs = vt + 8 * Dv;          // G x D
-    float* acc = qs + G * D;          // G x Dv
-    float* Ms = acc + G * Dv;         // G
-    double* Ss = (double*)(((uintptr_t)(Ms + G) + 7) & ~(uintptr_t)7);  // G
+    float* acc = qs + G * D;          // G x Dv: the chunk
+    float* tot = acc + G * Dv;        // G x Dv: the chunks before it, merged
+    float* Ms = tot + G * Dv;         // G
+    float* Mt = Ms + G;               // G
+    double* Ss = (double*)(((uintptr_t)(Mt + G) + 7) & ~(uintptr_t)7);  // G
+    double* St = Ss + G;              // G
     float slope[64];
     const int64_t h0 = hk * G;
+    int vis = 0;
+    auto clear = [&]() {
+        for (int64_t i = 0; i < G * Dv; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
+        for (int64_t g = 0; g < G; ++g) {
+            Ms[g] = -INFINITY;
+            Ss[g] = 0.0;
+        }
+        vis = 0;
+    };
+    auto flush = [&]() {
+        for (int64_t g = 0; g < G; ++g) fa_merge(tot + g * Dv, Mt + g, St + g, acc + g * Dv, Ms[g], Ss[g], Dv);
+    };
     for (int64_t g = 0; g < G; ++g) {
         const uint8_t* qp = q.data + iq * q.nb[1] + (h0 + g) * q.nb[2] + b * q.nb[3];
         for (int64_t i = 0; i < D; ++i) qs[g * D + i] = *(const float*)(qp + i * q.nb[0]);
-        for (int64_t i = 0; i < Dv; ++i) acc[g * Dv + i] = 0.0f;
-        Ms[g] = -INFINITY;
-        Ss[g] = 0.0;
+        Mt[g] = -INFINITY;
+        St[g] = 0.0;
         if (g < 64) slope[g] = alibi_slope_fa(max_bias, h0 + g, H);
     }
+    clear();
     const uint8_t* kb = k.data + hk * k.nb[2] + b * k.nb[3];
     const uint8_t* vb = v.data + hk * v.nb[2] + b * v.nb[3];
     const bool kf = k.type == T_F16, vf = v.type == T_F16;
     const uint8_t* mp = has_mask ? mk.data + iq * mk.nb[1] + (h0 % mk.ne[2]) * mk.nb[2] + (b % mk.ne[3]) * mk.nb[3]
                                  : nullptr;
     for (int64_t j0 = 0; j0 < Nkv; j0 += 8) {
-        const int64_t nt = imin(8, Nkv - j0);
         alignas(32) float mraw[8];
-        bool any = false;
-        for (int t = 0; t < 8; ++t) {
-            if (t < nt) {
-                mraw[t] = mp ? load_elem(mp + (j0 + t) * mk.nb[0], mk.type) : 0.0f;
-                any |= mraw[t] != -INFINITY;
-            } else {
-                mraw[t] = -INFINITY;
-            }
+        if (!fa_tile_mask(mp, has_mask ? mk.nb[0] : 0, mk.type, j0, Nkv, mraw)) continue;
+        if (vis == FA_CHUNK_TILES) {
+            flush();
+            clear();
         }
-        if (!any) continue;
-        for (int t = 0; t < 8; ++t) {  // convert the tile (masked keys: zeros)
+        ++vis;
+        const uint8_t* kr[8];
+        for (int t = 0; t < 8; ++t) {  // convert the tile (masked keys: none)
+            kr[t] = nullptr;
+            if (mraw[t] == -INFINITY) continue;
             float* kd = kt + t * D;
             float* vd = vt + t * Dv;
-            if (mraw[t] == -INFINITY) {
-                for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(kd + i, _mm256_setzero_ps());
-                for (int64_t i = 0; i < Dv; i += 8) _mm256_storeu_ps(vd + i, _mm256_setzero_ps());
-                continue;
-            }
-            const uint8_t* kr = kb + (j0 + t) * k.nb[1];
-            const uint8_t* vr = vb + (j0 + t) * v.nb[1];
-            for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(kd + i, load8(kr + i * (kf ? 2 : 4), kf));
-            for (int64_t i = 0; i < Dv; i += 8) _mm256_storeu_ps(vd + i, load8(vr + i * (vf ? 2 : 4), vf));
+            const uint8_t* ks = kb + (j0 + t) * k.nb[1];
+            const uint8_t* vs = vb + (j0 + t) * v.nb[1];
+            for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(kd + i, load8(ks + i * (kf ? 2 : 4), kf));
+            for (int64_t i = 0; i < Dv; i += 8) _mm256_storeu_ps(vd + i, load8(vs + i * (vf ? 2 : 4), vf));
+            kr[t] = (const uint8_t*)kd;
         }
         const __m256 vmr = _mm256_load_ps(mraw);
-        const __m256 masked = _mm256_cmp_ps(vmr, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
         for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qs + g * D;
-            __m256 part[8];
-            for (int t = 0; t < 8; ++t) {
-                const float* kd = kt + t * D;
-                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-                int64_t i = 0;
-                for (; i + 16 <= D; i += 16) {
-                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kd + i), a0);
-                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 8), _mm256_loadu_ps(kd + i + 8), a1);
-                }
-                for (; i < D; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kd + i), a0);
-                part[t] = _mm256_add_ps(a0, a1);
-            }
-            __m256 sc = hsum_lanes8(part);
-            sc = _mm256_mul_ps(sc, _mm256_set1_ps(scale));
-            if (softcap != 0.0f) sc = _mm256_mul_ps(_mm256_set1_ps(softcap), tanh_ps(sc));
             const float sl = g < 64 ? slope[g] : alibi_slope_fa(max_bias, h0 + g, H);
-            sc = _mm256_add_ps(sc, _mm256_mul_ps(_mm256_set1_ps(sl), _mm256_blendv_ps(vmr, _mm256_setzero_ps(), masked)));
-            sc = _mm256_blendv_ps(sc, _mm256_set1_ps(-INFINITY), masked);
+            const __m256 sc = fa_logits8(fa_scores8(qs + g * D, D, kr, 4, false), scale, softcap, sl, vmr);
             const float mt = hmax(sc);
             if (!(mt > -INFINITY)) continue;
             float* ag = acc + g * Dv;
@@ -373,29 +415,23 @@ static void fa_group(const Node& n, int64_t iq, int64_t hk, int64_t b, float* sc
             Ss[g] += (double)hsum(p);
             alignas(32) float pv[8];
             _mm256_store_ps(pv, p);
-            const __m256 p0 = _mm256_set1_ps(pv[0]), p1 = _mm256_set1_ps(pv[1]), p2 = _mm256_set1_ps(pv[2]),
-                         p3 = _mm256_set1_ps(pv[3]), p4 = _mm256_set1_ps(pv[4]), p5 = _mm256_set1_ps(pv[5]),
-                         p6 = _mm256_set1_ps(pv[6]), p7 = _mm256_set1_ps(pv[7]);
+            int nz[8], nn = 0;  // the keys with p != 0, in order
+            for (int t = 0; t < 8; ++t)
+                if (pv[t] != 0.0f) nz[nn++] = t;
             for (int64_t i = 0; i < Dv; i += 8) {
                 __m256 a = _mm256_loadu_ps(ag + i);
-                __m256 x = _mm256_mul_ps(p0, _mm256_loadu_ps(vt + i));
-                x = _mm256_fmadd_ps(p1, _mm256_loadu_ps(vt + Dv + i), x);
-                x = _mm256_fmadd_ps(p2, _mm256_loadu_ps(vt + 2 * Dv + i), x);
-                x = _mm256_fmadd_ps(p3, _mm256_loadu_ps(vt + 3 * Dv + i), x);
-                a = _mm256_add_ps(a, x);
-                __m256 y = _mm256_mul_ps(p4, _mm256_loadu_ps(vt + 4 * Dv + i));
-                y = _mm256_fmadd_ps(p5, _mm256_loadu_ps(vt + 5 * Dv + i), y);
-                y = _mm256_fmadd_ps(p6, _mm256_loadu_ps(vt + 6 * Dv + i), y);
-                y = _mm256_fmadd_ps(p7, _mm256_loadu_ps(vt + 7 * Dv + i), y);
-                _mm256_storeu_ps(ag + i, _mm256_add_ps(a, y));
+                for (int e = 0; e < nn; ++e)
+                    a = _mm256_fmadd_ps(_mm256_set1_ps(pv[nz[e]]), _mm256_loadu_ps(vt + nz[e] * Dv + i), a);
+                _mm256_storeu_ps(ag + i, a);
             }
         }
     }
+    if (vis) flush();
     for (int64_t g = 0; g < G; ++g) {
-        const float inv = Ss[g] == 0.0 ? 0.0f : (float)(1.0 / Ss[g]);
+        const float inv = St[g] == 0.0 ? 0.0f : (float)(1.0 / St[g]);
         uint8_t* op = dst.data + (h0 + g) * dst.nb[1] + iq * dst.nb[2] + b * dst.nb[3];
-        const float* ag = acc + g * Dv;
-        for (int64_t i = 0; i < Dv; ++i) *(float*)(op + i * dst.nb[0]) = ag[i] * inv;
+        const float* ag = tot + g * Dv;
+        for (int64_t i = 0; i < Dv; ++i) *(float*)(op + i * dst.nb[0]) = Mt[g] > -INFINITY ? ag[i] * inv : 0.0f;
     }
 }
 #endif
@@ -421,60 +457,97 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
     const int64_t gunits = Nq * Hk * B;
     // the grouped-heads kernels read one mask for the heads of a group: the mask must not differ by head
     const bool one_mask = !has_mask || mk.ne[2] == 1;
-    if (n.n_phases == 2 && groupable && (Dv == 32 || Dv == 64 || Dv == 128)) {
+    if (n.n_phases == 3 && groupable && (Dv == 32 || Dv == 64 || Dv == 128)) {
         // few query rows and KV heads (a decode step): split the keys too, so that both threads have work however
-        // few heads there are ("flash decoding"). Phase 0: each (query row, head, range of keys) leaves its partial
-        // result (acc[Dv], M, S) in the shared scratch; phase 1 merges a head's ranges.
-        const int64_t nch = fa_key_chunks(Nkv), chunk = ((Nkv + nch - 1) / nch + 7) & ~(int64_t)7;
-        const int64_t heads = Nq * H * B;
+        // few heads there are ("flash decoding"), at the chunks every path uses (FA_CHUNK_TILES visible tiles).
+        // Phase 0 finds where each mask row's chunks start; phase 1 leaves each (query row, head, chunk)'s partial
+        // result in the shared scratch; phase 2 merges a head's chunks in order, as the other paths do as they go.
+        const int64_t ntiles = (Nkv + 7) / 8, nchmax = (ntiles + FA_CHUNK_TILES - 1) / FA_CHUNK_TILES;
+        const int64_t heads = Nq * H * B, Hm = has_mask ? mk.ne[2] : 1;
         float* parts = (float*)ctx.wdata;
+        int32_t* starts = (int32_t*)(parts + heads * nchmax * FA_PART(Dv));  // per mask row: count, then starts
         const bool kf = k.type == T_F16, vf = v.type == T_F16;
-        if (phase == 0 && rep >= 2 && rep <= 4 && one_mask) {
-            // the heads sharing a KV head together (fa_rows_gqa): units are (range, query row, KV head), range-major
-            float* qf = (float*)ctx.thread_scratch(ith);
-            int64_t u0, u1;
-            split_range(gunits * nch, ith, nth, &u0, &u1);
-            for (int64_t u = u0; u < u1; ++u) {
-                const int64_t gu = u % gunits, c = u / gunits;
-                const int64_t hk = gu % Hk, iq = (gu / Hk) % Nq, b = gu / (Hk * Nq), h0 = hk * rep;
-                const int64_t jb = imin(Nkv, c * chunk), je = imin(Nkv, jb + chunk);
-                float slope[4];
-                for (int64_t g = 0; g < rep; ++g) {
-                    const uint8_t* qp = q.data + iq * q.nb[1] + (h0 + g) * q.nb[2] + b * q.nb[3];
-                    for (int64_t i = 0; i < D; ++i) qf[g * D + i] = *(const float*)(qp + i * q.nb[0]);
-                    slope[g] = alibi_slope_fa(max_bias, h0 + g, H);
+        auto mask_of = [&](int64_t iq, int64_t h, int64_t b) -> const uint8_t* {
+            return has_mask ? mk.data + iq * mk.nb[1] + (h % mk.ne[2]) * mk.nb[2] + (b % mk.ne[3]) * mk.nb[3]
+                            : nullptr;
+        };
+        auto table = [&](int64_t iq, int64_t h, int64_t b) -> int32_t* {
+            return starts + ((b * Nq + iq) * Hm + h % Hm) * (nchmax + 1);
+        };
+        if (phase == 0) {
+            int64_t r0, r1;
+            split_range(B * Nq * Hm, ith, nth, &r0, &r1);
+            for (int64_t r = r0; r < r1; ++r) {
+                const int64_t hm = r % Hm, iq = (r / Hm) % Nq, b = r / (Hm * Nq);
+                const uint8_t* mp = mask_of(iq, hm, b);
+                int32_t* tb = table(iq, hm, b);
+                int32_t nch = 0, vis = 0;
+                for (int64_t t = 0; t < ntiles; ++t) {
+                    alignas(32) float mraw[8];
+                    if (!fa_tile_mask(mp, has_mask ? mk.nb[0] : 0, mk.type, 8 * t, Nkv, mraw)) continue;
+                    if (vis % FA_CHUNK_TILES == 0) tb[1 + nch++] = (int32_t)t;
+                    ++vis;
                 }
-                const uint8_t* mp = has_mask ? mk.data + iq * mk.nb[1] + (b % mk.ne[3]) * mk.nb[3] + jb * mk.nb[0]
-                                             : nullptr;
-                const int64_t hu0 = (b * Nq + iq) * H + h0;  // as phase 1 numbers the heads
-                fa_rows_group(rep, qf, D, k.data + hk * k.nb[2] + b * k.nb[3] + jb * k.nb[1], k.nb[1], kf,
-                              v.data + hk * v.nb[2] + b * v.nb[3] + jb * v.nb[1], v.nb[1], vf, je - jb, mp,
-                              has_mask ? mk.nb[0] : 0, mk.type, slope, scale, softcap, Dv,
-                              parts + (hu0 * nch + c) * FA_PART(Dv), nch * FA_PART(Dv));
+                tb[0] = nch;
             }
             return;
         }
-        if (phase == 0) {
+        if (phase == 1) {
+            // a chunk's keys: from its first visible tile to the next chunk's (or the end)
+            auto keys = [&](const int32_t* tb, int64_t c, int64_t* jb, int64_t* je) {
+                *jb = 8 * (int64_t)tb[1 + c];
+                *je = c + 1 < tb[0] ? 8 * (int64_t)tb[2 + c] : Nkv;
+            };
             float* qf = (float*)ctx.thread_scratch(ith);
+            if (rep >= 2 && rep <= 4 && one_mask) {
+                // the heads sharing a KV head together (fa_rows_gqa): units are (chunk, query row, KV head)
+                int64_t u0, u1;
+                split_range(gunits * nchmax, ith, nth, &u0, &u1);
+                for (int64_t u = u0; u < u1; ++u) {
+                    const int64_t gu = u % gunits, c = u / gunits;
+                    const int64_t hk = gu % Hk, iq = (gu / Hk) % Nq, b = gu / (Hk * Nq), h0 = hk * rep;
+                    const int32_t* tb = table(iq, h0, b);
+                    if (c >= tb[0]) continue;
+                    int64_t jb, je;
+                    keys(tb, c, &jb, &je);
+                    float slope[4];
+                    for (int64_t g = 0; g < rep; ++g) {
+                        const uint8_t* qp = q.data + iq * q.nb[1] + (h0 + g) * q.nb[2] + b * q.nb[3];
+                        for (int64_t i = 0; i < D; ++i) qf[g * D + i] = *(const float*)(qp + i * q.nb[0]);
+                        slope[g] = alibi_slope_fa(max_bias, h0 + g, H);
+                    }
+                    const uint8_t* mp = mask_of(iq, h0, b);
+                    const int64_t hu0 = (b * Nq + iq) * H + h0;  // as phase 2 numbers the heads
+                    fa_rows_group(rep, qf, D, k.data + hk * k.nb[2] + b * k.nb[3] + jb * k.nb[1], k.nb[1], kf,
+                                  v.data + hk * v.nb[2] + b * v.nb[3] + jb * v.nb[1], v.nb[1], vf, je - jb,
+                                  mp ? mp + jb * mk.nb[0] : nullptr, has_mask ? mk.nb[0] : 0, mk.type, slope, scale,
+                                  softcap, Dv, parts + (hu0 * nchmax + c) * FA_PART(Dv), nchmax * FA_PART(Dv));
+                }
+                return;
+            }
+            float* cbuf = qf + ((D + 15) & ~15);
             int64_t u0, u1;
-            split_range(heads * nch, ith, nth, &u0, &u1);
+            split_range(heads * nchmax, ith, nth, &u0, &u1);
             for (int64_t u = u0; u < u1; ++u) {
-                // range-major: a thread takes whole ranges of keys for every head, so the cache rows (all KV heads
+                // chunk-major: a thread takes whole ranges of keys for every head, so the cache rows (all KV heads
                 // side by side) are read once, in order, and the heads sharing them find them in cache (head-major
                 // order was 4-6% slower per decode step at a 1000-token context)
                 const int64_t hu = u % heads, c = u / heads;
                 const int64_t h = hu % H, iq = (hu / H) % Nq, b = hu / (H * Nq), hk = h / rep;
-                const int64_t jb = imin(Nkv, c * chunk), je = imin(Nkv, jb + chunk);
-                float* pg = parts + (hu * nch + c) * FA_PART(Dv);  // phase 1 reads a head's ranges side by side
+                const int32_t* tb = table(iq, h, b);
+                if (c >= tb[0]) continue;
+                int64_t jb, je;
+                keys(tb, c, &jb, &je);
+                float* pg = parts + (hu * nchmax + c) * FA_PART(Dv);  // phase 2 reads a head's chunks side by side
                 const uint8_t* qp = q.data + iq * q.nb[1] + h * q.nb[2] + b * q.nb[3];
                 for (int64_t i = 0; i < D; ++i) qf[i] = *(const float*)(qp + i * q.nb[0]);
-                const uint8_t* mp = has_mask ? mk.data + iq * mk.nb[1] + (h % mk.ne[2]) * mk.nb[2] +
-                                                   (b % mk.ne[3]) * mk.nb[3] + jb * mk.nb[0]
-                                             : nullptr;
-                const double S = fa_row(qf, D, k.data + hk * k.nb[2] + b * k.nb[3] + jb * k.nb[1], k.nb[1], kf,
-                                        v.data + hk * v.nb[2] + b * v.nb[3] + jb * v.nb[1], v.nb[1], vf, je - jb, mp,
-                                        has_mask ? mk.nb[0] : 0, mk.type, alibi_slope_fa(max_bias, h, H), scale,
-                                        softcap, Dv, pg, pg + Dv);
+                const uint8_t* mp = mask_of(iq, h, b);
+                pg[Dv] = -INFINITY;
+                double S = 0.0;
+                fa_row(qf, D, k.data + hk * k.nb[2] + b * k.nb[3] + jb * k.nb[1], k.nb[1], kf,
+                       v.data + hk * v.nb[2] + b * v.nb[3] + jb * v.nb[1], v.nb[1], vf, je - jb,
+                       mp ? mp + jb * mk.nb[0] : nullptr, has_mask ? mk.nb[0] : 0, mk.type,
+                       alibi_slope_fa(max_bias, h, H), scale, softcap, Dv, cbuf, pg, pg + Dv, &S);
                 memcpy(pg + Dv + 2, &S, sizeof(double));
             }
             return;
@@ -482,31 +555,25 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
         int64_t u0, u1;
         split_range(heads, ith, nth, &u0, &u1);
         float* acc = (float*)ctx.thread_scratch(ith);
-        for (int64_t hu = u0; hu < u1; ++hu) {  // one head of one query row: merge its ranges
+        for (int64_t hu = u0; hu < u1; ++hu) {  // one head of one query row: merge its chunks, in order
             const int64_t h = hu % H, iq = (hu / H) % Nq, b = hu / (H * Nq);
-            const float* p0 = parts + hu * nch * FA_PART(Dv);
+            const float* p0 = parts + hu * nchmax * FA_PART(Dv);
+            const int32_t nch = table(iq, h, b)[0];
             float M = -INFINITY;
-            for (int64_t c = 0; c < nch; ++c) M = fmaxf(M, p0[c * FA_PART(Dv) + Dv]);
-            for (int64_t i = 0; i < Dv; ++i) acc[i] = 0.0f;
             double S = 0.0;
-            for (int64_t c = 0; c < nch && M > -INFINITY; ++c) {
+            for (int64_t c = 0; c < nch; ++c) {
                 const float* pg = p0 + c * FA_PART(Dv);
-                if (!(pg[Dv] > -INFINITY)) continue;  // every key of this range masked
-                const float w = expf(pg[Dv] - M);
                 double s;
                 memcpy(&s, pg + Dv + 2, sizeof(double));
-                S += s * w;
-                const __m256 vw = _mm256_set1_ps(w);
-                for (int64_t i = 0; i < Dv; i += 8)
-                    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(vw, _mm256_loadu_ps(pg + i), _mm256_loadu_ps(acc + i)));
+                fa_merge(acc, &M, &S, pg, pg[Dv], s, Dv);
             }
             const float inv = S == 0.0 ? 0.0f : (float)(1.0 / S);
             uint8_t* op = dst.data + h * dst.nb[1] + iq * dst.nb[2] + b * dst.nb[3];
-            for (int64_t i = 0; i < Dv; ++i) *(float*)(op + i * dst.nb[0]) = acc[i] * inv;
+            for (int64_t i = 0; i < Dv; ++i) *(float*)(op + i * dst.nb[0]) = M > -INFINITY ? acc[i] * inv : 0.0f;
         }
         return;
     }
-    if (phase != n.n_phases - 1) return;  // the split-key phase runs only with the vector kernels
+    if (phase != n.n_phases - 1) return;  // the split-key phases run only with the vector kernels
     // grouped heads (one conversion of each key/value tile for all heads sharing it) when there are enough groups
     // to keep every thread busy
     if (rep >= 2 && gunits >= 8 && groupable && one_mask) {
@@ -524,7 +591,7 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
     split_range(units, ith, nth, &u0, &u1);
     float* acc = (float*)ctx.thread_scratch(ith);
     float* qf = acc + ((Dv + 15) & ~15);
-    float* kt = qf + ((D + 15) & ~15);  // one converted row (strided/generic path)
+    float* kt = qf + ((D + 15) & ~15);  // one converted row (strided/generic path); the chunk (vector path)
 
 #if GP_AVX2
     const bool vec = (D % 8) == 0 && (Dv % 8) == 0 && k.nb[0] == type_size(k.type) &&
@@ -547,9 +614,9 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
         if (vec) {
             const bool kf = k.type == T_F16, vf = v.type == T_F16;
             const int64_t ms = has_mask ? mk.nb[0] : 0;
-            float m_unused;
-            S = fa_row(qf, D, kb, k.nb[1], kf, vb, v.nb[1], vf, Nkv, mp, ms, mk.type, slope, scale, softcap, Dv, acc,
-                       &m_unused);
+            fa_row(qf, D, kb, k.nb[1], kf, vb, v.nb[1], vf, Nkv, mp, ms, mk.type, slope, scale, softcap, Dv, kt, acc,
+                   &M, &S);
+            if (!(M > -INFINITY)) S = 0.0;  // no key: acc was never written
         } else
 #endif
         {
@@ -580,7 +647,7 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
         }
         const float inv = S == 0.0 ? 0.0f : (float)(1.0 / S);
         uint8_t* op = dst.data + h * dst.nb[1] + iq * dst.nb[2] + b * dst.nb[3];
-        for (int64_t i = 0; i < Dv; ++i) *(float*)(op + i * dst.nb[0]) = acc[i] * inv;
+        for (int64_t i = 0; i < Dv; ++i) *(float*)(op + i * dst.nb[0]) = S == 0.0 ? 0.0f : acc[i] * inv;
     }
 }
 

@@ -86,12 +86,15 @@ Scratch node_scratch(const Node& n) {
         case GGML_PY_OP_FLASH_ATTN_EXT: {
             const int64_t D = a.ne[0], Dv = n.src[2].ne[0], H = a.ne[2];
             const size_t single = (size_t)(((Dv + 15) & ~15) + ((D + 15) & ~15) + Dv + 64) * 4;
-            const size_t group = (size_t)(8 * D + 8 * Dv + H * (D + Dv) + 3 * H + 64) * 4;  // GQA tiles
+            const size_t group = (size_t)(8 * D + 8 * Dv + H * (D + 2 * Dv) + 6 * H + 64) * 4;  // GQA tiles
             s.per_thread = pad64(single > group ? single : group);
-            // the partial results of every (query row, head, range of keys) when the keys may be split: rows x KV
-            // heads < 8, so fewer than 8 x (heads per KV head) query heads, whatever the (symbolic) row count
-            if (n.src[1].ne[2] * a.ne[3] < 8)
-                s.shared = (size_t)(8 * (H / n.src[1].ne[2]) * FA_MAX_KEY_CHUNKS * FA_PART(Dv)) * 4;
+            if (fa_splits_keys(n)) {
+                // every (query row, head, chunk)'s partial result, and each mask row's chunks, for as many rows as
+                // a split may have whatever the (symbolic) row count: rows x KV heads < 8
+                const int64_t nch = ((n.src[1].ne[1] + 7) / 8 + FA_CHUNK_TILES - 1) / FA_CHUNK_TILES;
+                const int64_t rows = 7 / n.src[1].ne[2], mrows = rows * (n.has[3] ? n.src[3].ne[2] : 1);
+                s.shared = (size_t)(rows * H * nch * FA_PART(Dv) + mrows * (nch + 1)) * 4;
+            }
             break;
         }
         case GGML_PY_OP_TOP_K:  // a strided row's copy, then the candidates' buffer (>= 4k entries of 8 bytes)
@@ -154,7 +157,7 @@ int node_phases(const Node& n, bool n_rows_symbolic) {
     if (n.op == GGML_PY_OP_MUL_MAT && type_is_quant(n.src[0].type)) {
         if (n_rows_symbolic || n.src[1].ne[1] < gemm_min_rows(n.src[0].type)) return 2;
     }
-    if (fa_splits_keys(n)) return 2;  // ranges of keys, then their merge
+    if (fa_splits_keys(n)) return 3;  // where each row's chunks start, the chunks, their merge
     return 1;
 }
 

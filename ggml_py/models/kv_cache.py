@@ -75,7 +75,11 @@ class KVCells:
 
     Cells are handed out by blocks of `block` cells reserved for one sequence (as paged attention does), so that
     sequences decoding side by side do not interleave their cells: attention skips a tile of keys that are all
-    masked, and with interleaved cells no tile would be. When no whole block is free, any free cell is used.
+    masked, and with interleaved cells no tile would be. A sequence's next block is the lowest free one above its
+    last, so its positions lie in ascending cell order, each block starting at a multiple of `block`: the order in
+    which attention sums a query's keys is then the same wherever the sequence's cells lie (docs/serving.md). When
+    no block is free above, a lower one is used, and when no whole block is free, any free cell (`out_of_order`
+    counts both).
     """
 
     def __init__(self, n_cells: int, n_seq_max: int, block: int = 32) -> None:
@@ -90,6 +94,9 @@ class KVCells:
         self._cell_block = np.arange(n_cells) // block
         self.n_used = 0
         self.n_kv = 0  # one past the highest used cell
+        # times a sequence's cells could not follow its positions in ascending, block-aligned order (the cache was
+        # too full): its attention may then sum in another order than alone
+        self.out_of_order = 0
 
     @property
     def n_free(self) -> int:
@@ -134,18 +141,27 @@ class KVCells:
             return own
         out = [own]
         need = k - own.size
-        for b in np.flatnonzero(self.owner < 0):  # blocks reserved for nobody (their free cells)
+        # new blocks above the sequence's last one, so that its positions stay in ascending cell order (attention
+        # then sums its keys in the same order wherever they lie: docs/serving.md, determinism); below it only
+        # when nothing above is free (counted)
+        held = np.flatnonzero(self.owner == s)
+        unowned = np.flatnonzero(self.owner < 0)
+        above = unowned[unowned > held[-1]] if held.size else unowned
+        for b in np.concatenate([above, unowned[~np.isin(unowned, above)]]):
             if not need:
                 break
             lo = b * self.block
             got = lo + np.flatnonzero(free[lo: lo + self.block])[:need]
             if got.size:
+                if got[0] != lo or (held.size and b < held[-1]):
+                    self.out_of_order += 1
                 self.owner[b] = s
                 out.append(got)
                 need -= got.size
         if need:  # no block left: any free cell
             rest = np.flatnonzero(free)
             out.append(rest[~np.isin(rest, np.concatenate(out))][:need])
+            self.out_of_order += 1
         return np.concatenate(out).astype(np.int32)
 
     def free(self, seq_id: int) -> int:
