@@ -412,7 +412,8 @@ class BatchDecoder:
         local = self._local_stages()
         return {"n_ctx": self.n_ctx, "n_seq_max": self.n_seq_max, "n_batch": self.n_batch,
                 "active_sequences": self.n_active, "cells_used": self.cells.n_used, "n_kv": self.cells.n_kv,
-                "cells_out_of_order": self.cells.out_of_order, "steps": self.steps, "tokens": self.tokens, "step_s": self.step_s, "stages": len(self.stages),
+                "cells_out_of_order": self.cells.out_of_order,
+                "steps": self.steps, "tokens": self.tokens, "step_s": self.step_s, "stages": len(self.stages),
                 "compute_s": sum(st.compute_s for st in local),
                 "plans_prepared": sum(st.plans_prepared for st in local),
                 "prepare_s": sum(st.prepare_s for st in local)}
