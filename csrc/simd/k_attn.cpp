@@ -418,7 +418,24 @@ static void fa_group(const Node& n, int64_t iq, int64_t hk, int64_t b, float* sc
             int nz[8], nn = 0;  // the keys with p != 0, in order
             for (int t = 0; t < 8; ++t)
                 if (pv[t] != 0.0f) nz[nn++] = t;
-            for (int64_t i = 0; i < Dv; i += 8) {
+            int64_t i = 0;
+            for (; i + 32 <= Dv; i += 32) {  // four blocks at a time: four independent chains
+                __m256 a0 = _mm256_loadu_ps(ag + i), a1 = _mm256_loadu_ps(ag + i + 8);
+                __m256 a2 = _mm256_loadu_ps(ag + i + 16), a3 = _mm256_loadu_ps(ag + i + 24);
+                for (int e = 0; e < nn; ++e) {
+                    const __m256 w = _mm256_set1_ps(pv[nz[e]]);
+                    const float* vr = vt + nz[e] * Dv + i;
+                    a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr), a0);
+                    a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8), a1);
+                    a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 16), a2);
+                    a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 24), a3);
+                }
+                _mm256_storeu_ps(ag + i, a0);
+                _mm256_storeu_ps(ag + i + 8, a1);
+                _mm256_storeu_ps(ag + i + 16, a2);
+                _mm256_storeu_ps(ag + i + 24, a3);
+            }
+            for (; i < Dv; i += 8) {
                 __m256 a = _mm256_loadu_ps(ag + i);
                 for (int e = 0; e < nn; ++e)
                     a = _mm256_fmadd_ps(_mm256_set1_ps(pv[nz[e]]), _mm256_loadu_ps(vt + nz[e] * Dv + i), a);
