@@ -103,6 +103,23 @@ def test_mul_mat_rows_bit_identical(level, tname, constant):
     assert not bad, f"{tname} at {level}, weight {'constant' if constant else 'input'}: " + "; ".join(bad)
 
 
+@pytest.mark.parametrize("tname", ["F32", "F16", "BF16"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_float_weights_same_bits_repacked_or_not(level, tname):
+    """A constant float weight is read from its 16-row panels (p16, avx2 and up), an input one packed per product:
+    the same micro-kernel sums, so the same bits, including the rows beyond the last full panel."""
+    t = dtypes.get(tname)
+    K, M = _k(t), 150
+    rng = np.random.default_rng(11)
+    wdata = _raw(rng.standard_normal((M, K)).astype(np.float32), t)
+    pool = rng.standard_normal((POOL, K)).astype(np.float32)
+    for nt, par in THREADS:
+        b = _backend(level, nt, par)
+        for n in (1, 5, 7, 300):
+            got = [_run(*_mul_mat_plan(b, t, wdata, (M, K), const, n), pool[:n]) for const in (True, False)]
+            assert _diff_rows(got[0], got[1]) == 0, (n, nt)
+
+
 @pytest.mark.parametrize("tname", ["F16", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q3_K", "IQ4_NL"])
 @pytest.mark.parametrize("level", LEVELS)
 def test_grouped_products_equal_lone_ones(level, tname):

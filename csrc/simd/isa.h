@@ -317,9 +317,6 @@ void gemv_x8(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, 
              float* out, size_t ostride);
 #endif
 // k_dot.cpp
-float dot_f32(const float* a, const float* b, int64_t n);
-float dot_f16_f32(const uint16_t* a, const float* b, int64_t n);
-float dot_bf16_f32(const uint16_t* a, const float* b, int64_t n);
 double stream_read(const uint8_t* p, size_t n);
 
 const KernelTable* table();

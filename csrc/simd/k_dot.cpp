@@ -1,5 +1,5 @@
 // Dot products: weight rows of every block type against quantized activation rows (the GEMV path of weights
-// that are not repacked), float rows, and the plain read loop the products are measured against.
+// that are not repacked), and the plain read loop the products are measured against.
 #include "blocks.h"
 #include "isa.h"
 
@@ -616,51 +616,6 @@ float vec_dot_w(int type, const void* w, const uint8_t* act, int64_t k) {
 void gemv_rows(int type, const uint8_t* w, int64_t ws, int64_t nr, const uint8_t* act, int64_t k, float* out) {
     for (int64_t r = 0; r < nr; ++r) out[r] = vec_dot_w(type, w + r * ws, act, k);
 }
-
-// ===============================================================================================================
-// float dots
-
-float dot_f32(const float* a, const float* b, int64_t n) {
-    int64_t i = 0;
-#if GP_AVX2
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
-    for (; i + 32 <= n; i += 32) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
-        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
-    }
-    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    float s = hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
-#else
-    double s = 0.0;
-#endif
-    for (; i < n; ++i) s += a[i] * b[i];
-    return (float)s;
-}
-
-// F16 and BF16 rows against F32: one loop; only the 8-wide load and the scalar conversion differ.
-template <bool BF16>
-static float dot_half_f32(const uint16_t* a, const float* b, int64_t n) {
-    int64_t i = 0;
-#if GP_AVX2
-    const auto load = [](const uint16_t* p) { return BF16 ? load_bf16x8(p) : load_f16x8(p); };
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    for (; i + 16 <= n; i += 16) {
-        s0 = _mm256_fmadd_ps(load(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(load(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-    }
-    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(load(a + i), _mm256_loadu_ps(b + i), s0);
-    float s = hsum(_mm256_add_ps(s0, s1));
-#else
-    double s = 0.0;
-#endif
-    for (; i < n; ++i) s += (BF16 ? bf16_to_fp32(a[i]) : fp16_to_fp32(a[i])) * b[i];
-    return (float)s;
-}
-
-float dot_f16_f32(const uint16_t* a, const float* b, int64_t n) { return dot_half_f32<false>(a, b, n); }
-float dot_bf16_f32(const uint16_t* a, const float* b, int64_t n) { return dot_half_f32<true>(a, b, n); }
 
 double stream_read(const uint8_t* p, size_t n) {
     size_t i = 0;

@@ -2,6 +2,7 @@
 // schedule its tasks, grouped GEMV products, and the executor that runs them on the thread pool.
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -56,8 +57,9 @@ static int64_t env_rows(const char* name, long long dflt) {
 }
 
 int64_t gemm_min_rows(int type) {
+    if (!type_is_quant(type)) return 1;  // floats: one path, the GEMM
     static const int64_t x8 = env_rows("GGML_PY_SIMD_GEMM_ROWS_X8", INT64_C(1) << 40),
-                         other = env_rows("GGML_PY_SIMD_GEMM_ROWS", 16);
+                         other = env_rows("GGML_PY_SIMD_GEMM_ROWS", INT64_C(1) << 40);
     return repack_supported(type) ? x8 : other;
 }
 
@@ -80,7 +82,10 @@ Scratch node_scratch(const Node& n) {
                 s.shared = (size_t)qrows * (weight_uses_a256(w.type) ? a256_row_size(K) : a32_row_size(K));
             }
             s.per_thread = pad64((size_t)K * 4 + 64);
-            if (x.ne[1] >= lim) s.per_thread = pad64(s.per_thread > gemm_thread_scratch() ? s.per_thread : gemm_thread_scratch());
+            if (x.ne[1] >= lim) {  // the GEMM: a few rows take its small form (whatever the bound, 1 row may come)
+                const size_t g = gemm_thread_scratch(), small = gemm_small_thread_scratch(K);
+                s.per_thread = pad64(std::max(s.per_thread, std::max(g, small)));
+            }
             break;
         }
         case GGML_PY_OP_FLASH_ATTN_EXT: {
@@ -267,9 +272,9 @@ Plan::Plan(const std::vector<NodeDesc>& descs, const std::vector<Range>& ranges,
         if (n.op == GGML_PY_OP_MUL_MAT)
             for (const Patch& p : patches_)
                 if (p.target == &n.src[1].ne[1]) rows_sym = true;
-        // constant weights of products: interleave 8 rows once (shared by all plans)
+        // constant weights of products: repacked once, x8 or p16 (shared by all plans)
         if (n.op == GGML_PY_OP_MUL_MAT && kt_->uses_repack && descs[i].src[0].const_id != 0 && !node_symbolic_src0(descs[i]) &&
-            repack_supported(n.src[0].type)) {
+            repack_group_rows(n.src[0].type) > 0) {
             auto rp = get_repacked(descs[i].src[0].const_id, n.src[0]);
             if (rp) {
                 n.repack = rp->data;
