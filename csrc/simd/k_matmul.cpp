@@ -433,10 +433,7 @@ static void gemv_unit(const Node& n, int64_t u, int nth, size_t ars, const ExecC
         m = me;
     }
 #endif
-    if (m < m1)
-        for (int64_t i1 = 0; i1 < N; ++i1)
-            gemv_rows(w.type, wbase + m * w.nb[1], w.nb[1], m1 - m, arow0 + i1 * ars, K,
-                      (float*)((uint8_t*)out0 + i1 * d.nb[1]) + m);
+    if (m < m1) gemv_rows(w.type, wbase + m * w.nb[1], w.nb[1], m1 - m, arow0, ars, (int)N, K, out0 + m, (size_t)d.nb[1]);
 }
 
 void k_mul_mat(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
