@@ -159,7 +159,7 @@ struct KernelTable {
     double (*stream_read)(const uint8_t* p, size_t n);                         // sums bytes as a read of n bytes
     void (*dequantize_row)(int type, const void* src, float* dst, int64_t n);  // n elements
     void (*quantize_row)(int type, const float* src, void* dst, int64_t n);    // ggml reference quantization
-    bool uses_repack;  // the GEMV kernels read "x8" repacked weights when a plan provides them
+    bool uses_repack;  // plans of this level repack constant weights of products (x8, p16: see below)
 };
 
 // Scratch requirement of a node (computed ISA-neutrally by the plan).
