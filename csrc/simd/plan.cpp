@@ -73,7 +73,6 @@ Scratch node_scratch(const Node& n) {
             const Tensor& w = n.src[0];
             const Tensor& x = n.src[1];
             const int64_t K = w.ne[0];
-            const int64_t rows = x.ne[1] * x.ne[2] * x.ne[3];
             // the GEMV's quantized activation rows; a symbolic row count sized at its bound may still take the GEMV
             // path at run time (fewer than gemm_min_rows rows), so up to that many - 1 rows are always planned
             const int64_t lim = gemm_min_rows(w.type);
@@ -82,9 +81,10 @@ Scratch node_scratch(const Node& n) {
                 s.shared = (size_t)qrows * (weight_uses_a256(w.type) ? a256_row_size(K) : a32_row_size(K));
             }
             s.per_thread = pad64((size_t)K * 4 + 64);
-            if (x.ne[1] >= lim) {  // the GEMM: a few rows take its small form (whatever the bound, 1 row may come)
-                const size_t g = gemm_thread_scratch(), small = gemm_small_thread_scratch(K);
-                s.per_thread = pad64(std::max(s.per_thread, std::max(g, small)));
+            if (x.ne[1] >= lim) {  // the GEMM; up to GEMM_MR rows its small form (a symbolic count may bind to 1)
+                const size_t small = gemm_small_thread_scratch(K);
+                const size_t g = x.ne[1] > GEMM_MR ? std::max(gemm_thread_scratch(), small) : small;
+                s.per_thread = pad64(std::max(s.per_thread, g));
             }
             break;
         }
