@@ -371,7 +371,8 @@ static void gemm_unit(const Node& n, int64_t b2, int64_t b3, int64_t m0, int64_t
     for (int64_t pc = 0; pc < K; pc += GEMM_KC) {
         const int64_t kc = imin(GEMM_KC, K - pc);
         for (int64_t jr = 0; jr < mc; jr += 16)
-            panels[jr / 16] = weight_panel(w, wbase, n.repack, m0 + jr, (int)imin(16, mc - jr), pc, kc, wp + jr * kc, tmp);
+            panels[jr / 16] =
+                weight_panel(w, wbase, n.repack, m0 + jr, (int)imin(16, mc - jr), pc, kc, wp + jr * kc, tmp);
         for (int64_t ic = 0; ic < N; ic += GEMM_MC) {
             const int64_t nc = imin(GEMM_MC, N - ic);
             pack_acts(x, xbase, ic, nc, pc, kc, ap);
@@ -433,7 +434,8 @@ static void gemv_unit(const Node& n, int64_t u, int nth, size_t ars, const ExecC
         m = me;
     }
 #endif
-    if (m < m1) gemv_rows(w.type, wbase + m * w.nb[1], w.nb[1], m1 - m, arow0, ars, (int)N, K, out0 + m, (size_t)d.nb[1]);
+    if (m < m1)
+        gemv_rows(w.type, wbase + m * w.nb[1], w.nb[1], m1 - m, arow0, ars, (int)N, K, out0 + m, (size_t)d.nb[1]);
 }
 
 void k_mul_mat(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
