@@ -210,9 +210,10 @@ def test_supports_op_matches_kernels():
 
 
 def test_kit_with_the_gemm_taking_every_product_of_four_rows_or_more():
-    """By default quantized products take the integer path (the repacked types at every row count); with the
-    thresholds at 4 (GGML_PY_SIMD_GEMM_ROWS_X8, GGML_PY_SIMD_GEMM_ROWS) the kit's MUL_MAT cases run the F32 GEMM,
-    including its reading of the 8-row records of the repacked types, which must pass too."""
+    """By default quantized products take the integer path at every row count (a row's result must not depend on
+    the row count: tests/test_determinism_ops.py); with the thresholds at 4 (GGML_PY_SIMD_GEMM_ROWS_X8,
+    GGML_PY_SIMD_GEMM_ROWS) the kit's MUL_MAT cases run the F32 GEMM, including its reading of the 8-row records of
+    the repacked types, which must pass too."""
     code = ("import ggml_py_simd, ggml_py_numpy\n"
             "from ggml_py.testing import cases, run_backend\n"
             "assert ggml_py_simd._simd.GEMM_MIN_ROWS == 4\n"

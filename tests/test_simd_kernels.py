@@ -610,6 +610,16 @@ def test_repacked_nbytes(t):
         assert _simd.repacked_nbytes(Q3_K, K, 64, level) == 0
 
 
+@pytest.mark.parametrize("t", [F32, F16, BF16])
+def test_repacked_nbytes_float_panels(t):
+    """Float weights are repacked as the GEMM's 16-row panels (p16) in their own type: the full groups of 16 rows."""
+    K = 1000
+    for level in _simd.levels():
+        for M in (15, 16, 45, 4096):
+            want = 0 if level == "scalar" else M // 16 * 16 * K * (4 if t == F32 else 2)
+            assert _simd.repacked_nbytes(t, K, M, level) == want
+
+
 def _plan_info(p: Plan) -> dict:
     return dict(_simd.plan_info(int(native.ffi().cast("uintptr_t", p.handle))))
 

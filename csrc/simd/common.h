@@ -128,7 +128,7 @@ struct Node {
     int32_t index = 0;                      // position in the plan
     int32_t n_phases = 1;
     std::atomic<int64_t>* counter = nullptr; // work-stealing counter (reset before every compute)
-    // MUL_MAT: src0 (a constant weight) repacked 8 rows at a time for the GEMV kernels (see repack.h), or null
+    // MUL_MAT: src0 (a constant weight) repacked, x8 or p16 by its type (common.h), or null
     const uint8_t* repack = nullptr;
     // MUL_MAT matrix-vector products of one input computed as one task (Plan::group_gemvs): the next product of
     // this node's group, and whether this node is a later member (it then has no task of its own)
@@ -159,7 +159,7 @@ struct KernelTable {
     double (*stream_read)(const uint8_t* p, size_t n);                         // sums bytes as a read of n bytes
     void (*dequantize_row)(int type, const void* src, float* dst, int64_t n);  // n elements
     void (*quantize_row)(int type, const float* src, void* dst, int64_t n);    // ggml reference quantization
-    bool uses_repack;  // the GEMV kernels read "x8" repacked weights when a plan provides them
+    bool uses_repack;  // plans of this level repack constant weights of products (x8, p16: see below)
 };
 
 // Scratch requirement of a node (computed ISA-neutrally by the plan).
@@ -168,15 +168,15 @@ struct Scratch {
     size_t per_thread = 0;
 };
 
-// Rows of activations at or above which MUL_MAT of weights of `type` takes the tiled F32 GEMM path (dequantizing the
-// weights); below, each row is an integer dot product against the weight chunk, which stays in cache for all the
-// rows (activations rounded to 8 bits per row, as llama.cpp does at every size). 16 by default
-// (GGML_PY_SIMD_GEMM_ROWS); the types the backend repacks into 8-row records (repack_supported: Q4_0/Q4_1/Q5_0/
-// Q5_1/Q8_0/Q4_K/Q5_K/Q6_K), whose integer kernels take 4 activation rows per pass over a record, take it at every
-// row count (GGML_PY_SIMD_GEMM_ROWS_X8 sets a threshold). Measured on SmolLM2 (2 threads), integer vs GEMM: Q4_1 16
-// tokens 735 vs 372 tok/s, 128: ~720 vs ~570, 512: 564 vs 510; Q6_K ffn_down (the rest Q8_0) 32 / 128 / 512 tokens
-// 1061 / 1072 / 839 vs 749 / 914 / 658; Q4_K_M 128 tokens 1254 vs 1068. Q5_0 (then not repacked) at 128 tokens: 234
-// vs 565. Read once.
+// Rows of activations at or above which MUL_MAT of quantized weights of `type` takes the tiled F32 GEMM path
+// (dequantizing the weights) instead of the integer path (each row an integer dot product against the weight chunk,
+// which stays in cache for all the rows; activations rounded to 8 bits per row, as llama.cpp does at every size).
+// Never by default: the two paths sum differently, and a row's result must not depend on how many rows share the
+// product (deterministic batching). GGML_PY_SIMD_GEMM_ROWS (types not repacked) and GGML_PY_SIMD_GEMM_ROWS_X8 (the
+// x8 types) set a threshold and give that up. Measured on SmolLM2 (2 threads), integer vs GEMM: Q4_1 16 tokens 735
+// vs 372 tok/s, 128: ~720 vs ~570, 512: 564 vs 510; Q6_K ffn_down (the rest Q8_0) 32 / 128 / 512 tokens 1061 / 1072
+// / 839 vs 749 / 914 / 658; Q4_K_M 128 tokens 1254 vs 1068. Q5_0 (then not repacked, one row per pass) at 128
+// tokens: 234 vs 565. Float weights (F32/F16/BF16) take the GEMM at every row count (returns 1). Read once.
 int64_t gemm_min_rows(int type);
 
 // Whether the CPU has AVX512-VNNI (cpu.cpp's detection): the avx512 level's x8 kernels use vpdpbusd where it does.
@@ -218,13 +218,22 @@ static inline bool repack_supported(int t) {
     return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0 || t == T_Q4_K || t == T_Q5_K ||
            t == T_Q6_K;
 }
-// bytes per repacked row (a group of 8 rows takes 8 times this)
+// Panel layout "p16" (constant F32 / F16 / BF16 weights): groups of 16 rows, each the GEMM's B panel over all of K
+// in the weight's own type, element (r, k) of group g at g*16*K + 16k + r. The GEMM reads it in place (F16/BF16
+// converted as they are loaded), without the transposes packing row-major rows takes: a decode step of any row
+// count then runs the GEMM's micro-kernel, whose per-element sums every row count shares. Rows beyond the last full
+// group stay in the original layout; the original of the groups is handed back as for x8.
+static inline bool repack_p16(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
+// rows per repacked group: 8 (x8), 16 (p16), 0 (never repacked)
+static inline int repack_group_rows(int t) { return repack_supported(t) ? 8 : repack_p16(t) ? 16 : 0; }
+// bytes per repacked row (a group takes repack_group_rows times this)
 static inline int64_t repack_row_bytes(int t, int64_t k) {
     switch (t) {
         case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: return k / 32 * type_size(t);
         case T_Q4_K: return k / 256 * 148;
         case T_Q5_K: return k / 256 * 180;
         case T_Q6_K: return k / 256 * 210;
+        case T_F32: case T_F16: case T_BF16: return k * type_size(t);
         default: return 0;
     }
 }
@@ -253,6 +262,10 @@ static inline bool weight_uses_a256(int t) { return type_is_quant(t) && type_blo
 enum { GEMM_MR = 6, GEMM_NR = 16, GEMM_KC = 256, GEMM_MC = 120, GEMM_NC = 1024 };
 static inline size_t gemm_thread_scratch() {
     return ((size_t)GEMM_NC * GEMM_KC + (size_t)(GEMM_MC + GEMM_MR) * GEMM_KC + 64 + (size_t)16 * GEMM_KC) * 4 + 256;
+}
+// at most GEMM_MR activation rows: one weight panel (and its dequantized rows) at a time, the rows packed over all K
+static inline size_t gemm_small_thread_scratch(int64_t k) {
+    return ((size_t)32 * GEMM_KC + (size_t)GEMM_MR * (size_t)k + 64) * 4 + 256;
 }
 
 }  // namespace gp

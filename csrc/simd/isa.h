@@ -308,8 +308,10 @@ void quantize_a32(const float* x, uint8_t* row, int64_t k);
 void quantize_a256(const float* x, uint8_t* row, int64_t k);
 // k_dot.cpp: dot of one weight row with one activation row in the weight's vec_dot format
 float vec_dot_w(int type, const void* w, const uint8_t* act, int64_t k);
-// nr consecutive weight rows (stride wstride) against one activation row -> out[nr]
-void gemv_rows(int type, const uint8_t* w, int64_t wstride, int64_t nr, const uint8_t* act, int64_t k, float* out);
+// nr consecutive weight rows (stride wstride) against nact activation rows (astride bytes apart) -> nact output rows
+// of nr (ostride bytes apart); each result is vec_dot_w's, whatever nact
+void gemv_rows(int type, const uint8_t* w, int64_t wstride, int64_t nr, const uint8_t* act, size_t astride, int nact,
+               int64_t k, float* out, size_t ostride);
 #if GP_AVX2
 // k_gemv_x8.cpp: ngroups groups of 8 repacked rows ("x8", see common.h) against nrows activation rows (astride
 // bytes apart) -> out[8 * ngroups] per row, output rows ostride bytes apart
@@ -317,9 +319,6 @@ void gemv_x8(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, 
              float* out, size_t ostride);
 #endif
 // k_dot.cpp
-float dot_f32(const float* a, const float* b, int64_t n);
-float dot_f16_f32(const uint16_t* a, const float* b, int64_t n);
-float dot_bf16_f32(const uint16_t* a, const float* b, int64_t n);
 double stream_read(const uint8_t* p, size_t n);
 
 const KernelTable* table();

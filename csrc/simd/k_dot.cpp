@@ -1,5 +1,5 @@
 // Dot products: weight rows of every block type against quantized activation rows (the GEMV path of weights
-// that are not repacked), float rows, and the plain read loop the products are measured against.
+// that are not repacked), and the plain read loop the products are measured against.
 #include "blocks.h"
 #include "isa.h"
 
@@ -165,72 +165,93 @@ GP_INLINE __m256i even_odd_i16(__m128i v8, bool is_signed) {
     return is_signed ? _mm256_cvtepi8_epi16(t) : _mm256_cvtepu8_epi16(t);
 }
 
-static float dot_q2_K(const uint8_t* w, const uint8_t* act, int64_t k) {
+// R activation rows (astride bytes apart) against one weight row: the quants and scales decoded once for all R; each
+// row's operations are a lone row's, so its result is the same bits whatever R (also in dot_q3_K_r, dot_iq4_*_r).
+template <int R>
+static void dot_q2_K_r(const uint8_t* w, const uint8_t* act, size_t astride, int64_t k, float* out) {
     const int64_t nb = k / 256;
-    const auto [aq, ad, bs] = a256_parts(act, k);
-    __m256 acc = _mm256_setzero_ps();
+    A256Parts ap[R];
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) {
+        ap[r] = a256_parts(act + r * astride, k);
+        acc[r] = _mm256_setzero_ps();
+    }
     const __m256i m3 = _mm256_set1_epi8(3);
     const __m128i m4 = _mm_set1_epi8(0x0f);
     for (int64_t i = 0; i < nb; ++i) {
-        const int8_t* a = aq + 256 * i;
-        const __m256i bsv = _mm256_loadu_si256((const __m256i*)(bs + 16 * i));
         const blk_q2_K* x = (const blk_q2_K*)(w + i * 84);
-        const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)(x->d | (uint32_t)x->dmin << 16))),
-                                     _mm_set1_ps(ad[i]));
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)(x->d | (uint32_t)x->dmin << 16)));
         const __m128i raw = _mm_loadu_si128((const __m128i*)x->scales);
         const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4));
-        const __m256i mi = _mm256_madd_epi16(mins, bsv);  // 8 partial sums of min * bsum
         const __m256i sc = even_odd_i16(_mm_and_si128(raw, m4), false);
-        __m256i sumi = _mm256_setzero_si256();
+        __m256i sumi[R], mi[R];
+        for (int r = 0; r < R; ++r) {
+            mi[r] = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i*)(ap[r].bsums + 16 * i)));
+            sumi[r] = _mm256_setzero_si256();
+        }
         for (int h = 0; h < 2; ++h) {
             const __m256i Q = _mm256_loadu_si256((const __m256i*)(x->qs + 32 * h));
-            for (int s = 0; s < 4; ++s) {
-                const __m256i q = _mm256_and_si256(_mm256_srli_epi16(Q, 2 * s), m3);
-                const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(a + 32 * (4 * h + s))));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, bcast_i16(sc, 4 * h + s)));
+            for (int j = 0; j < 4; ++j) {
+                const __m256i q = _mm256_and_si256(_mm256_srli_epi16(Q, 2 * j), m3);
+                const __m256i scj = bcast_i16(sc, 4 * h + j);
+                for (int r = 0; r < R; ++r) {
+                    const __m256i a = _mm256_loadu_si256((const __m256i*)(ap[r].qs + 256 * i + 32 * (4 * h + j)));
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), scj));
+                }
             }
         }
-        const __m256 d = _mm256_broadcastss_ps(dd);
-        const __m256 dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
-        acc = _mm256_fnmadd_ps(dmin, _mm256_cvtepi32_ps(mi), acc);
+        for (int r = 0; r < R; ++r) {
+            const __m128 dd = _mm_mul_ps(dm, _mm_set1_ps(ap[r].d[i]));
+            acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(dd), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), _mm256_cvtepi32_ps(mi[r]), acc[r]);
+        }
     }
-    return hsum(acc);
+    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
 
-static float dot_q3_K(const uint8_t* w, const uint8_t* act, int64_t k) {
+template <int R>
+static void dot_q3_K_r(const uint8_t* w, const uint8_t* act, size_t astride, int64_t k, float* out) {
     const int64_t nb = k / 256;
-    const auto [aq, ad, bs] = a256_parts(act, k);
-    __m256 acc = _mm256_setzero_ps();
+    A256Parts ap[R];
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) {
+        ap[r] = a256_parts(act + r * astride, k);
+        acc[r] = _mm256_setzero_ps();
+    }
     const __m256i m3 = _mm256_set1_epi8(3);
     const __m256i one = _mm256_set1_epi8(1);
     for (int64_t i = 0; i < nb; ++i) {
-        const int8_t* a = aq + 256 * i;
-        const __m256i bsv = _mm256_loadu_si256((const __m256i*)(bs + 16 * i));
         const blk_q3_K* x = (const blk_q3_K*)(w + i * 110);
-        const float d = fp16_to_fp32(x->d) * ad[i];
+        const float dw = fp16_to_fp32(x->d);
         uint32_t u[4];  // built in registers: a byte-wise store then a 16-byte load would stall forwarding
         q3_scales_u32(x->scales, u);
         const __m128i sc128 = _mm_sub_epi8(_mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]),
                                            _mm_set1_epi8(32));
-        const __m256i sc = even_odd_i16(sc128, true);
+        const __m256i sc = even_odd_i16(sc128, true), sc16 = _mm256_cvtepi8_epi16(sc128);
         // the quants are taken as q + 4 (0..7): subtract 4 * sum(scale * bsum) afterwards
-        __m256i sumi = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(sc128), bsv), 2);
-        sumi = _mm256_sub_epi32(_mm256_setzero_si256(), sumi);
+        __m256i sumi[R];
+        for (int r = 0; r < R; ++r) {
+            const __m256i bsv = _mm256_loadu_si256((const __m256i*)(ap[r].bsums + 16 * i));
+            sumi[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bsv), 2));
+        }
         const __m256i H = _mm256_loadu_si256((const __m256i*)x->hmask);
         for (int h = 0; h < 2; ++h) {
             const __m256i Q = _mm256_loadu_si256((const __m256i*)(x->qs + 32 * h));
-            for (int s = 0; s < 4; ++s) {
-                const int j = 4 * h + s;
+            for (int s4 = 0; s4 < 4; ++s4) {
+                const int j = 4 * h + s4;
                 const __m256i hb = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, j), one), 2);
-                const __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(Q, 2 * s), m3), hb);
-                const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(a + 32 * j)));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, bcast_i16(sc, j)));
+                const __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(Q, 2 * s4), m3), hb);
+                const __m256i scj = bcast_i16(sc, j);
+                for (int r = 0; r < R; ++r) {
+                    const __m256i a = _mm256_loadu_si256((const __m256i*)(ap[r].qs + 256 * i + 32 * j));
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), scj));
+                }
             }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        for (int r = 0; r < R; ++r)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * ap[r].d[i]), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
     }
-    return hsum(acc);
+    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
 
 static float dot_q5_K(const uint8_t* w, const uint8_t* act, int64_t k) {
@@ -322,71 +343,105 @@ static float dot_q6_K(const uint8_t* w, const uint8_t* act, int64_t k) {
 struct Iq4Halves {
     __m256i lo, hi;
 };
-GP_INLINE Iq4Halves iq4_pair_products(__m256i q, __m256i a0, __m256i a1) {
+struct Iq4Codes {  // the table values of the low and the high nibbles
+    __m256i lo, hi;
+};
+GP_INLINE Iq4Codes iq4_codes(__m256i q) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     const __m256i tab = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)iq4_values));
-    const __m256i lo = _mm256_shuffle_epi8(tab, _mm256_and_si256(q, m4));
-    const __m256i hi = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+    return {_mm256_shuffle_epi8(tab, _mm256_and_si256(q, m4)),
+            _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4))};
+}
+GP_INLINE Iq4Halves iq4_pair_products(const Iq4Codes& c, __m256i a0, __m256i a1) {
     const __m256i alo = _mm256_permute2x128_si256(a0, a1, 0x20);
     const __m256i ahi = _mm256_permute2x128_si256(a0, a1, 0x31);
-    return {_mm256_maddubs_epi16(_mm256_sign_epi8(alo, alo), _mm256_sign_epi8(lo, alo)),
-            _mm256_maddubs_epi16(_mm256_sign_epi8(ahi, ahi), _mm256_sign_epi8(hi, ahi))};
+    return {_mm256_maddubs_epi16(_mm256_sign_epi8(alo, alo), _mm256_sign_epi8(c.lo, alo)),
+            _mm256_maddubs_epi16(_mm256_sign_epi8(ahi, ahi), _mm256_sign_epi8(c.hi, ahi))};
 }
 
-// IQ4_NL against A32, one row: two blocks per step, their 16-byte code fields in the two lanes of one register
-// (low nibbles: elements 0..15 of each block, high nibbles 16..31; the activations are regrouped to match). Decode
-// reads the rows in order: a streaming read the hardware prefetcher follows, which 4 interleaved rows are not.
-static float dot_iq4_nl(const uint8_t* w, const uint8_t* act, int64_t k) {
+// IQ4_NL against A32: two blocks per step, their 16-byte code fields in the two lanes of one register (low
+// nibbles: elements 0..15 of each block, high nibbles 16..31; the activations are regrouped to match). Decode reads
+// the rows in order: a streaming read the hardware prefetcher follows, which 4 interleaved rows are not.
+template <int R>
+static void dot_iq4_nl_r(const uint8_t* w, const uint8_t* act, size_t astride, int64_t k, float* out) {
     const int64_t nb = k / 32;
-    const auto [aq, ad, as] = a32_parts(act, k);
-    (void)as;
+    A32Parts ap[R];
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) {
+        ap[r] = a32_parts(act + r * astride, k);
+        acc[r] = _mm256_setzero_ps();
+    }
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
         const blk_iq4_nl* x = (const blk_iq4_nl*)(w + b * 18);
         const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)x[0].qs)),
                                                   _mm_loadu_si128((const __m128i*)x[1].qs), 1);
-        const Iq4Halves pp = iq4_pair_products(q, _mm256_loadu_si256((const __m256i*)(aq + 32 * b)),
-                                               _mm256_loadu_si256((const __m256i*)(aq + 32 * b + 32)));
-        const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(pp.lo, ones), _mm256_madd_epi16(pp.hi, ones));
-        const __m256 d = _mm256_set_m128(_mm_set1_ps(fp16_to_fp32(x[1].d) * ad[b + 1]),
-                                         _mm_set1_ps(fp16_to_fp32(x[0].d) * ad[b]));
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc);
+        const Iq4Codes c = iq4_codes(q);
+        const float d0 = fp16_to_fp32(x[0].d), d1 = fp16_to_fp32(x[1].d);
+        for (int r = 0; r < R; ++r) {
+            const Iq4Halves pp = iq4_pair_products(c, _mm256_loadu_si256((const __m256i*)(ap[r].qs + 32 * b)),
+                                                   _mm256_loadu_si256((const __m256i*)(ap[r].qs + 32 * b + 32)));
+            const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(pp.lo, ones), _mm256_madd_epi16(pp.hi, ones));
+            const __m256 d = _mm256_set_m128(_mm_set1_ps(d1 * ap[r].d[b + 1]), _mm_set1_ps(d0 * ap[r].d[b]));
+            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc[r]);
+        }
     }
     if (b < nb) {  // an odd block count
         const blk_iq4_nl* x = (const blk_iq4_nl*)(w + b * 18);
-        const __m256i av = _mm256_loadu_si256((const __m256i*)(aq + 32 * b));
-        acc = _mm256_fmadd_ps(mul_sum_ss8(av, iq4_lookup(x->qs)), _mm256_set1_ps(fp16_to_fp32(x->d) * ad[b]), acc);
+        const __m256i wv = iq4_lookup(x->qs);
+        const float d0 = fp16_to_fp32(x->d);
+        for (int r = 0; r < R; ++r) {
+            const __m256i av = _mm256_loadu_si256((const __m256i*)(ap[r].qs + 32 * b));
+            acc[r] = _mm256_fmadd_ps(mul_sum_ss8(av, wv), _mm256_set1_ps(d0 * ap[r].d[b]), acc[r]);
+        }
     }
-    return hsum(acc);
+    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
 
-// IQ4_XS against A256, one row (as IQ4_NL: in order): two 32-element sub-blocks per 32-byte load. The low nibbles
-// hold elements 0..15 of sub-block 2p (low lane) and 2p+1 (high lane), the high nibbles elements 16..31: the
-// activations are regrouped the same way, and the scales (even sub-blocks in the low lane, odd in the high one)
-// applied by one madd per half.
-static float dot_iq4_xs(const uint8_t* w, const uint8_t* act, int64_t k) {
+// IQ4_XS against A256 (as IQ4_NL: rows in order): two 32-element sub-blocks per 32-byte load. The low nibbles hold
+// elements 0..15 of sub-block 2p (low lane) and 2p+1 (high lane), the high nibbles elements 16..31: the activations
+// are regrouped the same way, and the scales (even sub-blocks in the low lane, odd in the high one) applied by one
+// madd per half.
+template <int R>
+static void dot_iq4_xs_r(const uint8_t* w, const uint8_t* act, size_t astride, int64_t k, float* out) {
     const int64_t nb = k / 256;
-    const auto [aq, ad, bs] = a256_parts(act, k);
-    (void)bs;
-    __m256 acc = _mm256_setzero_ps();
+    A256Parts ap[R];
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) {
+        ap[r] = a256_parts(act + r * astride, k);
+        acc[r] = _mm256_setzero_ps();
+    }
     for (int64_t i = 0; i < nb; ++i) {
-        const int8_t* a = aq + 256 * i;
         const blk_iq4_xs* x = (const blk_iq4_xs*)(w + i * 136);
         const __m128i sc8 = _mm_sub_epi8(_mm_cvtsi64_si128((long long)iq4_xs_scales(x)), _mm_set1_epi8(32));
         const __m256i sc = even_odd_i16(sc8, true);
-        __m256i sumi = _mm256_setzero_si256();
+        const float dw = fp16_to_fp32(x->d);
+        __m256i sumi[R];
+        for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
         for (int p = 0; p < 4; ++p) {
-            const Iq4Halves pp = iq4_pair_products(_mm256_loadu_si256((const __m256i*)(x->qs + 32 * p)),
-                                                   _mm256_loadu_si256((const __m256i*)(a + 64 * p)),
-                                                   _mm256_loadu_si256((const __m256i*)(a + 64 * p + 32)));
+            const Iq4Codes c = iq4_codes(_mm256_loadu_si256((const __m256i*)(x->qs + 32 * p)));
             const __m256i s = bcast_i16(sc, p);
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_madd_epi16(pp.lo, s), _mm256_madd_epi16(pp.hi, s)));
+            for (int r = 0; r < R; ++r) {
+                const int8_t* a = ap[r].qs + 256 * i + 64 * p;
+                const Iq4Halves pp = iq4_pair_products(c, _mm256_loadu_si256((const __m256i*)a),
+                                                       _mm256_loadu_si256((const __m256i*)(a + 32)));
+                sumi[r] = _mm256_add_epi32(sumi[r],
+                                           _mm256_add_epi32(_mm256_madd_epi16(pp.lo, s), _mm256_madd_epi16(pp.hi, s)));
+            }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(x->d) * ad[i]), _mm256_cvtepi32_ps(sumi), acc);
+        for (int r = 0; r < R; ++r)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * ap[r].d[i]), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
     }
-    return hsum(acc);
+    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+
+// one row of the types with R-row kernels
+template <void (*F)(const uint8_t*, const uint8_t*, size_t, int64_t, float*)>
+static float dot_one(const uint8_t* w, const uint8_t* act, int64_t k) {
+    float v;
+    F(w, act, 0, k, &v);
+    return v;
 }
 
 #else  // scalar
@@ -587,13 +642,13 @@ float vec_dot_w(int type, const void* w, const uint8_t* act, int64_t k) {
         case T_Q5_0: return dot_u32<T_Q5_0>(wb, act, k);
         case T_Q5_1: return dot_u32<T_Q5_1>(wb, act, k);
         case T_Q8_0: return dot_q8_0(wb, act, k);
-        case T_Q2_K: return dot_q2_K(wb, act, k);
-        case T_Q3_K: return dot_q3_K(wb, act, k);
+        case T_Q2_K: return dot_one<dot_q2_K_r<1>>(wb, act, k);
+        case T_Q3_K: return dot_one<dot_q3_K_r<1>>(wb, act, k);
         case T_Q4_K: return dot_q4_K(wb, act, k);
         case T_Q5_K: return dot_q5_K(wb, act, k);
         case T_Q6_K: return dot_q6_K(wb, act, k);
-        case T_IQ4_NL: return dot_iq4_nl(wb, act, k);
-        case T_IQ4_XS: return dot_iq4_xs(wb, act, k);
+        case T_IQ4_NL: return dot_one<dot_iq4_nl_r<1>>(wb, act, k);
+        case T_IQ4_XS: return dot_one<dot_iq4_xs_r<1>>(wb, act, k);
         default: return 0.0f;
     }
 #else
@@ -613,54 +668,52 @@ float vec_dot_w(int type, const void* w, const uint8_t* act, int64_t k) {
 #endif
 }
 
-void gemv_rows(int type, const uint8_t* w, int64_t ws, int64_t nr, const uint8_t* act, int64_t k, float* out) {
-    for (int64_t r = 0; r < nr; ++r) out[r] = vec_dot_w(type, w + r * ws, act, k);
-}
-
-// ===============================================================================================================
-// float dots
-
-float dot_f32(const float* a, const float* b, int64_t n) {
-    int64_t i = 0;
 #if GP_AVX2
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
-    for (; i + 32 <= n; i += 32) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
-        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
+// R activation rows against weight rows [0, nr) of a type with R-row kernels; false for the other types
+template <int R>
+static bool dot_rows_r(int type, const uint8_t* w, int64_t ws, int64_t nr, const uint8_t* act, size_t astride,
+                       int64_t k, float* out, size_t ostride) {
+    void (*f)(const uint8_t*, const uint8_t*, size_t, int64_t, float*);
+    switch (type) {
+        case T_Q2_K: f = dot_q2_K_r<R>; break;
+        case T_Q3_K: f = dot_q3_K_r<R>; break;
+        case T_IQ4_NL: f = dot_iq4_nl_r<R>; break;
+        case T_IQ4_XS: f = dot_iq4_xs_r<R>; break;
+        default: return false;
     }
-    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    float s = hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
-#else
-    double s = 0.0;
-#endif
-    for (; i < n; ++i) s += a[i] * b[i];
-    return (float)s;
+    for (int64_t m = 0; m < nr; ++m) {
+        float v[R];
+        f(w + m * ws, act, astride, k, v);
+        for (int r = 0; r < R; ++r) ((float*)((uint8_t*)out + r * ostride))[m] = v[r];
+    }
+    return true;
 }
+#endif
 
-// F16 and BF16 rows against F32: one loop; only the 8-wide load and the scalar conversion differ.
-template <bool BF16>
-static float dot_half_f32(const uint16_t* a, const float* b, int64_t n) {
-    int64_t i = 0;
+void gemv_rows(int type, const uint8_t* w, int64_t ws, int64_t nr, const uint8_t* act, size_t astride, int nact,
+               int64_t k, float* out, size_t ostride) {
+    int i = 0;
 #if GP_AVX2
-    const auto load = [](const uint16_t* p) { return BF16 ? load_bf16x8(p) : load_f16x8(p); };
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    for (; i + 16 <= n; i += 16) {
-        s0 = _mm256_fmadd_ps(load(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(load(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-    }
-    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(load(a + i), _mm256_loadu_ps(b + i), s0);
-    float s = hsum(_mm256_add_ps(s0, s1));
-#else
-    double s = 0.0;
+    // Q2_K / Q3_K / IQ4: 4 activation rows per pass over a weight row, whose blocks are decoded once for them (these
+    // types are not repacked, and they take this path at every row count)
+    for (; i + 4 <= nact; i += 4)
+        if (!dot_rows_r<4>(type, w, ws, nr, act + i * astride, astride, k, (float*)((uint8_t*)out + i * ostride),
+                           ostride))
+            break;
+    const int left = nact - i;
+    if (left > 1 && left < 4 &&
+        (left == 3 ? dot_rows_r<3>(type, w, ws, nr, act + i * astride, astride, k,
+                                   (float*)((uint8_t*)out + i * ostride), ostride)
+                   : dot_rows_r<2>(type, w, ws, nr, act + i * astride, astride, k,
+                                   (float*)((uint8_t*)out + i * ostride), ostride)))
+        i = nact;
 #endif
-    for (; i < n; ++i) s += (BF16 ? bf16_to_fp32(a[i]) : fp16_to_fp32(a[i])) * b[i];
-    return (float)s;
+    for (; i < nact; ++i) {
+        float* o = (float*)((uint8_t*)out + i * ostride);
+        const uint8_t* a = act + i * astride;
+        for (int64_t m = 0; m < nr; ++m) o[m] = vec_dot_w(type, w + m * ws, a, k);
+    }
 }
-
-float dot_f16_f32(const uint16_t* a, const float* b, int64_t n) { return dot_half_f32<false>(a, b, n); }
-float dot_bf16_f32(const uint16_t* a, const float* b, int64_t n) { return dot_half_f32<true>(a, b, n); }
 
 double stream_read(const uint8_t* p, size_t n) {
     size_t i = 0;

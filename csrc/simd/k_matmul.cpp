@@ -1,10 +1,12 @@
 // MUL_MAT: dst[M, N, b2, b3] = src1[K, N, b2, b3] . src0[K, M, b2/r2, b3/r3]^T (weights repeated as ggml).
 //
-// GEMV path (N < gemm_min_rows(type)): quantized weights use integer dot products against activations quantized once per
-// row in phase 0 (A32 blocks for the 32-element types, A256 = Q8_K granularity for the K-quants); float weights use
-// float dots. Work: chunks of weight rows, handed out by an atomic counter.
-// GEMM path: BLIS-style packed F32 GEMM (6x16 micro tiles, K blocked by 256); weights of any type are dequantized
-// while their panel is packed, so every weight is decoded once per block of up to GEMM_MC activation rows.
+// Integer path (quantized weights, every row count unless GGML_PY_SIMD_GEMM_ROWS[_X8] set a threshold): activations
+// quantized once per row in phase 0 (A32 blocks for the 32-element types, A256 = Q8_K granularity for the
+// K-quants), then integer dot products per row; work: chunks of weight rows, handed out by an atomic counter.
+// GEMM path (float weights at every row count): BLIS-like packed F32 GEMM (6x16 micro tiles, K blocked by 256);
+// weights of any type are dequantized while their panel is packed, so every weight is decoded once per block of up to
+// GEMM_MC activation rows. A row's result is the same bits whatever the row count and the threads: each path sums
+// every element in one order of its own, and the thread split only decides who computes which weight rows.
 #include "isa.h"
 
 namespace gp {
@@ -137,35 +139,45 @@ static void dequant_x8_row(int type, const uint8_t* group, int r, int64_t pc, in
 }
 #endif
 
-// Pack weight rows [m0, m0+mc) x cols [pc, pc+kc) into 16-row panels (dequantizing). tmp: 16*kc floats. With a
-// repacked weight (x8, non-null), its whole 8-row groups are read from there: the file's copy of the weight is then
-// never read again and its memory can be given back (get_repacked).
-static void pack_weights(const Tensor& w, const uint8_t* wbase, const uint8_t* x8, int64_t m0, int64_t mc,
-                         int64_t pc, int64_t kc, float* wp, float* tmp) {
-    const int64_t col_off = row_bytes(w.type, pc);
-    const int64_t full = x8 ? (w.ne[1] / 8) * 8 : 0, group = 8 * repack_row_bytes(w.type, w.ne[0]);
-    for (int64_t p = 0; p < mc; p += 16) {
-        const int nr = (int)imin(16, mc - p);
-        const float* rows[16];
-        for (int r = 0; r < nr; ++r) {
-#if GP_AVX2
-            const int64_t row = m0 + p + r;
-            if (row < full) {
-                dequant_x8_row(w.type, x8 + (row / 8) * group, (int)(row % 8), pc, kc, tmp + r * kc);
-                rows[r] = tmp + r * kc;
-                continue;
-            }
-#endif
-            const uint8_t* src = wbase + (m0 + p + r) * w.nb[1] + col_off;
-            if (w.type == T_F32) {
-                rows[r] = (const float*)src;
-            } else {
-                dequantize_row(w.type, src, tmp + r * kc, kc);
-                rows[r] = tmp + r * kc;
-            }
-        }
-        pack_w_panel(rows, nr, kc, wp + p * kc);
+// The B panel of weight rows [m, m + nr) (nr <= 16, m a multiple of 16) x columns [pc, pc + kc), as floats 16 per
+// column: read in place from a p16 repacked F32 weight, else made in `wp` (16 * kc floats; tmp: as many). The rows of
+// a repacked weight's whole groups are read from the repacked copy (x8: decoded records; p16: converted panels), so
+// the file's copy of those rows is never read again and its memory can be given back (get_repacked).
+static const float* weight_panel(const Tensor& w, const uint8_t* wbase, const uint8_t* rp, int64_t m, int nr,
+                                 int64_t pc, int64_t kc, float* wp, float* tmp) {
+#if GP_AVX2  // scalar plans don't repack
+    const int gr = rp ? repack_group_rows(w.type) : 0;
+    const int64_t full = gr ? (w.ne[1] / gr) * gr : 0, group = gr * repack_row_bytes(w.type, w.ne[0]);
+    if (gr == 16 && m < full) {  // p16: this panel's columns are contiguous
+        const uint8_t* src = rp + (m / 16) * group + pc * 16 * type_size(w.type);
+        if (w.type == T_F32) return (const float*)src;
+        for (int64_t i = 0; i < 16 * kc; i += 8)
+            _mm256_storeu_ps(wp + i, w.type == T_F16 ? load_f16x8((const uint16_t*)src + i)
+                                                     : load_bf16x8((const uint16_t*)src + i));
+        return wp;
     }
+#endif
+    const int64_t col_off = row_bytes(w.type, pc);
+    const float* rows[16];
+    for (int r = 0; r < nr; ++r) {
+        const int64_t row = m + r;
+#if GP_AVX2
+        if (gr == 8 && row < full) {
+            dequant_x8_row(w.type, rp + (row / 8) * group, (int)(row % 8), pc, kc, tmp + r * kc);
+            rows[r] = tmp + r * kc;
+            continue;
+        }
+#endif
+        const uint8_t* src = wbase + row * w.nb[1] + col_off;
+        if (w.type == T_F32) {
+            rows[r] = (const float*)src;
+        } else {
+            dequantize_row(w.type, src, tmp + r * kc, kc);
+            rows[r] = tmp + r * kc;
+        }
+    }
+    pack_w_panel(rows, nr, kc, wp);
+    return wp;
 }
 
 #if GP_AVX2
@@ -226,76 +238,85 @@ static void pack_acts(const Tensor& x, const uint8_t* xbase, int64_t n0, int64_t
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// micro kernel: C[6 x 16] (+)= A[kc x 6] . B[kc x 16]; C rows are dst rows (stride ldc bytes)
+// micro kernel: C[MR x nr] (+)= A[kc x MR] . B[kc x 16]; A packed GEMM_MR per column, B 16 per column (packed
+// floats, or a p16 panel in the weight's type BT); C rows are dst rows (stride ldc bytes). Each element of C is one
+// chain of FMAs over the block's columns, added to C after the first block: the same for every MR, so a row's
+// result does not depend on how many rows share the product (nor on the panel coming packed or in place).
 
-static void micro(int64_t kc, const float* GP_RESTRICT A, const float* GP_RESTRICT B, uint8_t* C, int64_t ldc,
-                  bool acc, int mr, int nr) {
 #if GP_AVX2
-    __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(),
-           c11 = _mm256_setzero_ps(), c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(),
-           c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps(), c40 = _mm256_setzero_ps(),
-           c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
+template <int BT>
+GP_TINLINE __m256 load_b(const void* b, int64_t i) {
+    if constexpr (BT == T_F16) return load_f16x8((const uint16_t*)b + i);
+    else if constexpr (BT == T_BF16) return load_bf16x8((const uint16_t*)b + i);
+    else return _mm256_loadu_ps((const float*)b + i);
+}
+#endif
+
+template <int MR, int BT>
+static void micro(int64_t kc, const float* GP_RESTRICT A, const void* GP_RESTRICT B, uint8_t* C, int64_t ldc,
+                  bool acc, int nr) {
+    float t[MR * 16];
+#if GP_AVX2
+    __m256 c0[MR], c1[MR];
+    for (int i = 0; i < MR; ++i) c0[i] = c1[i] = _mm256_setzero_ps();
 #pragma GCC unroll 4
     for (int64_t k = 0; k < kc; ++k) {
-        const __m256 b0 = _mm256_loadu_ps(B + 16 * k), b1 = _mm256_loadu_ps(B + 16 * k + 8);
-        const float* a = A + 6 * k;
-        __m256 av = _mm256_broadcast_ss(a + 0);
-        c00 = _mm256_fmadd_ps(av, b0, c00);
-        c01 = _mm256_fmadd_ps(av, b1, c01);
-        av = _mm256_broadcast_ss(a + 1);
-        c10 = _mm256_fmadd_ps(av, b0, c10);
-        c11 = _mm256_fmadd_ps(av, b1, c11);
-        av = _mm256_broadcast_ss(a + 2);
-        c20 = _mm256_fmadd_ps(av, b0, c20);
-        c21 = _mm256_fmadd_ps(av, b1, c21);
-        av = _mm256_broadcast_ss(a + 3);
-        c30 = _mm256_fmadd_ps(av, b0, c30);
-        c31 = _mm256_fmadd_ps(av, b1, c31);
-        av = _mm256_broadcast_ss(a + 4);
-        c40 = _mm256_fmadd_ps(av, b0, c40);
-        c41 = _mm256_fmadd_ps(av, b1, c41);
-        av = _mm256_broadcast_ss(a + 5);
-        c50 = _mm256_fmadd_ps(av, b0, c50);
-        c51 = _mm256_fmadd_ps(av, b1, c51);
+        const __m256 b0 = load_b<BT>(B, 16 * k), b1 = load_b<BT>(B, 16 * k + 8);
+        const float* a = A + GEMM_MR * k;
+        for (int i = 0; i < MR; ++i) {
+            const __m256 av = _mm256_broadcast_ss(a + i);
+            c0[i] = _mm256_fmadd_ps(av, b0, c0[i]);
+            c1[i] = _mm256_fmadd_ps(av, b1, c1[i]);
+        }
     }
-    __m256 cs[12] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
-    if (mr == 6 && nr == 16) {
-        for (int i = 0; i < 6; ++i) {
+    if (nr == 16) {
+        for (int i = 0; i < MR; ++i) {
             float* c = (float*)(C + i * ldc);
             if (acc) {
-                _mm256_storeu_ps(c, _mm256_add_ps(_mm256_loadu_ps(c), cs[2 * i]));
-                _mm256_storeu_ps(c + 8, _mm256_add_ps(_mm256_loadu_ps(c + 8), cs[2 * i + 1]));
+                _mm256_storeu_ps(c, _mm256_add_ps(_mm256_loadu_ps(c), c0[i]));
+                _mm256_storeu_ps(c + 8, _mm256_add_ps(_mm256_loadu_ps(c + 8), c1[i]));
             } else {
-                _mm256_storeu_ps(c, cs[2 * i]);
-                _mm256_storeu_ps(c + 8, cs[2 * i + 1]);
+                _mm256_storeu_ps(c, c0[i]);
+                _mm256_storeu_ps(c + 8, c1[i]);
             }
         }
         return;
     }
-    float t[6 * 16];
-    for (int i = 0; i < 6; ++i) {
-        _mm256_storeu_ps(t + 16 * i, cs[2 * i]);
-        _mm256_storeu_ps(t + 16 * i + 8, cs[2 * i + 1]);
+    for (int i = 0; i < MR; ++i) {
+        _mm256_storeu_ps(t + 16 * i, c0[i]);
+        _mm256_storeu_ps(t + 16 * i + 8, c1[i]);
     }
 #else
-    float t[6 * 16];
-    for (int i = 0; i < 6 * 16; ++i) t[i] = 0.0f;
+    static_assert(BT == T_F32, "p16 panels are read in place at avx2 and up only");
+    for (int i = 0; i < MR * 16; ++i) t[i] = 0.0f;
     for (int64_t k = 0; k < kc; ++k) {
-        const float* b = B + 16 * k;
-        const float* a = A + 6 * k;
-        for (int i = 0; i < 6; ++i) {
+        const float* b = (const float*)B + 16 * k;
+        const float* a = A + GEMM_MR * k;
+        for (int i = 0; i < MR; ++i) {
             const float ai = a[i];
             for (int j = 0; j < 16; ++j) t[16 * i + j] += ai * b[j];
         }
     }
 #endif
-    for (int i = 0; i < mr; ++i) {
+    for (int i = 0; i < MR; ++i) {
         float* c = (float*)(C + i * ldc);
         if (acc) {
             for (int j = 0; j < nr; ++j) c[j] += t[16 * i + j];
         } else {
             for (int j = 0; j < nr; ++j) c[j] = t[16 * i + j];
         }
+    }
+}
+
+template <int BT>
+static void micro_rows(int mr, int64_t kc, const float* A, const void* B, uint8_t* C, int64_t ldc, bool acc, int nr) {
+    switch (mr) {
+        case 1: return micro<1, BT>(kc, A, B, C, ldc, acc, nr);
+        case 2: return micro<2, BT>(kc, A, B, C, ldc, acc, nr);
+        case 3: return micro<3, BT>(kc, A, B, C, ldc, acc, nr);
+        case 4: return micro<4, BT>(kc, A, B, C, ldc, acc, nr);
+        case 5: return micro<5, BT>(kc, A, B, C, ldc, acc, nr);
+        default: return micro<6, BT>(kc, A, B, C, ldc, acc, nr);
     }
 }
 
@@ -312,23 +333,56 @@ static void gemm_unit(const Node& n, int64_t b2, int64_t b3, int64_t m0, int64_t
     const uint8_t* wbase = w.data + (b2 / r2) * w.nb[2] + (b3 / r3) * w.nb[3];
     const uint8_t* xbase = x.data + b2 * x.nb[2] + b3 * x.nb[3];
     uint8_t* dbase = d.data + b2 * d.nb[2] + b3 * d.nb[3];
+    if (N <= GEMM_MR) {
+        // Few rows (decode): one weight panel at a time over all of K, each streamed once, in order; C stays in
+        // L1. A p16 panel is read in place, converted as loaded. The same micro-kernel calls per element as below.
+        float* wp = scratch;                           // 16 x GEMM_KC
+        float* tmp = wp + 16 * GEMM_KC;                // 16 x GEMM_KC
+        float* ap = tmp + 16 * GEMM_KC;                // GEMM_MR x K (+ the packing slack)
+        pack_acts(x, xbase, 0, N, 0, K, ap);
+#if GP_AVX2
+        const bool p16 = n.repack && repack_group_rows(w.type) == 16;
+        const int64_t full = p16 ? (w.ne[1] / 16) * 16 : 0, group = 16 * repack_row_bytes(w.type, K);
+#endif
+        for (int64_t m = m0; m < m1; m += 16) {
+            const int nr = (int)imin(16, m1 - m);
+            uint8_t* C = dbase + m * 4;
+            for (int64_t pc = 0; pc < K; pc += GEMM_KC) {
+                const int64_t kc = imin(GEMM_KC, K - pc);
+#if GP_AVX2
+                if (m < full && w.type != T_F32) {
+                    const uint8_t* B = n.repack + (m / 16) * group + pc * 16 * 2;
+                    if (w.type == T_F16) micro_rows<T_F16>((int)N, kc, ap + pc * GEMM_MR, B, C, d.nb[1], pc > 0, nr);
+                    else micro_rows<T_BF16>((int)N, kc, ap + pc * GEMM_MR, B, C, d.nb[1], pc > 0, nr);
+                    continue;
+                }
+#endif
+                const float* B = weight_panel(w, wbase, n.repack, m, nr, pc, kc, wp, tmp);
+                micro_rows<T_F32>((int)N, kc, ap + pc * GEMM_MR, B, C, d.nb[1], pc > 0, nr);
+            }
+        }
+        return;
+    }
     float* wp = scratch;                                   // GEMM_NC x GEMM_KC
     float* ap = wp + (size_t)GEMM_NC * GEMM_KC;            // GEMM_MC x GEMM_KC (rounded to panels)
     float* tmp = ap + (size_t)(GEMM_MC + GEMM_MR) * GEMM_KC + 64;  // 16 x GEMM_KC (after the packing slack)
     const int64_t mc = m1 - m0;
+    const float* panels[GEMM_NC / 16];
     for (int64_t pc = 0; pc < K; pc += GEMM_KC) {
         const int64_t kc = imin(GEMM_KC, K - pc);
-        pack_weights(w, wbase, n.repack, m0, mc, pc, kc, wp, tmp);
+        for (int64_t jr = 0; jr < mc; jr += 16)
+            panels[jr / 16] =
+                weight_panel(w, wbase, n.repack, m0 + jr, (int)imin(16, mc - jr), pc, kc, wp + jr * kc, tmp);
         for (int64_t ic = 0; ic < N; ic += GEMM_MC) {
             const int64_t nc = imin(GEMM_MC, N - ic);
             pack_acts(x, xbase, ic, nc, pc, kc, ap);
             for (int64_t jr = 0; jr < mc; jr += 16) {
                 const int nr = (int)imin(16, mc - jr);
-                const float* B = wp + jr * kc;
+                const float* B = panels[jr / 16];
                 for (int64_t ir = 0; ir < nc; ir += GEMM_MR) {
                     const int mr = (int)imin(GEMM_MR, nc - ir);
                     uint8_t* C = dbase + (ic + ir) * d.nb[1] + (m0 + jr) * 4;
-                    micro(kc, ap + ir * kc, B, C, d.nb[1], pc > 0, mr, nr);
+                    micro_rows<T_F32>(mr, kc, ap + ir * kc, B, C, d.nb[1], pc > 0, nr);
                 }
             }
         }
@@ -381,18 +435,14 @@ static void gemv_unit(const Node& n, int64_t u, int nth, size_t ars, const ExecC
     }
 #endif
     if (m < m1)
-        for (int64_t i1 = 0; i1 < N; ++i1)
-            gemv_rows(w.type, wbase + m * w.nb[1], w.nb[1], m1 - m, arow0 + i1 * ars, K,
-                      (float*)((uint8_t*)out0 + i1 * d.nb[1]) + m);
+        gemv_rows(w.type, wbase + m * w.nb[1], w.nb[1], m1 - m, arow0, ars, (int)N, K, out0 + m, (size_t)d.nb[1]);
 }
 
 void k_mul_mat(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     const Tensor& w = n.src[0];
     const Tensor& x = n.src[1];
-    const Tensor& d = n.dst;
     const int64_t K = w.ne[0], M = w.ne[1], N = x.ne[1];
     const int64_t B2 = x.ne[2], B3 = x.ne[3];
-    const int64_t r2 = B2 / w.ne[2], r3 = B3 / w.ne[3];
     const bool quant = type_is_quant(w.type);
     const bool gemv = mm_gemv(n);
     const int compute_phase = n.n_phases - 1;
@@ -435,42 +485,9 @@ void k_mul_mat(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     }
     if (phase != compute_phase) return;
 
-    if (gemv) {  // float weights, few rows
-        int64_t chunk = (M + (int64_t)nth * 8 - 1) / ((int64_t)nth * 8);
-        chunk = imax(16, (chunk + 3) & ~(int64_t)3);
-        const int64_t nchunks = (M + chunk - 1) / chunk;
-        const int64_t units = nchunks * B2 * B3;
-        float* tmp = (float*)ctx.thread_scratch(ith);
-        for (;;) {
-            const int64_t u = n.counter->fetch_add(1, std::memory_order_relaxed);
-            if (u >= units) break;
-            const int64_t c = u % nchunks, bb = u / nchunks;
-            const int64_t b2 = bb % B2, b3 = bb / B2;
-            const int64_t m0 = c * chunk, m1 = imin(M, m0 + chunk);
-            const uint8_t* wbase = w.data + (b2 / r2) * w.nb[2] + (b3 / r3) * w.nb[3];
-            for (int64_t i1 = 0; i1 < N; ++i1) {
-                const uint8_t* xp = x.data + i1 * x.nb[1] + b2 * x.nb[2] + b3 * x.nb[3];
-                const float* xf = (const float*)xp;
-                if (x.nb[0] != 4) {
-                    for (int64_t k = 0; k < K; ++k) tmp[k] = *(const float*)(xp + k * x.nb[0]);
-                    xf = tmp;
-                }
-                float* out = (float*)(d.data + i1 * d.nb[1] + b2 * d.nb[2] + b3 * d.nb[3]);
-                for (int64_t m = m0; m < m1; ++m) {
-                    const uint8_t* wr = wbase + m * w.nb[1];
-                    float v;
-                    if (w.type == T_F32) v = dot_f32((const float*)wr, xf, K);
-                    else if (w.type == T_F16) v = dot_f16_f32((const uint16_t*)wr, xf, K);
-                    else v = dot_bf16_f32((const uint16_t*)wr, xf, K);
-                    out[m] = v;
-                }
-            }
-        }
-        return;
-    }
-
-    // GEMM: units = (batch, block of weight rows)
-    int64_t nc_rows = (M + 2 * nth - 1) / (2 * nth);
+    // GEMM: units = (batch, block of weight rows); a few rows (decode) take about as many blocks as the GEMV
+    const int64_t per = (int64_t)nth * (N <= GEMM_MR ? GEMV_UNITS_PER_THREAD : 2);
+    int64_t nc_rows = (M + per - 1) / per;
     nc_rows = (nc_rows + 15) & ~(int64_t)15;
     if (nc_rows > GEMM_NC) nc_rows = GEMM_NC;
     if (nc_rows < 16) nc_rows = 16;

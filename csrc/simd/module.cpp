@@ -106,7 +106,7 @@ PYBIND11_MODULE(_simd, m) {
     });
     m.def("physical_cores", &physical_cores);
 
-    m.attr("GEMM_MIN_ROWS") = (int)gemm_min_rows(T_F32);
+    m.attr("GEMM_MIN_ROWS") = (long long)gemm_min_rows(T_Q2_K);  // of the quantized types not repacked
 
     m.def(
         "plan_info",
@@ -126,12 +126,12 @@ PYBIND11_MODULE(_simd, m) {
     m.def(
         "repacked_nbytes",
         [](int type, int64_t ne0, int64_t ne1, py::object level) -> int64_t {
-            if (!level_table(level_arg(level))->uses_repack || !repack_supported(type) || ne1 < 8 || ne0 <= 0)
-                return 0;
-            return ne1 / 8 * 8 * repack_row_bytes(type, ne0);
+            const int g = repack_group_rows(type);
+            if (!level_table(level_arg(level))->uses_repack || g == 0 || ne1 < g || ne0 <= 0) return 0;
+            return ne1 / g * g * repack_row_bytes(type, ne0);
         },
         py::arg("type"), py::arg("ne0"), py::arg("ne1"), py::arg("level") = py::none(),
-        "Bytes of the interleaved copy a constant (ne1 rows of ne0) matrix gets for GEMV in plans of that level "
+        "Bytes of the repacked copy (x8 or p16) a constant (ne1 rows of ne0) matrix gets in plans of that level "
         "(default: the active one); 0 if it is not repacked.");
 
     m.def(

@@ -2,6 +2,7 @@
 // schedule its tasks, grouped GEMV products, and the executor that runs them on the thread pool.
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -56,8 +57,9 @@ static int64_t env_rows(const char* name, long long dflt) {
 }
 
 int64_t gemm_min_rows(int type) {
+    if (!type_is_quant(type)) return 1;  // floats: one path, the GEMM
     static const int64_t x8 = env_rows("GGML_PY_SIMD_GEMM_ROWS_X8", INT64_C(1) << 40),
-                         other = env_rows("GGML_PY_SIMD_GEMM_ROWS", 16);
+                         other = env_rows("GGML_PY_SIMD_GEMM_ROWS", INT64_C(1) << 40);
     return repack_supported(type) ? x8 : other;
 }
 
@@ -71,7 +73,6 @@ Scratch node_scratch(const Node& n) {
             const Tensor& w = n.src[0];
             const Tensor& x = n.src[1];
             const int64_t K = w.ne[0];
-            const int64_t rows = x.ne[1] * x.ne[2] * x.ne[3];
             // the GEMV's quantized activation rows; a symbolic row count sized at its bound may still take the GEMV
             // path at run time (fewer than gemm_min_rows rows), so up to that many - 1 rows are always planned
             const int64_t lim = gemm_min_rows(w.type);
@@ -80,7 +81,11 @@ Scratch node_scratch(const Node& n) {
                 s.shared = (size_t)qrows * (weight_uses_a256(w.type) ? a256_row_size(K) : a32_row_size(K));
             }
             s.per_thread = pad64((size_t)K * 4 + 64);
-            if (x.ne[1] >= lim) s.per_thread = pad64(s.per_thread > gemm_thread_scratch() ? s.per_thread : gemm_thread_scratch());
+            if (x.ne[1] >= lim) {  // the GEMM; up to GEMM_MR rows its small form (a symbolic count may bind to 1)
+                const size_t small = gemm_small_thread_scratch(K);
+                const size_t g = x.ne[1] > GEMM_MR ? std::max(gemm_thread_scratch(), small) : small;
+                s.per_thread = pad64(std::max(s.per_thread, g));
+            }
             break;
         }
         case GGML_PY_OP_FLASH_ATTN_EXT: {
@@ -270,9 +275,9 @@ Plan::Plan(const std::vector<NodeDesc>& descs, const std::vector<Range>& ranges,
         if (n.op == GGML_PY_OP_MUL_MAT)
             for (const Patch& p : patches_)
                 if (p.target == &n.src[1].ne[1]) rows_sym = true;
-        // constant weights of products: interleave 8 rows once (shared by all plans)
+        // constant weights of products: repacked once, x8 or p16 (shared by all plans)
         if (n.op == GGML_PY_OP_MUL_MAT && kt_->uses_repack && descs[i].src[0].const_id != 0 && !node_symbolic_src0(descs[i]) &&
-            repack_supported(n.src[0].type)) {
+            repack_group_rows(n.src[0].type) > 0) {
             auto rp = get_repacked(descs[i].src[0].const_id, n.src[0]);
             if (rp) {
                 n.repack = rp->data;

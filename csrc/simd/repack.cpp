@@ -1,6 +1,6 @@
 // Interleaved ("x8") layouts of constant Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights for the GEMV
-// kernels (see common.h), made once per weight and shared by every plan through a cache keyed by the weight's unique
-// id, address and shape.
+// kernels and panel ("p16") layouts of constant F32 / F16 / BF16 weights for the GEMM (see common.h), made once per
+// weight and shared by every plan through a cache keyed by the weight's unique id, address and shape.
 #include <cstdlib>
 #include <cstring>
 #if defined(__linux__)
@@ -147,6 +147,28 @@ static void repack_q6_K(const Tensor& w, uint8_t* out, int64_t g0, int64_t g1) {
     }
 }
 
+// F32 / F16 / BF16: groups of 16 rows as the GEMM's B panels over all of K (element (r, k) at 16k + r), in the
+// weight's own type
+static void repack_panels(const Tensor& w, uint8_t* out, int64_t g0, int64_t g1) {
+    const int64_t K = w.ne[0];
+    const int es = type_size(w.type);
+    enum { KB = 64 };  // columns per pass: 16 rows x 64 columns read, one 4 KiB (F32) block written
+    for (int64_t g = g0; g < g1; ++g) {
+        uint8_t* o = out + g * 16 * K * es;
+        for (int64_t k0 = 0; k0 < K; k0 += KB) {
+            const int64_t k1 = k0 + KB < K ? k0 + KB : K;
+            for (int r = 0; r < 16; ++r) {
+                const uint8_t* src = w.data + (16 * g + r) * w.nb[1];
+                if (es == 4) {
+                    for (int64_t k = k0; k < k1; ++k) memcpy(o + (16 * k + r) * 4, src + 4 * k, 4);
+                } else {
+                    for (int64_t k = k0; k < k1; ++k) memcpy(o + (16 * k + r) * 2, src + 2 * k, 2);
+                }
+            }
+        }
+    }
+}
+
 // The original of a weight whose every reader now uses the repacked copy: give its whole pages back to the OS
 // (MADV_PAGEOUT: clean pages of a mapped file are dropped and re-read from the file if ever touched again, e.g. by
 // GET_ROWS of a tied embedding or another backend; anonymous pages go to swap, or stay). Nothing is lost either way;
@@ -170,8 +192,8 @@ std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w) {
     using Key = std::tuple<int64_t, uintptr_t, int, int64_t, int64_t, int64_t>;
     static std::mutex mu;
     static std::map<Key, std::weak_ptr<RepackBuf>>* cache = new std::map<Key, std::weak_ptr<RepackBuf>>();
-    if (!repack_supported(w.type) || w.ne[1] < 8 || w.ne[2] != 1 || w.ne[3] != 1 || w.nb[0] != type_size(w.type))
-        return nullptr;
+    const int gr = repack_group_rows(w.type);
+    if (gr == 0 || w.ne[1] < gr || w.ne[2] != 1 || w.ne[3] != 1 || w.nb[0] != type_size(w.type)) return nullptr;
     const Key key{const_id, (uintptr_t)w.data, w.type, w.ne[0], w.ne[1], w.nb[1]};
     std::lock_guard<std::mutex> lk(mu);
     for (auto it = cache->begin(); it != cache->end();) {  // drop dead entries
@@ -183,13 +205,13 @@ std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w) {
         if (auto sp = it->second.lock()) return sp;
     }
     auto buf = std::make_shared<RepackBuf>();
-    buf->size = (size_t)(w.ne[1] / 8) * 8 * (size_t)repack_row_bytes(w.type, w.ne[0]);
+    buf->size = (size_t)(w.ne[1] / gr) * gr * (size_t)repack_row_bytes(w.type, w.ne[0]);
     void* p = nullptr;
     if (posix_memalign(&p, 64, buf->size ? buf->size : 64) != 0) throw std::bad_alloc();
     buf->data = (uint8_t*)p;
-    // by slices of 128 groups (1024 rows), each slice's original released as soon as it is repacked: at no time
-    // are both copies of a whole large weight (a 49k-token embedding) resident
-    const int64_t groups = w.ne[1] / 8, slice = 128;
+    // by slices of 1024 rows, each slice's original released as soon as it is repacked: at no time are both copies
+    // of a whole large weight (a 49k-token embedding) resident
+    const int64_t groups = w.ne[1] / gr, slice = 1024 / gr;
     for (int64_t g0 = 0; g0 < groups; g0 += slice) {
         const int64_t g1 = g0 + slice < groups ? g0 + slice : groups;
         if (w.type == T_Q4_0) repack_q45_01<blk_q4_0>(w, buf->data, g0, g1);
@@ -199,8 +221,9 @@ std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w) {
         else if (w.type == T_Q8_0) repack_q8_0(w, buf->data, g0, g1);
         else if (w.type == T_Q4_K) repack_q45_K<blk_q4_K>(w, buf->data, g0, g1);
         else if (w.type == T_Q5_K) repack_q45_K<blk_q5_K>(w, buf->data, g0, g1);
-        else repack_q6_K(w, buf->data, g0, g1);
-        release_pages(w.data + g0 * 8 * w.nb[1], (size_t)(g1 - g0) * 8 * (size_t)w.nb[1]);
+        else if (w.type == T_Q6_K) repack_q6_K(w, buf->data, g0, g1);
+        else repack_panels(w, buf->data, g0, g1);
+        release_pages(w.data + g0 * gr * w.nb[1], (size_t)(g1 - g0) * gr * (size_t)w.nb[1]);
     }
     (*cache)[key] = buf;
     return buf;
