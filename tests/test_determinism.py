@@ -48,7 +48,7 @@ class _Runs:
 
     def __init__(self, m) -> None:
         self.m = m
-        self.a = m.tokenize(" ".join([PROMPT] * 3))  # more than one chunk of keys (256) by the end
+        self.a = m.tokenize(" ".join([PROMPT] * 3))  # several chunks of keys (128 each)
         assert len(self.a) + N_GEN > 256
         self.others = [m.tokenize(t) for t in OTHERS]
         self.tokens: list[int] = []

@@ -182,10 +182,11 @@ int64_t gemm_min_rows(int type);
 // Whether the CPU has AVX512-VNNI (cpu.cpp's detection): the avx512 level's x8 kernels use vpdpbusd where it does.
 bool cpu_has_avx512_vnni();
 
-// FLASH_ATTN_EXT sums a query row's keys in chunks of this many visible tiles of 8 keys (256 keys), merged in order,
-// on every path: a decode step splits its keys across threads at these chunks, and a chunk's partial result per
-// head is FA_PART(Dv) floats (acc[Dv], M, pad, S as a double)
-enum { FA_CHUNK_TILES = 32 };
+// FLASH_ATTN_EXT sums a query row's keys in chunks of this many visible tiles of 8 keys (128 keys), merged in order,
+// on every path: a decode step splits its keys across threads at these chunks (the granularity of the former
+// ranges, which kept two threads busy), and a chunk's partial result per head is FA_PART(Dv) floats (acc[Dv], M,
+// pad, S as a double)
+enum { FA_CHUNK_TILES = 16 };
 static inline int64_t FA_PART(int64_t dv) { return dv + 4; }
 
 // Interleaved weight layout "x8" (GEMV of constant Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights): groups

@@ -169,8 +169,8 @@ static void fa_row_tiles(const float* qf, int64_t D, const uint8_t* kb, int64_t 
         alignas(32) float pv[8];
         _mm256_store_ps(pv, p);
         S += (double)hsum(p);
-        for (int t = 0; t < 8; ++t) {  // key by key, one FMA each (every kernel's order); p = 0 adds nothing
-            if (pv[t] == 0.0f) continue;
+        for (int t = 0; t < 8; ++t) {  // key by key, one FMA each (every kernel's order); masked keys skipped
+            if (mraw[t] == -INFINITY) continue;
             const __m256 w = _mm256_set1_ps(pv[t]);
             const uint8_t* vr = vb + (j0 + t) * vs;
             if constexpr (regs) {
@@ -282,8 +282,7 @@ static void fa_rows_gqa(const float* qf, int64_t D, const uint8_t* kb, int64_t k
             for (int t = 0; t < 8; ++t) {
                 if (mraw[t] == -INFINITY) continue;  // a masked row may hold anything (never written)
                 const __m256 vv = load8(vb + (j0 + t) * vs + 8 * i * ves, vf16);
-                for (int g = 0; g < G; ++g)
-                    if (pv[g][t] != 0.0f) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(&pv[g][t]), vv, a[g]);
+                for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(&pv[g][t]), vv, a[g]);
             }
             for (int g = 0; g < G; ++g) _mm256_store_ps(acc[g] + 8 * i, a[g]);
         }
@@ -415,30 +414,24 @@ static void fa_group(const Node& n, int64_t iq, int64_t hk, int64_t b, float* sc
             Ss[g] += (double)hsum(p);
             alignas(32) float pv[8];
             _mm256_store_ps(pv, p);
-            int nz[8], nn = 0;  // the keys with p != 0, in order
+            int nz[8], nn = 0;  // the unmasked keys, in order
             for (int t = 0; t < 8; ++t)
-                if (pv[t] != 0.0f) nz[nn++] = t;
+                if (mraw[t] != -INFINITY) nz[nn++] = t;
+            __m256 w[8];
+            for (int e = 0; e < nn; ++e) w[e] = _mm256_set1_ps(pv[nz[e]]);
             int64_t i = 0;
-            for (; i + 32 <= Dv; i += 32) {  // four blocks at a time: four independent chains
-                __m256 a0 = _mm256_loadu_ps(ag + i), a1 = _mm256_loadu_ps(ag + i + 8);
-                __m256 a2 = _mm256_loadu_ps(ag + i + 16), a3 = _mm256_loadu_ps(ag + i + 24);
+            for (; i + 64 <= Dv; i += 64) {  // eight blocks at a time: eight independent FMA chains
+                __m256 a[8];
+                for (int r = 0; r < 8; ++r) a[r] = _mm256_loadu_ps(ag + i + 8 * r);
                 for (int e = 0; e < nn; ++e) {
-                    const __m256 w = _mm256_set1_ps(pv[nz[e]]);
                     const float* vr = vt + nz[e] * Dv + i;
-                    a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr), a0);
-                    a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8), a1);
-                    a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 16), a2);
-                    a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 24), a3);
+                    for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(w[e], _mm256_loadu_ps(vr + 8 * r), a[r]);
                 }
-                _mm256_storeu_ps(ag + i, a0);
-                _mm256_storeu_ps(ag + i + 8, a1);
-                _mm256_storeu_ps(ag + i + 16, a2);
-                _mm256_storeu_ps(ag + i + 24, a3);
+                for (int r = 0; r < 8; ++r) _mm256_storeu_ps(ag + i + 8 * r, a[r]);
             }
             for (; i < Dv; i += 8) {
                 __m256 a = _mm256_loadu_ps(ag + i);
-                for (int e = 0; e < nn; ++e)
-                    a = _mm256_fmadd_ps(_mm256_set1_ps(pv[nz[e]]), _mm256_loadu_ps(vt + nz[e] * Dv + i), a);
+                for (int e = 0; e < nn; ++e) a = _mm256_fmadd_ps(w[e], _mm256_loadu_ps(vt + nz[e] * Dv + i), a);
                 _mm256_storeu_ps(ag + i, a);
             }
         }
