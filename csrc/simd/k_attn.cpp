@@ -384,22 +384,35 @@ static void fa_group(const Node& n, int64_t iq, int64_t hk, int64_t b, float* sc
             clear();
         }
         ++vis;
-        const uint8_t* kr[8];
-        for (int t = 0; t < 8; ++t) {  // convert the tile (masked keys: none)
-            kr[t] = nullptr;
-            if (mraw[t] == -INFINITY) continue;
+        for (int t = 0; t < 8; ++t) {  // convert the tile (masked keys: zeros, their scores 0 as fa_scores8's)
             float* kd = kt + t * D;
             float* vd = vt + t * Dv;
+            if (mraw[t] == -INFINITY) {
+                for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(kd + i, _mm256_setzero_ps());
+                continue;
+            }
             const uint8_t* ks = kb + (j0 + t) * k.nb[1];
             const uint8_t* vs = vb + (j0 + t) * v.nb[1];
             for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(kd + i, load8(ks + i * (kf ? 2 : 4), kf));
             for (int64_t i = 0; i < Dv; i += 8) _mm256_storeu_ps(vd + i, load8(vs + i * (vf ? 2 : 4), vf));
-            kr[t] = (const uint8_t*)kd;
         }
         const __m256 vmr = _mm256_load_ps(mraw);
         for (int64_t g = 0; g < G; ++g) {
             const float sl = g < 64 ? slope[g] : alibi_slope_fa(max_bias, h0 + g, H);
-            const __m256 sc = fa_logits8(fa_scores8(qs + g * D, D, kr, 4, false), scale, softcap, sl, vmr);
+            const float* qg = qs + g * D;
+            __m256 part[8];
+            for (int t = 0; t < 8; ++t) {  // fa_scores8's two chains, on the converted tile
+                const float* kd = kt + t * D;
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                int64_t i = 0;
+                for (; i + 16 <= D; i += 16) {
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kd + i), a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 8), _mm256_loadu_ps(kd + i + 8), a1);
+                }
+                for (; i < D; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kd + i), a0);
+                part[t] = _mm256_add_ps(a0, a1);
+            }
+            const __m256 sc = fa_logits8(hsum_lanes8(part), scale, softcap, sl, vmr);
             const float mt = hmax(sc);
             if (!(mt > -INFINITY)) continue;
             float* ag = acc + g * Dv;
@@ -423,9 +436,16 @@ static void fa_group(const Node& n, int64_t iq, int64_t hk, int64_t b, float* sc
             for (; i + 64 <= Dv; i += 64) {  // eight blocks at a time: eight independent FMA chains
                 __m256 a[8];
                 for (int r = 0; r < 8; ++r) a[r] = _mm256_loadu_ps(ag + i + 8 * r);
-                for (int e = 0; e < nn; ++e) {
-                    const float* vr = vt + nz[e] * Dv + i;
-                    for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(w[e], _mm256_loadu_ps(vr + 8 * r), a[r]);
+                if (nn == 8) {  // the whole tile visible (most tiles): a fixed, unrolled loop
+                    for (int e = 0; e < 8; ++e) {
+                        const float* vr = vt + e * Dv + i;
+                        for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(w[e], _mm256_loadu_ps(vr + 8 * r), a[r]);
+                    }
+                } else {
+                    for (int e = 0; e < nn; ++e) {
+                        const float* vr = vt + nz[e] * Dv + i;
+                        for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(w[e], _mm256_loadu_ps(vr + 8 * r), a[r]);
+                    }
                 }
                 for (int r = 0; r < 8; ++r) _mm256_storeu_ps(ag + i + 8 * r, a[r]);
             }
