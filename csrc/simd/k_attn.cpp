@@ -105,6 +105,22 @@ GP_INLINE bool fa_tile_mask(const uint8_t* mp, int64_t ms_stride, int mtype, int
     return any;
 }
 
+// Whether any of keys [j0, j0 + 8) is visible (fa_tile_mask's answer, without the values): 8 at once when the mask
+// row is contiguous, as it is in every model's graph.
+GP_INLINE bool fa_tile_visible(const uint8_t* mp, int64_t ms_stride, int mtype, int64_t j0, int64_t nkv) {
+    if (!mp) return j0 < nkv;
+    if (j0 + 8 <= nkv && mtype == T_F32 && ms_stride == 4) {
+        const __m256 m = _mm256_loadu_ps((const float*)mp + j0);
+        return _mm256_movemask_ps(_mm256_cmp_ps(m, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ)) != 0xFF;
+    }
+    if (j0 + 8 <= nkv && mtype == T_F16 && ms_stride == 2) {
+        const __m128i m = _mm_loadu_si128((const __m128i*)((const uint16_t*)mp + j0));
+        return _mm_movemask_epi8(_mm_cmpeq_epi16(m, _mm_set1_epi16((short)0xFC00))) != 0xFFFF;
+    }
+    alignas(32) float mraw[8];
+    return fa_tile_mask(mp, ms_stride, mtype, j0, nkv, mraw);
+}
+
 // One head's softmax over keys [0, Nkv) (a whole row, or one chunk of it), its result merged into (tot, *M_tot,
 // *S_tot) chunk by chunk: FA_CHUNK_TILES visible tiles of 8 keys each, an online softmax within a chunk. DV8 > 0:
 // Dv = 8 * DV8, the chunk accumulated in registers; DV8 == 0: any Dv that is a multiple of 8, the chunk in cbuf[Dv].
@@ -487,42 +503,43 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
     const int64_t gunits = Nq * Hk * B;
     // the grouped-heads kernels read one mask for the heads of a group: the mask must not differ by head
     const bool one_mask = !has_mask || mk.ne[2] == 1;
-    if (n.n_phases == 3 && groupable && (Dv == 32 || Dv == 64 || Dv == 128)) {
+    if (n.n_phases == 2 && groupable && (Dv == 32 || Dv == 64 || Dv == 128)) {
         // few query rows and KV heads (a decode step): split the keys too, so that both threads have work however
         // few heads there are ("flash decoding"), at the chunks every path uses (FA_CHUNK_TILES visible tiles).
-        // Phase 0 finds where each mask row's chunks start; phase 1 leaves each (query row, head, chunk)'s partial
-        // result in the shared scratch; phase 2 merges a head's chunks in order, as the other paths do as they go.
+        // Phase 0 leaves each (query row, head, chunk)'s partial result in the shared scratch (empty for a chunk
+        // past the row's last); phase 1 merges a head's chunks in order, as the other paths do as they go.
         const int64_t ntiles = (Nkv + 7) / 8, nchmax = (ntiles + FA_CHUNK_TILES - 1) / FA_CHUNK_TILES;
-        const int64_t heads = Nq * H * B, Hm = has_mask ? mk.ne[2] : 1;
+        const int64_t heads = Nq * H * B, Hm = has_mask ? mk.ne[2] : 1, mrows = B * Nq * Hm;
         float* parts = (float*)ctx.wdata;
-        int32_t* starts = (int32_t*)(parts + heads * nchmax * FA_PART(Dv));  // per mask row: count, then starts
         const bool kf = k.type == T_F16, vf = v.type == T_F16;
         auto mask_of = [&](int64_t iq, int64_t h, int64_t b) -> const uint8_t* {
             return has_mask ? mk.data + iq * mk.nb[1] + (h % mk.ne[2]) * mk.nb[2] + (b % mk.ne[3]) * mk.nb[3]
                             : nullptr;
         };
-        auto table = [&](int64_t iq, int64_t h, int64_t b) -> int32_t* {
-            return starts + ((b * Nq + iq) * Hm + h % Hm) * (nchmax + 1);
-        };
         if (phase == 0) {
-            int64_t r0, r1;
-            split_range(B * Nq * Hm, ith, nth, &r0, &r1);
-            for (int64_t r = r0; r < r1; ++r) {
-                const int64_t hm = r % Hm, iq = (r / Hm) % Nq, b = r / (Hm * Nq);
-                const uint8_t* mp = mask_of(iq, hm, b);
-                int32_t* tb = table(iq, hm, b);
-                int32_t nch = 0, vis = 0;
-                for (int64_t t = 0; t < ntiles; ++t) {
-                    alignas(32) float mraw[8];
-                    if (!fa_tile_mask(mp, has_mask ? mk.nb[0] : 0, mk.type, 8 * t, Nkv, mraw)) continue;
-                    if (vis % FA_CHUNK_TILES == 0) tb[1 + nch++] = (int32_t)t;
-                    ++vis;
+            // where each mask row's chunks start (its count, then the first tile of each), found by this call for
+            // the rows it needs, in its own scratch after the query rows and the chunk buffer
+            int32_t* starts = (int32_t*)((float*)ctx.thread_scratch(ith) + FA_SPLIT_FLOATS(D, Dv, rep));
+            for (int64_t r = 0; r < mrows; ++r) starts[r * (nchmax + 1)] = -1;
+            auto table = [&](int64_t iq, int64_t h, int64_t b) -> const int32_t* {
+                int32_t* tb = starts + ((b * Nq + iq) * Hm + h % Hm) * (nchmax + 1);
+                if (tb[0] < 0) {
+                    const uint8_t* mp = mask_of(iq, h, b);
+                    int32_t nch = 0, vis = 0;
+                    for (int64_t t = 0; t < ntiles; ++t) {
+                        if (!fa_tile_visible(mp, has_mask ? mk.nb[0] : 0, mk.type, 8 * t, Nkv)) continue;
+                        if (vis % FA_CHUNK_TILES == 0) tb[1 + nch++] = (int32_t)t;
+                        ++vis;
+                    }
+                    tb[0] = nch;
                 }
-                tb[0] = nch;
-            }
-            return;
-        }
-        if (phase == 1) {
+                return tb;
+            };
+            auto empty = [&](float* pg) {  // a chunk past the row's last: merging it changes nothing
+                pg[Dv] = -INFINITY;
+                const double zero = 0.0;
+                memcpy(pg + Dv + 2, &zero, sizeof(double));
+            };
             // a chunk's keys: from its first visible tile to the next chunk's (or the end)
             auto keys = [&](const int32_t* tb, int64_t c, int64_t* jb, int64_t* je) {
                 *jb = 8 * (int64_t)tb[1 + c];
@@ -537,7 +554,11 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                     const int64_t gu = u % gunits, c = u / gunits;
                     const int64_t hk = gu % Hk, iq = (gu / Hk) % Nq, b = gu / (Hk * Nq), h0 = hk * rep;
                     const int32_t* tb = table(iq, h0, b);
-                    if (c >= tb[0]) continue;
+                    const int64_t hu0 = (b * Nq + iq) * H + h0;  // as phase 1 numbers the heads
+                    if (c >= tb[0]) {
+                        for (int64_t g = 0; g < rep; ++g) empty(parts + ((hu0 + g) * nchmax + c) * FA_PART(Dv));
+                        continue;
+                    }
                     int64_t jb, je;
                     keys(tb, c, &jb, &je);
                     float slope[4];
@@ -547,7 +568,6 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                         slope[g] = alibi_slope_fa(max_bias, h0 + g, H);
                     }
                     const uint8_t* mp = mask_of(iq, h0, b);
-                    const int64_t hu0 = (b * Nq + iq) * H + h0;  // as phase 2 numbers the heads
                     fa_rows_group(rep, qf, D, k.data + hk * k.nb[2] + b * k.nb[3] + jb * k.nb[1], k.nb[1], kf,
                                   v.data + hk * v.nb[2] + b * v.nb[3] + jb * v.nb[1], v.nb[1], vf, je - jb,
                                   mp ? mp + jb * mk.nb[0] : nullptr, has_mask ? mk.nb[0] : 0, mk.type, slope, scale,
@@ -555,7 +575,7 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                 }
                 return;
             }
-            float* cbuf = qf + ((D + 15) & ~15);
+            float* cbuf = qf + rep * D;
             int64_t u0, u1;
             split_range(heads * nchmax, ith, nth, &u0, &u1);
             for (int64_t u = u0; u < u1; ++u) {
@@ -565,10 +585,13 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                 const int64_t hu = u % heads, c = u / heads;
                 const int64_t h = hu % H, iq = (hu / H) % Nq, b = hu / (H * Nq), hk = h / rep;
                 const int32_t* tb = table(iq, h, b);
-                if (c >= tb[0]) continue;
+                float* pg = parts + (hu * nchmax + c) * FA_PART(Dv);  // phase 1 reads a head's chunks side by side
+                if (c >= tb[0]) {
+                    empty(pg);
+                    continue;
+                }
                 int64_t jb, je;
                 keys(tb, c, &jb, &je);
-                float* pg = parts + (hu * nchmax + c) * FA_PART(Dv);  // phase 2 reads a head's chunks side by side
                 const uint8_t* qp = q.data + iq * q.nb[1] + h * q.nb[2] + b * q.nb[3];
                 for (int64_t i = 0; i < D; ++i) qf[i] = *(const float*)(qp + i * q.nb[0]);
                 const uint8_t* mp = mask_of(iq, h, b);
@@ -588,10 +611,9 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
         for (int64_t hu = u0; hu < u1; ++hu) {  // one head of one query row: merge its chunks, in order
             const int64_t h = hu % H, iq = (hu / H) % Nq, b = hu / (H * Nq);
             const float* p0 = parts + hu * nchmax * FA_PART(Dv);
-            const int32_t nch = table(iq, h, b)[0];
             float M = -INFINITY;
             double S = 0.0;
-            for (int64_t c = 0; c < nch; ++c) {
+            for (int64_t c = 0; c < nchmax; ++c) {
                 const float* pg = p0 + c * FA_PART(Dv);
                 double s;
                 memcpy(&s, pg + Dv + 2, sizeof(double));

@@ -94,11 +94,13 @@ Scratch node_scratch(const Node& n) {
             const size_t group = (size_t)(8 * D + 8 * Dv + H * (D + 2 * Dv) + 6 * H + 64) * 4;  // GQA tiles
             s.per_thread = pad64(single > group ? single : group);
             if (fa_splits_keys(n)) {
-                // every (query row, head, chunk)'s partial result, and each mask row's chunks, for as many rows as
-                // a split may have whatever the (symbolic) row count: rows x KV heads < 8
+                // every (query row, head, chunk)'s partial result, and in each thread its mask rows' chunk tables,
+                // for as many rows as a split may have whatever the (symbolic) row count: rows x KV heads < 8
                 const int64_t nch = ((n.src[1].ne[1] + 7) / 8 + FA_CHUNK_TILES - 1) / FA_CHUNK_TILES;
                 const int64_t rows = 7 / n.src[1].ne[2], mrows = rows * (n.has[3] ? n.src[3].ne[2] : 1);
-                s.shared = (size_t)(rows * H * nch * FA_PART(Dv) + mrows * (nch + 1)) * 4;
+                s.shared = (size_t)(rows * H * nch * FA_PART(Dv)) * 4;
+                const size_t split = (size_t)(FA_SPLIT_FLOATS(D, Dv, H / n.src[1].ne[2]) + mrows * (nch + 1)) * 4;
+                if (pad64(split) > s.per_thread) s.per_thread = pad64(split);
             }
             break;
         }
@@ -162,7 +164,7 @@ int node_phases(const Node& n, bool n_rows_symbolic) {
     if (n.op == GGML_PY_OP_MUL_MAT && type_is_quant(n.src[0].type)) {
         if (n_rows_symbolic || n.src[1].ne[1] < gemm_min_rows(n.src[0].type)) return 2;
     }
-    if (fa_splits_keys(n)) return 3;  // where each row's chunks start, the chunks, their merge
+    if (fa_splits_keys(n)) return 2;  // chunks of keys, then their merge
     return 1;
 }
 
