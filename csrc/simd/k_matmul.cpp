@@ -308,6 +308,28 @@ static void micro(int64_t kc, const float* GP_RESTRICT A, const void* GP_RESTRIC
     }
 }
 
+#if GP_AVX2
+// micro<1, BT> on two whole panels side by side (one activation row): each element the same one chain of FMAs,
+// but four chains in flight instead of two, so a decode step's float product is not bound by the FMA latency
+template <int BT>
+static void micro_pair(int64_t kc, const float* GP_RESTRICT A, const void* GP_RESTRICT B0,
+                       const void* GP_RESTRICT B1, uint8_t* C, bool acc) {
+    __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < kc; ++k) {
+        const __m256 av = _mm256_broadcast_ss(A + GEMM_MR * k);
+        c00 = _mm256_fmadd_ps(av, load_b<BT>(B0, 16 * k), c00);
+        c01 = _mm256_fmadd_ps(av, load_b<BT>(B0, 16 * k + 8), c01);
+        c10 = _mm256_fmadd_ps(av, load_b<BT>(B1, 16 * k), c10);
+        c11 = _mm256_fmadd_ps(av, load_b<BT>(B1, 16 * k + 8), c11);
+    }
+    float* c = (float*)C;
+    const __m256 r[4] = {c00, c01, c10, c11};
+    for (int j = 0; j < 4; ++j)
+        _mm256_storeu_ps(c + 8 * j, acc ? _mm256_add_ps(_mm256_loadu_ps(c + 8 * j), r[j]) : r[j]);
+}
+#endif
+
 template <int BT>
 static void micro_rows(int mr, int64_t kc, const float* A, const void* B, uint8_t* C, int64_t ldc, bool acc, int nr) {
     switch (mr) {
@@ -347,6 +369,22 @@ static void gemm_unit(const Node& n, int64_t b2, int64_t b3, int64_t m0, int64_t
         for (int64_t m = m0; m < m1; m += 16) {
             const int nr = (int)imin(16, m1 - m);
             uint8_t* C = dbase + m * 4;
+#if GP_AVX2
+            if (N == 1 && p16 && m + 32 <= imin(full, m1)) {  // two whole in-place panels at once
+                const int64_t es = type_size(w.type);
+                const uint8_t* B0 = n.repack + (m / 16) * group;
+                for (int64_t pc = 0; pc < K; pc += GEMM_KC) {
+                    const int64_t kc = imin(GEMM_KC, K - pc);
+                    const uint8_t* b0 = B0 + pc * 16 * es;
+                    const uint8_t* b1 = B0 + group + pc * 16 * es;
+                    if (w.type == T_F16) micro_pair<T_F16>(kc, ap + pc * GEMM_MR, b0, b1, C, pc > 0);
+                    else if (w.type == T_BF16) micro_pair<T_BF16>(kc, ap + pc * GEMM_MR, b0, b1, C, pc > 0);
+                    else micro_pair<T_F32>(kc, ap + pc * GEMM_MR, b0, b1, C, pc > 0);
+                }
+                m += 16;
+                continue;
+            }
+#endif
             for (int64_t pc = 0; pc < K; pc += GEMM_KC) {
                 const int64_t kc = imin(GEMM_KC, K - pc);
 #if GP_AVX2
