@@ -30,7 +30,7 @@ import numpy as np
 
 from ggml_py.errors import ModelError
 from ggml_py.ir import dtypes
-from ggml_py.models.kv_cache import KVCells
+from ggml_py.models.kv_cache import KVCells, cells_for
 from ggml_py.models.stage import Stage, StepMeta
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ class BatchDecoder:
         self.n_ctx = n_ctx
         self.n_seq_max = n_seq_max
         self.n_batch = n_batch
-        self.cells = KVCells(n_ctx, n_seq_max)
+        self.cells = KVCells(cells_for(n_ctx, n_seq_max), n_seq_max, capacity=n_ctx)
         # the blocks run as one local stage beside the decoder (sharing its cells), or as the given pipeline stages,
         # each with its own record of the cells kept from the step metas (stage.py)
         self._own_stages = stages is None  # given stages are the caller's to close; this decoder starts them afresh

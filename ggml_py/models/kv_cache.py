@@ -60,6 +60,16 @@ def causal_mask(pos: np.ndarray, n_kv: int, window: int = 0) -> np.ndarray:
     return np.where(ok, np.float32(0), np.float32(-np.inf)).astype(np.float32)
 
 
+BLOCK = 32  # cells a shared cache hands a sequence at a time
+
+
+def cells_for(n_ctx: int, n_seq_max: int, block: int = BLOCK) -> int:
+    """The cells of a cache shared by up to `n_seq_max` sequences holding `n_ctx` tokens in all: one block more
+    per sequence (each leaves at most its last block part-empty), so that every sequence's tokens fit in whole
+    blocks of its own, in ascending order, however full the cache (KVCells; docs/serving.md, determinism)."""
+    return (-(-n_ctx // block) + n_seq_max) * block
+
+
 class CacheFullError(ModelError):
     """The KV cache has no free cells for the tokens asked for."""
 
@@ -82,10 +92,12 @@ class KVCells:
     counts both).
     """
 
-    def __init__(self, n_cells: int, n_seq_max: int, block: int = 32) -> None:
+    def __init__(self, n_cells: int, n_seq_max: int, block: int = BLOCK, capacity: int | None = None) -> None:
         if n_cells < 1 or n_seq_max < 1:
             raise ModelError(f"a KV cache needs n_ctx >= 1 and n_seq_max >= 1, got {n_cells} and {n_seq_max}")
         self.n_cells = n_cells
+        # tokens it holds at most (n_ctx): fewer than its cells when these are padded to whole blocks (cells_for)
+        self.capacity = n_cells if capacity is None else min(capacity, n_cells)
         self.n_seq_max = n_seq_max
         self.block = block
         self.seq = np.full(n_cells, -1, np.int32)
@@ -100,7 +112,7 @@ class KVCells:
 
     @property
     def n_free(self) -> int:
-        return self.n_cells - self.n_used
+        return self.capacity - self.n_used
 
     def alloc(self, seq_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Cells for tokens (seq_ids[i], positions[i]): each sequence's in its own blocks (the lowest free cells of
@@ -108,7 +120,7 @@ class KVCells:
         few cells are free."""
         n = len(seq_ids)
         if n > self.n_free:
-            raise CacheFullError(f"the KV cache is full: {n} new tokens, {self.n_free} of {self.n_cells} cells free "
+            raise CacheFullError(f"the KV cache is full: {n} new tokens, {self.n_free} of {self.capacity} free "
                                  f"(n_ctx); finish or cancel a sequence, or use a larger context")
         seq_ids = np.asarray(seq_ids, np.int32)
         cells = np.empty(n, np.int32)

@@ -22,7 +22,7 @@ from ggml_py.errors import ModelError
 from ggml_py.ir import dtypes
 from ggml_py.ir.symbolic import sym
 from ggml_py.models.blocks import StepGraph
-from ggml_py.models.kv_cache import KVCache, KVCells
+from ggml_py.models.kv_cache import KVCache, KVCells, cells_for
 from ggml_py.models.memory import require_memory, step_buffer_bytes
 from ggml_py.runtime.plan import prepare
 
@@ -103,14 +103,15 @@ def stage_weight_bytes(model: Model, layers: range) -> int:
 def stage_memory_parts(model: Model, layers: range, n_ctx: int, n_seq_max: int, n_batch: int,
                        kv: dtypes.DType) -> list[tuple[str, int]]:
     """What a stage holds: its weights (mapped: resident once read, and read every step), the KV cache of its
-    blocks, its compute buffer (attention masks of n_batch x n_ctx, the last stage's logits)."""
+    blocks, its compute buffer (attention masks of n_batch x its cells, the last stage's logits)."""
     hp = model.hparams
     last = layers.stop == hp.n_layer
+    cells = cells_for(n_ctx, n_seq_max)
     return [(f"weights of blocks {layers.start}-{layers.stop - 1}", stage_weight_bytes(model, layers)),
-            (f"KV cache of blocks {layers.start}-{layers.stop - 1} ({n_ctx} cells, {kv})",
-             KVCache.nbytes_for(hp, n_ctx, kv) // hp.n_layer * len(layers)),
-            (f"compute buffer (attention masks of {n_batch} x {n_ctx})",
-             step_buffer_bytes(hp, n_batch, n_ctx, n_seq_max if last else 0))]
+            (f"KV cache of blocks {layers.start}-{layers.stop - 1} ({cells} cells, {kv})",
+             KVCache.nbytes_for(hp, cells, kv) // hp.n_layer * len(layers)),
+            (f"compute buffer (attention masks of {n_batch} x {cells})",
+             step_buffer_bytes(hp, n_batch, cells, n_seq_max if last else 0))]
 
 
 def split_by_memory(need: Callable[[range], int], n_layer: int, budgets: Sequence[int]) -> list[range]:
@@ -165,9 +166,10 @@ class Stage:
         self.memory_parts = parts if count_weights else parts[1:]
         require_memory(self.memory_parts, "use a smaller n_ctx or n_batch, kv_type F16, or more stages",
                        memory_limit)
-        self.cache = KVCache(hp, n_ctx, kv)  # state tensors: only this stage's blocks are ever allocated
+        self.n_cells = cells_for(n_ctx, n_seq_max)  # n_ctx tokens in whole blocks (kv_cache.cells_for)
+        self.cache = KVCache(hp, self.n_cells, kv)  # state tensors: only this stage's blocks are ever allocated
         self._mirror = cells is None
-        self.cells = KVCells(n_ctx, n_seq_max) if cells is None else cells
+        self.cells = KVCells(self.n_cells, n_seq_max) if cells is None else cells
         self._graph: StepGraph | None = None
         self._plan: Plan | None = None
         self.plans_prepared = 0
@@ -181,7 +183,7 @@ class Stage:
             m = self.model
             t0 = time.perf_counter()
             g = m.arch.build_step(m.hparams, m.weights, self.cache, sym("n_tok", self.n_batch),
-                                  sym("n_kv", self.n_ctx), n_out=sym("n_out", self.n_seq_max), layers=self.layers)
+                                  sym("n_kv", self.n_cells), n_out=sym("n_out", self.n_seq_max), layers=self.layers)
             self._plan = prepare(g.logits, backends=m.backends)
             self._graph = g
             self.prepare_s += time.perf_counter() - t0
