@@ -46,6 +46,14 @@ GP_INLINE __m256 load8(const uint8_t* p, bool f16) {
     return f16 ? load_f16x8((const uint16_t*)p) : _mm256_loadu_ps((const float*)p);
 }
 
+// A row's visible tiles counted into chunks of FA_CHUNK_TILES, the one rule of every path and of the split's scan:
+// next() for each visible tile, true when it starts a chunk (the first tile, then every FA_CHUNK_TILES-th).
+struct FaChunks {
+    int vis = 0;
+    bool next() { return vis++ % FA_CHUNK_TILES == 0; }
+    bool later() { return next() && vis > 1; }  // starts a chunk after the first: the one before it is complete
+};
+
 // A head's result so far (acc[Dv] unnormalised, M, S) merged with a chunk's: the one way chunks are combined,
 // in chunk order, by every path (an empty total takes the chunk as it is).
 GP_INLINE void fa_merge(float* acc, float* M, double* S, const float* acc_c, float M_c, double S_c, int64_t Dv) {
@@ -136,7 +144,7 @@ static void fa_row_tiles(const float* qf, int64_t D, const uint8_t* kb, int64_t 
     float* const ca = regs ? spill : cbuf;  // the chunk's acc when merged
     float M = -INFINITY;
     double S = 0.0;
-    int vis = 0;
+    FaChunks chunks;
     auto clear = [&]() {
         if constexpr (regs) {
             for (int i = 0; i < DV8; ++i) acc[i] = _mm256_setzero_ps();
@@ -145,7 +153,6 @@ static void fa_row_tiles(const float* qf, int64_t D, const uint8_t* kb, int64_t 
         }
         M = -INFINITY;
         S = 0.0;
-        vis = 0;
     };
     auto flush = [&]() {
         if constexpr (regs)
@@ -159,11 +166,10 @@ static void fa_row_tiles(const float* qf, int64_t D, const uint8_t* kb, int64_t 
         prefetch_kv_rows(kb, ks, kbytes, vb, vs, vbytes, j0 + 16, imin(j0 + 24, Nkv));  // the tile after next
         alignas(32) float mraw[8];
         if (!fa_tile_mask(mp, ms_stride, mtype, j0, Nkv, mraw)) continue;
-        if (vis == FA_CHUNK_TILES) {
+        if (chunks.later()) {
             flush();
             clear();
         }
-        ++vis;
         const uint8_t* kr[8];
         for (int t = 0; t < 8; ++t) kr[t] = mraw[t] == -INFINITY ? nullptr : kb + (j0 + t) * ks;
         const __m256 sc = fa_logits8(fa_scores8(qf, D, kr, es, kf16), scale, softcap, slope, _mm256_load_ps(mraw));
@@ -199,7 +205,7 @@ static void fa_row_tiles(const float* qf, int64_t D, const uint8_t* kb, int64_t 
             }
         }
     }
-    if (vis) flush();
+    if (chunks.vis) flush();
 }
 
 // fa_row_tiles for the G query heads that share one KV head (one query row): each block of 8 key or value elements
@@ -214,7 +220,7 @@ static void fa_rows_gqa(const float* qf, int64_t D, const uint8_t* kb, int64_t k
     alignas(32) float acc[G][Dv];
     float M[G];
     double S[G];
-    int vis = 0;
+    FaChunks chunks;
     for (int g = 0; g < G; ++g) {
         float* pg = out + g * ostride;
         pg[Dv] = -INFINITY;
@@ -227,7 +233,6 @@ static void fa_rows_gqa(const float* qf, int64_t D, const uint8_t* kb, int64_t k
             M[g] = -INFINITY;
             S[g] = 0.0;
         }
-        vis = 0;
     };
     auto flush = [&]() {
         for (int g = 0; g < G; ++g) {
@@ -245,11 +250,10 @@ static void fa_rows_gqa(const float* qf, int64_t D, const uint8_t* kb, int64_t k
         prefetch_kv_rows(kb, ks, kbytes, vb, vs, vbytes, j0 + 16, imin(j0 + 24, Nkv));  // the tile after next
         alignas(32) float mraw[8];
         if (!fa_tile_mask(mp, ms_stride, mtype, j0, Nkv, mraw)) continue;
-        if (vis == FA_CHUNK_TILES) {
+        if (chunks.later()) {
             flush();
             clear();
         }
-        ++vis;
         __m256 part[G][8];
         for (int t = 0; t < 8; ++t) {  // fa_scores8's two chains, for G heads at once
             __m256 a0[G], a1[G];
@@ -303,7 +307,7 @@ static void fa_rows_gqa(const float* qf, int64_t D, const uint8_t* kb, int64_t k
             for (int g = 0; g < G; ++g) _mm256_store_ps(acc[g] + 8 * i, a[g]);
         }
     }
-    if (vis) flush();
+    if (chunks.vis) flush();
 }
 
 // fa_rows_gqa for Dv in {32, 64, 128} and G in {2, 3, 4} (the caller's condition)
@@ -367,14 +371,13 @@ static void fa_group(const Node& n, int64_t iq, int64_t hk, int64_t b, float* sc
     double* St = Ss + G;              // G
     float slope[64];
     const int64_t h0 = hk * G;
-    int vis = 0;
+    FaChunks chunks;
     auto clear = [&]() {
         for (int64_t i = 0; i < G * Dv; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
         for (int64_t g = 0; g < G; ++g) {
             Ms[g] = -INFINITY;
             Ss[g] = 0.0;
         }
-        vis = 0;
     };
     auto flush = [&]() {
         for (int64_t g = 0; g < G; ++g) fa_merge(tot + g * Dv, Mt + g, St + g, acc + g * Dv, Ms[g], Ss[g], Dv);
@@ -395,11 +398,10 @@ static void fa_group(const Node& n, int64_t iq, int64_t hk, int64_t b, float* sc
     for (int64_t j0 = 0; j0 < Nkv; j0 += 8) {
         alignas(32) float mraw[8];
         if (!fa_tile_mask(mp, has_mask ? mk.nb[0] : 0, mk.type, j0, Nkv, mraw)) continue;
-        if (vis == FA_CHUNK_TILES) {
+        if (chunks.later()) {
             flush();
             clear();
         }
-        ++vis;
         for (int t = 0; t < 8; ++t) {  // convert the tile (masked keys: zeros, their scores 0 as fa_scores8's)
             float* kd = kt + t * D;
             float* vd = vt + t * Dv;
@@ -472,7 +474,7 @@ static void fa_group(const Node& n, int64_t iq, int64_t hk, int64_t b, float* sc
             }
         }
     }
-    if (vis) flush();
+    if (chunks.vis) flush();
     for (int64_t g = 0; g < G; ++g) {
         const float inv = St[g] == 0.0 ? 0.0f : (float)(1.0 / St[g]);
         uint8_t* op = dst.data + (h0 + g) * dst.nb[1] + iq * dst.nb[2] + b * dst.nb[3];
@@ -525,12 +527,11 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                 int32_t* tb = starts + ((b * Nq + iq) * Hm + h % Hm) * (nchmax + 1);
                 if (tb[0] < 0) {
                     const uint8_t* mp = mask_of(iq, h, b);
-                    int32_t nch = 0, vis = 0;
-                    for (int64_t t = 0; t < ntiles; ++t) {
-                        if (!fa_tile_visible(mp, has_mask ? mk.nb[0] : 0, mk.type, 8 * t, Nkv)) continue;
-                        if (vis % FA_CHUNK_TILES == 0) tb[1 + nch++] = (int32_t)t;
-                        ++vis;
-                    }
+                    int32_t nch = 0;
+                    FaChunks chunks;
+                    for (int64_t t = 0; t < ntiles; ++t)
+                        if (fa_tile_visible(mp, has_mask ? mk.nb[0] : 0, mk.type, 8 * t, Nkv) && chunks.next())
+                            tb[1 + nch++] = (int32_t)t;
                     tb[0] = nch;
                 }
                 return tb;
