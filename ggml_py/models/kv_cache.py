@@ -157,15 +157,15 @@ class KVCells:
         # then sums its keys in the same order wherever they lie: docs/serving.md, determinism); below it only
         # when nothing above is free (counted)
         held = np.flatnonzero(self.owner == s)
+        last = int(held[-1]) if held.size else -1
         unowned = np.flatnonzero(self.owner < 0)
-        above = unowned[unowned > held[-1]] if held.size else unowned
-        for b in np.concatenate([above, unowned[~np.isin(unowned, above)]]):
+        for b in np.concatenate([unowned[unowned > last], unowned[unowned < last]]):
             if not need:
                 break
             lo = b * self.block
             got = lo + np.flatnonzero(free[lo: lo + self.block])[:need]
             if got.size:
-                if got[0] != lo or (held.size and b < held[-1]):
+                if got[0] != lo or b < last:
                     self.out_of_order += 1
                 self.owner[b] = s
                 out.append(got)
