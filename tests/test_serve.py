@@ -244,7 +244,7 @@ def test_bad_requests_get_400(server):
     for body, param in [({"messages": []}, "messages"), ({"messages": "hi"}, "messages"),
                         ({"messages": [{"role": "user", "content": "a"}], "temperature": "hot"}, "temperature"),
                         ({"messages": [{"role": "user", "content": "a"}], "max_tokens": -1}, "max_tokens"),
-                        ({"messages": [{"role": "user", "content": "a"}], "n": 2}, "n"),
+                        ({"messages": [{"role": "user", "content": "a"}], "n": 0}, "n"),
                         ({"messages": [{"role": "user", "content": "a"}], "stop": 3}, "stop"),
                         ({"messages": [{"role": "wizard", "content": "a"}]}, "messages")]:
         r = httpx.post(u, json=body)

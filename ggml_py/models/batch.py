@@ -31,7 +31,7 @@ import numpy as np
 from ggml_py.errors import ModelError
 from ggml_py.ir import dtypes
 from ggml_py.models.kv_cache import KVCells, cells_for
-from ggml_py.models.stage import Stage, StepMeta
+from ggml_py.models.stage import Stage, StepMeta, logit_rows
 
 if TYPE_CHECKING:
     from ggml_py.models.model import Model
@@ -109,6 +109,7 @@ class BatchDecoder:
         self.n_ctx = n_ctx
         self.n_seq_max = n_seq_max
         self.n_batch = n_batch
+        self.n_out = logit_rows(n_seq_max)  # rows of logits a step may ask for
         self.cells = KVCells(cells_for(n_ctx, n_seq_max), n_seq_max, capacity=n_ctx)
         # the blocks run as one local stage beside the decoder (sharing its cells), or as the given pipeline stages,
         # each with its own record of the cells kept from the step metas (stage.py)
@@ -190,13 +191,14 @@ class BatchDecoder:
         return self._next_pos[seq_id]
 
     # -- a step ----------------------------------------------------------------------------------------------------
-    def decode(self, entries: Sequence[tuple[int, Sequence[int] | np.ndarray, bool]]) -> np.ndarray:
+    def decode(self, entries: Sequence[tuple[int, Sequence[int] | np.ndarray, bool | str]]) -> np.ndarray:
         """One step over entries (seq_id, new token ids, want_logits): every entry's tokens are appended to its
-        sequence; returns (number of entries wanting logits, n_vocab) float32, the logits of each such entry's
-        last token, in entry order. A sequence may appear once per step."""
+        sequence; returns (rows, n_vocab) float32 in entry order: the logits of the last token of each entry whose
+        want_logits is True, of every token of each entry whose want_logits is "all" (at most `n_out` rows in
+        all). A sequence may appear once per step."""
         return self.submit(entries).result()
 
-    def submit(self, entries: Sequence[tuple[int, Sequence[int] | np.ndarray, bool]]) -> PendingStep:
+    def submit(self, entries: Sequence[tuple[int, Sequence[int] | np.ndarray, bool | str]]) -> PendingStep:
         """Start a step (as decode) and return at once: `result()` of what it returns waits for the logits. On a
         pipeline (a stage with `submit`, ggml_py/cluster/) several steps may be in flight, each on other sequences,
         so that the stages work on them at the same time (micro-batches); on local stages the step is computed
@@ -236,7 +238,7 @@ class BatchDecoder:
             self.step_s += time.perf_counter() - t_step
             return PendingStep(self, st)
 
-    def _prepare(self, entries: Sequence[tuple[int, Sequence[int] | np.ndarray, bool]]) -> _Step:
+    def _prepare(self, entries: Sequence[tuple[int, Sequence[int] | np.ndarray, bool | str]]) -> _Step:
         """A step's arrays, checked: each token's sequence and position, the rows whose logits are wanted."""
         m = self.model
         seq_list = [int(e[0]) for e in entries]
@@ -259,9 +261,14 @@ class BatchDecoder:
         ends = np.cumsum(lens)
         starts = np.array([self._next_pos[s] for s in seq_list], np.int64)
         pos = (np.repeat(starts - (ends - lens), lens) + np.arange(n)).astype(np.int32)
-        want = np.array([bool(e[2]) for e in entries])
-        return _Step(seq_list, lens.tolist(), [t.tolist() for t in toks], ids, seqs, pos,
-                     (ends - 1)[want].astype(np.int32))
+        # rows whose logits are wanted: an entry's last token (want True), or all its tokens (want "all": the
+        # distributions of a prompt's tokens, for their log-probabilities)
+        rows = [np.arange(e - k, e) if w == "all" else np.array([e - 1]) if w else np.zeros(0, np.int64)
+                for (_, _, w), e, k in zip(entries, ends.tolist(), lens.tolist())]
+        out_rows = np.concatenate(rows).astype(np.int32)
+        if out_rows.size > self.n_out:
+            raise ModelError(f"{out_rows.size} rows of logits in one step exceed the plan's {self.n_out} (n_out)")
+        return _Step(seq_list, lens.tolist(), [t.tolist() for t in toks], ids, seqs, pos, out_rows)
 
     def _run(self, st: _Step) -> np.ndarray:
         """Compute a step now, through every stage; a stage lost on the way is started again, the caches rebuilt,

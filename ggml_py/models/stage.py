@@ -71,6 +71,14 @@ class StepMeta:
         return StepMeta(parts[0], parts[1], parts[2], parts[3], tuple(parts[4].tolist()), parts[5])
 
 
+PROMPT_LOGIT_ROWS = 32  # rows of logits a step may ask for beyond one per sequence (a prompt's log-probabilities)
+
+
+def logit_rows(n_seq_max: int) -> int:
+    """The rows of logits a step's plan holds at most: one per sequence, and PROMPT_LOGIT_ROWS for prompt tokens."""
+    return n_seq_max + PROMPT_LOGIT_ROWS
+
+
 def split_layers(n_layer: int, shares: Sequence[float]) -> list[range]:
     """Contiguous block ranges, one per stage, in proportion to `shares` (e.g. each node's free memory); every
     stage gets at least one block."""
@@ -111,7 +119,7 @@ def stage_memory_parts(model: Model, layers: range, n_ctx: int, n_seq_max: int, 
             (f"KV cache of blocks {layers.start}-{layers.stop - 1} ({cells} cells, {kv})",
              KVCache.nbytes_for(hp, cells, kv) // hp.n_layer * len(layers)),
             (f"compute buffer (attention masks of {n_batch} x {cells})",
-             step_buffer_bytes(hp, n_batch, cells, n_seq_max if last else 0))]
+             step_buffer_bytes(hp, n_batch, cells, logit_rows(n_seq_max) if last else 0))]
 
 
 def split_by_memory(need: Callable[[range], int], n_layer: int, budgets: Sequence[int]) -> list[range]:
@@ -160,8 +168,9 @@ class Stage:
         self.first = layers.start == 0
         self.last = layers.stop == hp.n_layer
         self.n_ctx, self.n_seq_max, self.n_batch = n_ctx, n_seq_max, n_batch
-        # its one plan holds masks of n_batch x n_ctx and (last stage) up to n_seq_max rows of logits; the weights
-        # are counted here only for a stage whose process loaded the model without counting them (a stage host)
+        # its one plan holds masks of n_batch x n_ctx and (last stage) up to logit_rows(n_seq_max) rows of logits;
+        # the weights are counted here only for a stage whose process loaded the model without counting them (a stage
+        # host)
         parts = stage_memory_parts(model, layers, n_ctx, n_seq_max, n_batch, kv)
         self.memory_parts = parts if count_weights else parts[1:]
         require_memory(self.memory_parts, "use a smaller n_ctx or n_batch, kv_type F16, or more stages",
@@ -183,7 +192,8 @@ class Stage:
             m = self.model
             t0 = time.perf_counter()
             g = m.arch.build_step(m.hparams, m.weights, self.cache, sym("n_tok", self.n_batch),
-                                  sym("n_kv", self.n_cells), n_out=sym("n_out", self.n_seq_max), layers=self.layers)
+                                  sym("n_kv", self.n_cells), n_out=sym("n_out", logit_rows(self.n_seq_max)),
+                                  layers=self.layers)
             self._plan = prepare(g.logits, backends=m.backends)
             self._graph = g
             self.prepare_s += time.perf_counter() - t0

@@ -91,7 +91,7 @@ class ApiGuard:
     """The API routes: a bearer key when one is set (constant-time comparison; 401), and JSON request bodies only
     (415), so that a browser's "simple" cross-origin POST (text/plain, a form) cannot start a generation."""
 
-    PROTECTED = ("/v1/", "/metrics")
+    PROTECTED = ("/v1/", "/metrics", "/tokenize", "/detokenize", "/tokenizer_info")
 
     def __init__(self, app: Any, api_key: str | None) -> None:
         self.app = app

@@ -24,13 +24,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ggml_py.errors import GgmlPyError, ModelError, UnavailableError
 from ggml_py.models.batch import BatchDecoder, StageLike
+from ggml_py.models.logprobs import TokenLogprob, token_logprobs
 from ggml_py.models.sampling import Sampler
 from ggml_py.serving.stop_strings import StopMatcher, check_stops
 
@@ -65,6 +66,8 @@ class GenParams:
     stop: Sequence[str] = ()
     stop_at_eos: bool = True
     logit_bias: Mapping[int, float] | None = None  # {token id: added to its logit}, before the penalties
+    logprobs: int | None = None  # each generated token's logprob and this many alternatives (None: none)
+    echo_logprobs: bool = False  # the prompt's tokens' logprobs too (with `logprobs` alternatives)
 
     def sampler(self) -> Sampler:
         return Sampler(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
@@ -81,6 +84,7 @@ class Event:
     kind: str
     text: str = ""
     token: int | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens since the last event (logprobs on)
     finish_reason: str | None = None
     error: str | None = None
     unavailable: bool = False  # the error was not the request's: a part of the runtime was lost (HTTP 503)
@@ -96,6 +100,8 @@ class Completion:
     finish_reason: str
     prompt_tokens: int
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token (GenParams.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, None for the first (echo)
 
     @property
     def completion_tokens(self) -> int:
@@ -103,6 +109,17 @@ class Completion:
 
 
 _ids = itertools.count(1)
+
+
+@dataclass
+class _Rows:
+    """The rows of a step's logits that belong to one request: `n` of them; `start` >= 0 when they are a prompt
+    chunk's from that position (echo logprobs); `sample`: its next token is sampled from the last."""
+
+    req: Request
+    n: int
+    start: int
+    sample: bool
 
 
 class Request:
@@ -124,6 +141,9 @@ class Request:
         self.limit = 0  # positions this request may use (set at admission)
         self.next_token: int | None = None  # sampled, not yet in the cache
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # of the generated tokens (params.logprobs set)
+        self._lp_sent = 0  # of them, those an event has carried
+        self.prompt_logprobs: list[TokenLogprob | None] = [None] if params.echo_logprobs else []
         self.text = ""
         self._pending = ""  # text held back while it may be the start of a stop string
         self.stops = StopMatcher(params.stop)  # built here, on the submitting thread: O(stop lengths)
@@ -144,10 +164,14 @@ class Request:
         """Wait for the request to finish; its Completion."""
         if not self.done.wait(timeout):
             raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        lp = self.params.logprobs is not None
         return Completion(self.id, self.text, list(self.tokens), self.finish_reason or "error", len(self.prompt),
-                          self.error)
+                          self.error, list(self.logprobs) if lp else None,
+                          list(self.prompt_logprobs) if self.params.echo_logprobs else None)
 
     def _emit(self, ev: Event) -> None:
+        if self.logprobs:  # the tokens' logprobs travel with the first event after them
+            ev.logprobs, self._lp_sent = self.logprobs[self._lp_sent:], len(self.logprobs)
         if self.on_event is not None:
             try:
                 self.on_event(ev)
@@ -189,7 +213,7 @@ class Engine:
                                           or micro_batches < 1):
             raise ModelError(f"micro_batches must be a positive integer, got {micro_batches!r}")
         self.n_groups = micro_batches or 1
-        self._inflight: deque[tuple[int, Any, list[Request], list[Request], int]] = deque()
+        self._inflight: deque[tuple[int, Any, list[Request], list[_Rows], int]] = deque()
         self._tok = model.tokenizer_or_none
         self._cond = threading.Condition()
         self._queue: deque[Request] = deque()
@@ -293,7 +317,7 @@ class Engine:
                 self._finish(r, "cancelled")
             while self._queue and len(self._active) < self.n_parallel and self.decoder.has_free_sequence:
                 r = self._queue.popleft()
-                if r.params.max_tokens == 0:
+                if r.params.max_tokens == 0 and not r.params.echo_logprobs:  # nothing to compute
                     self._finish(r, "length")
                     continue
                 r.seq = self.decoder.new_sequence()
@@ -309,7 +333,7 @@ class Engine:
             members = [r for r in active if r.group == g]
             if g in busy or not members:
                 continue
-            entries, wanting, n_prompt = self._entries(members)
+            entries, outs, n_prompt = self._entries(members)
             try:
                 if not entries:
                     raise ModelError("internal error: active requests but nothing to compute")
@@ -317,20 +341,21 @@ class Engine:
             except BaseException as e:  # the step did not happen: its requests cannot go on
                 self._fail_step(members, e)
                 raise
-            self._inflight.append((g, pending, members, wanting, n_prompt))
+            self._inflight.append((g, pending, members, outs, n_prompt))
         if not self._inflight:
             return False
-        g, pending, members, wanting, n_prompt = self._inflight.popleft()  # the oldest step's logits
+        g, pending, members, outs, n_prompt = self._inflight.popleft()  # the oldest step's logits
         try:
             logits = pending.result()
         except BaseException as e:
             self._fail_step(members + [r for q in self._inflight for r in q[2]], e)
             self._inflight.clear()
             raise
-        ids = self._sample(wanting, logits)
+        wanting, rows = self._split_rows(outs, logits)
+        ids = self._sample(wanting, rows)
         new = 0
         with self._cond:
-            for r, t in zip(wanting, ids):
+            for i, (r, t) in enumerate(zip(wanting, ids)):
                 if r.next_token is not None:
                     r.next_token = None
                 if r.cancelled or r.done.is_set():
@@ -339,7 +364,11 @@ class Engine:
                     self._fail(r, t)
                     continue
                 try:
-                    new += self._accept(r, t)
+                    if r.params.max_tokens == 0:  # only the prompt's logprobs were wanted
+                        self._finish(r, "length")
+                        continue
+                    lp = r.params.logprobs
+                    new += self._accept(r, t, None if lp is None else token_logprobs(rows[i], [t], lp)[0])
                 except Exception as e:  # e.g. detokenizing its id: that request ends, the others go on
                     self._fail(r, e)
             self.tokens_prompt += n_prompt
@@ -351,30 +380,52 @@ class Engine:
                 self._recent.popleft()
         return True
 
-    def _entries(self, members: list[Request]) -> tuple[list[tuple[int, Any, bool]], list[Request], int]:
+    def _entries(self, members: list[Request]) -> tuple[list[tuple[int, Any, bool | str]], list[_Rows], int]:
         """One step's entries for these requests (decoding first, one token each, then prompt chunks, oldest first,
-        within n_batch tokens), the requests that get a token from it, and its prompt tokens."""
-        entries: list[tuple[int, Any, bool]] = []
-        wanting: list[Request] = []
-        budget = self.n_batch
+        within n_batch tokens and the decoder's n_out rows of logits), the rows of logits each request gets, and
+        the step's prompt tokens."""
+        entries: list[tuple[int, Any, bool | str]] = []
+        outs: list[_Rows] = []
+        budget, rows = self.n_batch, self.decoder.n_out
         for r in members:
             if r.next_token is not None:
                 entries.append((r.seq, [r.next_token], True))
-                wanting.append(r)
+                outs.append(_Rows(r, 1, -1, True))
                 budget -= 1
+                rows -= 1
         n_prompt = 0
         for r in members:
             left = len(r.prompt) - r.n_prefilled
-            if r.next_token is None and left > 0 and budget > 0:
-                k = min(left, budget)
+            if r.next_token is None and left > 0 and budget > 0 and rows > 0:
+                echo = r.params.echo_logprobs
+                k = min(left, budget, rows) if echo else min(left, budget)
                 last = k == left
-                entries.append((r.seq, r.prompt[r.n_prefilled:r.n_prefilled + k], last))
-                if last:
-                    wanting.append(r)
+                entries.append((r.seq, r.prompt[r.n_prefilled:r.n_prefilled + k], "all" if echo else last))
+                if echo or last:
+                    outs.append(_Rows(r, k if echo else 1, r.n_prefilled if echo else -1, last))
+                    rows -= k if echo else 1
                 r.n_prefilled += k
                 budget -= k
                 n_prompt += k
-        return entries, wanting, n_prompt
+        return entries, outs, n_prompt
+
+    def _split_rows(self, outs: list[_Rows], logits: np.ndarray) -> tuple[list[Request], np.ndarray]:
+        """A step's rows of logits: the prompt tokens' logprobs recorded (echo), and the requests that sample a
+        token with the row each samples from."""
+        wanting, take = [], []
+        at = 0
+        for o in outs:
+            r = o.req
+            if o.start >= 0:  # a prompt chunk's rows: row i is the distribution of the prompt's token start + i + 1
+                n_lp = min(o.n, len(r.prompt) - 1 - o.start)
+                if n_lp > 0:
+                    targets = np.asarray(r.prompt[o.start + 1:o.start + 1 + n_lp])
+                    r.prompt_logprobs += token_logprobs(logits[at:at + n_lp], targets, r.params.logprobs or 0)
+            if o.sample:
+                wanting.append(r)
+                take.append(at + o.n - 1)
+            at += o.n
+        return wanting, logits[np.asarray(take, np.int64)]
 
     def _fail_step(self, reqs: list[Request], e: BaseException) -> None:
         with self._cond:
@@ -403,8 +454,9 @@ class Engine:
         log.warning("request %s failed: %s", r.id, msg)
         self._finish(r, "error", msg)
 
-    def _accept(self, r: Request, t: int) -> int:
-        """A sampled token for r (under the lock): stream it, finish r if it ends here; 1 if the token counts."""
+    def _accept(self, r: Request, t: int, lp: TokenLogprob | None = None) -> int:
+        """A sampled token for r (under the lock), with its logprob if r wants them: stream it, finish r if it ends
+        here; 1 if the token counts."""
         p = r.params
         if r.t_first is None:
             r.t_first = time.perf_counter()
@@ -412,6 +464,8 @@ class Engine:
             self._finish(r, "stop")
             return 0
         r.tokens.append(t)
+        if lp is not None:
+            r.logprobs.append(lp)
         delta = r.stream.push(t) if r.stream is not None else ""
         pos_next = len(r.prompt) + len(r.tokens)  # the position this token will take in the cache
         ends = (p.max_tokens is not None and len(r.tokens) >= p.max_tokens) or pos_next >= r.limit

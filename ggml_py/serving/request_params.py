@@ -7,11 +7,14 @@ import json
 import math
 from typing import Any
 
+from ggml_py.models.logprobs import MAX_TOP_LOGPROBS
 from ggml_py.serving.engine import GenParams
 from ggml_py.serving.http_common import (
     BadRequest,
     notes,
 )
+
+MAX_N = 16  # completions per prompt (n)
 
 
 def _num(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
@@ -50,12 +53,32 @@ def _logit_bias(body: dict[str, Any], n_vocab: int | None) -> dict[int, float] |
     return out or None
 
 
+def _bool(body: dict[str, Any], name: str) -> bool:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise BadRequest(f"{name} must be a boolean, got {v!r}", name)
+    return bool(v)
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """The alternatives each token reports (0: its own logprob only), None without logprobs. Chat: `logprobs`
+    true and `top_logprobs` 0..20; completions: `logprobs` 0..20 (OpenAI's legacy API, up to 5 there)."""
+    if chat:
+        on = _bool(body, "logprobs")
+        top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+        if top is not None and not on:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        return (top or 0) if on else None
+    return _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+
+
 def _refuse_unsupported(body: dict[str, Any]) -> None:
     """What the server does not do yet is refused (400), never silently ignored."""
-    if body.get("logprobs") not in (None, False, 0) or body.get("echo") or body.get("best_of") not in (None, 1):
-        name = "logprobs" if body.get("logprobs") not in (None, False, 0) else \
-            "echo" if body.get("echo") else "best_of"
-        raise BadRequest(f"{name} is not supported", name)
+    if body.get("best_of") not in (None, 1) and body.get("best_of") != body.get("n", 1):
+        raise BadRequest("best_of is not supported (only best_of equal to n, which returns every completion): "
+                         "ask for n completions with logprobs and choose among them", "best_of")
+    if body.get("suffix") not in (None, ""):
+        raise BadRequest("suffix (insertion) is not supported", "suffix")
     rf = body.get("response_format")
     if rf is not None and rf != {"type": "text"}:
         raise BadRequest("response_format is not supported (only {\"type\": \"text\"}, the default): structured "
@@ -68,13 +91,24 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
             raise BadRequest(f"{name} is not supported: tool and function calling are not implemented", name)
 
 
-def gen_params(body: dict[str, Any], default_max_tokens: int | None, n_vocab: int | None = None) -> GenParams:
+def n_choices(body: dict[str, Any]) -> int:
+    """`n`: completions per prompt."""
+    return int(_int(body, "n", 1, 1, MAX_N) or 1)
+
+
+def echo(body: dict[str, Any]) -> bool:
+    """`echo` (completions): the prompt comes before each completion, with its tokens' logprobs when `logprobs`
+    is set."""
+    return _bool(body, "echo")
+
+
+def gen_params(body: dict[str, Any], default_max_tokens: int | None, n_vocab: int | None = None,
+               chat: bool = True) -> GenParams:
     """Sampling and stopping from an OpenAI request body (+ llama.cpp's top_k, min_p, repeat_penalty extensions).
     Unset values take ggml_py's sampler defaults (as llama-server does), not OpenAI's temperature 1. `top_p` 0 is
     greedy (only the most likely token is kept); `logit_bias` ids are checked against `n_vocab`."""
     d = GenParams()
-    n = _int(body, "n", 1, 1, 1)
-    assert n == 1
+    n_choices(body)
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = _int({"max_tokens": mt}, "max_tokens", default_max_tokens, 0)
     stop = body.get("stop")
@@ -88,6 +122,9 @@ def gen_params(body: dict[str, Any], default_max_tokens: int | None, n_vocab: in
         raise BadRequest("stop must be a string or a list of at most 4 strings", "stop")
     seed = _int(body, "seed", None, 0, 2**63 - 1)
     _refuse_unsupported(body)
+    logprobs = _logprobs(body, chat)
+    if chat and body.get("echo") is not None:
+        raise BadRequest("echo is a field of /v1/completions, not of chat completions", "echo")
     temperature = _num(body, "temperature", d.temperature, 0.0, 2.0)
     top_p = _num(body, "top_p", d.top_p, 0.0, 1.0)
     if top_p == 0.0:  # the smallest set reaching probability 0: the most likely token alone
@@ -97,7 +134,8 @@ def gen_params(body: dict[str, Any], default_max_tokens: int | None, n_vocab: in
         min_p=_num(body, "min_p", d.min_p, 0.0, 1.0), repeat_penalty=_num(body, "repeat_penalty", 1.0, 1e-6, 1e6),
         frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0), seed=seed, stop=stops,
-        stop_at_eos=not body.get("ignore_eos", False), logit_bias=_logit_bias(body, n_vocab))
+        stop_at_eos=not body.get("ignore_eos", False), logit_bias=_logit_bias(body, n_vocab), logprobs=logprobs,
+        echo_logprobs=not chat and echo(body) and logprobs is not None)
 
 
 def _content(m: dict[str, Any], i: int) -> str:

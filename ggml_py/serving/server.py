@@ -35,6 +35,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.applications import Starlette
@@ -48,6 +49,7 @@ from starlette.routing import Route
 
 from ggml_py.errors import GgmlPyError, ModelError
 from ggml_py.models.batch import StageLike
+from ggml_py.models.logprobs import TokenLogprob
 from ggml_py.serving.access import ApiGuard, HostOriginGuard
 from ggml_py.serving.connections import LISTEN_BACKLOG, ConnectionGuard, fit_connections, guarded_h11_protocol
 from ggml_py.serving.engine import Engine, EngineClosedError, Event, QueueFullError, Request
@@ -61,8 +63,19 @@ from ggml_py.serving.http_common import (
     notes,
     require_server_extra,
 )
+from ggml_py.serving.openai_format import chat_logprobs, completion_logprobs, usage
 from ggml_py.serving.options import ServeOptions
-from ggml_py.serving.request_params import chat_messages, gen_params, max_token_bytes, parse_json
+from ggml_py.serving.request_params import (
+    chat_messages,
+    echo,
+    gen_params,
+    max_token_bytes,
+    n_choices,
+    parse_json,
+)
+
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_CHOICES = 64  # completions in one request (prompts x n)
 
 
 class _BodyRefused(Exception):
@@ -72,21 +85,22 @@ class _BodyRefused(Exception):
 
 
 class _Inbox:
-    """A request's events, put by the worker thread (through the loop) and taken by its handler."""
+    """The events of a request's choices (choice index, event), put by the worker thread (through the loop) and
+    taken by its handler."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.items: deque[Event] = deque()
+        self.items: deque[tuple[int, Event]] = deque()
         self.ready = asyncio.Event()
 
-    def put(self, ev: Event) -> None:  # the worker thread
-        self.loop.call_soon_threadsafe(self._put, ev)
+    def put(self, i: int, ev: Event) -> None:  # the worker thread
+        self.loop.call_soon_threadsafe(self._put, (i, ev))
 
-    def _put(self, ev: Event) -> None:
-        self.items.append(ev)
+    def _put(self, item: tuple[int, Event]) -> None:
+        self.items.append(item)
         self.ready.set()
 
-    async def get(self, timeout: float) -> Event | None:
+    async def get(self, timeout: float) -> tuple[int, Event] | None:
         """The next event, or None after `timeout` seconds without one."""
         if not self.items:
             self.ready.clear()
@@ -95,6 +109,36 @@ class _Inbox:
             except asyncio.TimeoutError:
                 pass
         return self.items.popleft() if self.items else None
+
+
+@dataclass
+class _Job:
+    """One HTTP request's choices: a request to the engine per prompt and per `n`, in choice order."""
+
+    chat: bool
+    stream: bool
+    include_usage: bool
+    echo: bool  # completions: the prompt before each completion
+    prompts: list[tuple[list[int], str | None]]  # token ids, and the text given (None: given as ids)
+    logprobs: int | None
+    reqs: list[Request] = field(default_factory=list)
+    prompt_of: list[int] = field(default_factory=list)  # each choice's prompt
+
+    def prompt_ids(self, i: int) -> list[int]:
+        return self.prompts[self.prompt_of[i]][0]
+
+    def echo_text(self, i: int, model: Any) -> str:
+        ids, text = self.prompts[self.prompt_of[i]]
+        return text if text is not None else model.detokenize(ids)
+
+    def usage(self) -> dict[str, Any]:
+        """Each prompt counted once, every choice's completion tokens."""
+        done = [r.result(0) for r in self.reqs]
+        return usage(sum(len(ids) for ids, _ in self.prompts), sum(c.completion_tokens for c in done))
+
+
+def _is_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
 
 
 class Server:
@@ -131,6 +175,9 @@ class Server:
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
         ], middleware=middleware, lifespan=self._lifespan)
 
     @contextlib.asynccontextmanager
@@ -198,6 +245,58 @@ class Server:
             lines.append(f"ggml_py_{k} {float(v)}")
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
+    # -- the tokenizer (vLLM's routes and shapes; llama-server's field names accepted too) -----------------------
+    async def _json_body(self, request: HTTPRequest) -> dict[str, Any] | Response:
+        try:
+            return parse_json(await self._read_body(request))
+        except _BodyRefused as e:
+            return error_response(e.status, str(e), "invalid_request_error", headers={"Connection": "close"})
+        except BadRequest as e:
+            return error_response(400, str(e), "invalid_request_error", e.param)
+        except ClientDisconnect:
+            return Response(status_code=499)
+
+    async def tokenize(self, request: HTTPRequest) -> Response:
+        """{"prompt": text, "add_special_tokens": bool (default true)} (or llama-server's "content", "add_special")
+        -> {"tokens": [...], "count": n, "max_model_len": a sequence's context}."""
+        body = await self._json_body(request)
+        if isinstance(body, Response):
+            return body
+        text = body.get("prompt", body.get("content"))
+        special = body.get("add_special_tokens", body.get("add_special", True))
+        if not isinstance(text, str) or not isinstance(special, bool):
+            return error_response(400, "tokenize takes a string \"prompt\" and a boolean \"add_special_tokens\"",
+                                  "invalid_request_error", "prompt")
+        ids = await run_in_threadpool(self.model.tokenize, text, special)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.engine.n_ctx_seq})
+
+    async def detokenize(self, request: HTTPRequest) -> Response:
+        """{"tokens": [...]} -> {"prompt": text} (and llama-server's "content")."""
+        body = await self._json_body(request)
+        if isinstance(body, Response):
+            return body
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(_is_id(t) and 0 <= t < self.model.n_vocab for t in ids):
+            return error_response(400, f"detokenize takes \"tokens\": a list of token ids in [0, "
+                                  f"{self.model.n_vocab})", "invalid_request_error", "tokens")
+        text = await run_in_threadpool(self.model.detokenize, ids)
+        return JSONResponse({"prompt": text, "content": text})
+
+    async def tokenizer_info(self, request: HTTPRequest) -> Response:
+        """The special tokens and the chat template (what a client needs to tokenize as the server does)."""
+        tok = self.model.tokenizer_or_none
+        if tok is None:
+            return error_response(404, "this model has no tokenizer", "invalid_request_error")
+
+        def name(i: int | None) -> str | None:
+            return None if i is None else tok.token_to_piece(i, True).decode("utf-8", errors="replace")
+
+        return JSONResponse({"tokenizer_class": "ggml_py", "bos_token": name(tok.bos_id),
+                             "eos_token": name(tok.eot_id if tok.eot_id is not None else tok.eos_id),
+                             "pad_token": name(tok.pad_id), "add_bos_token": tok.add_bos,
+                             "chat_template": tok.chat_template, "model_max_length": self.engine.n_ctx_seq,
+                             "vocab_size": tok.n_vocab})
+
     # -- generation endpoints --------------------------------------------------------------------------------------
     async def completions(self, request: HTTPRequest) -> Response:
         return await self._generate(request, chat=False)
@@ -211,8 +310,10 @@ class Server:
             raise BadRequest(f"{what} has {n} characters; a sequence's context ({self.engine.n_ctx_seq} tokens) "
                              f"holds at most {cap}", param)
 
-    def _prompt_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
-        """The prompt's token ids (a pool thread: rendering and tokenizing take time in proportion to the text)."""
+    def _prompts(self, body: dict[str, Any], chat: bool) -> list[tuple[list[int], str | None]]:
+        """The prompts' token ids, each with its text when it was given as text (a pool thread: rendering and
+        tokenizing take time in proportion to the text). Completions take a string, a list of token ids, or a
+        list of either (each its own prompt)."""
         m = self.model
         if chat:
             msgs = chat_messages(body)
@@ -222,20 +323,27 @@ class Server:
             except GgmlPyError as e:
                 raise BadRequest(f"the chat template failed: {e}", "messages") from None
             bos = m.tokenizer.bos_token
-            return m.tokenize(text, add_special=not (bos and text.startswith(bos)))
+            return [(m.tokenize(text, add_special=not (bos and text.startswith(bos))), text)]
         p = body.get("prompt")
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
-            p = p[0]
-        if isinstance(p, str):
-            self._check_chars(len(p), "the prompt", "prompt")
-            return m.tokenize(p)
-        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            return [int(t) for t in p]
-        raise BadRequest("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+        if isinstance(p, str) or (isinstance(p, list) and p and all(_is_id(t) for t in p)):
+            p = [p]
+        if not isinstance(p, list) or not p or len(p) > MAX_PROMPTS:
+            raise BadRequest(f"prompt must be a string, a list of token ids, or a list of 1 to {MAX_PROMPTS} of "
+                             "either", "prompt")
+        out: list[tuple[list[int], str | None]] = []
+        for i, q in enumerate(p):
+            if isinstance(q, str):
+                self._check_chars(len(q), "the prompt" if len(p) == 1 else f"prompt[{i}]", "prompt")
+                out.append((m.tokenize(q), q))
+            elif isinstance(q, list) and q and all(_is_id(t) for t in q):
+                out.append(([int(t) for t in q], None))
+            else:
+                raise BadRequest(f"prompt[{i}] must be a string or a non-empty list of token ids", "prompt")
+        return out
 
-    def _admit(self, raw: bytes, chat: bool, on_event: Callable[[Event], None]) -> tuple[Request, bool, bool]:
-        """Parse, validate, tokenize and submit (a pool thread): the request, whether it streams, whether it wants
-        a usage chunk."""
+    def _admit(self, raw: bytes, chat: bool, put: Callable[[int, Event], None]) -> _Job:
+        """Parse, validate, tokenize and submit every choice (a pool thread). A choice that cannot be submitted
+        cancels those that were."""
         body = parse_json(raw)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
@@ -243,9 +351,26 @@ class Server:
         so = body.get("stream_options") or {}
         include_usage = bool(isinstance(so, dict) and so.get("include_usage"))
         params = gen_params(body, self.default_max_tokens if chat else (self.default_max_tokens or 16),
-                            self.model.n_vocab)
-        ids = self._prompt_ids(body, chat)
-        return self.engine.submit(ids, params, on_event), stream, include_usage
+                            self.model.n_vocab, chat=chat)
+        n = n_choices(body)
+        prompts = self._prompts(body, chat)
+        if len(prompts) * n > MAX_CHOICES:
+            raise BadRequest(f"{len(prompts)} prompts x n={n} ask for {len(prompts) * n} completions; at most "
+                             f"{MAX_CHOICES} in one request", "n")
+        job = _Job(chat, stream, include_usage, not chat and echo(body), prompts, params.logprobs)
+        try:
+            for k, (ids, _) in enumerate(prompts):
+                for i in range(n):
+                    idx = len(job.reqs)
+                    seed = None if params.seed is None else params.seed + i  # choice i: the seed's i-th successor
+                    job.reqs.append(self.engine.submit(ids, replace(params, seed=seed),
+                                                       functools.partial(put, idx)))
+                    job.prompt_of.append(k)
+        except BaseException:
+            for r in job.reqs:
+                self.engine.cancel(r)
+            raise
+        return job
 
     async def _read_body(self, request: HTTPRequest) -> bytes:
         """The request body, at most `max_body_bytes` (413 from its Content-Length, or once more has streamed in:
@@ -283,7 +408,7 @@ class Server:
             return Response(status_code=499)
         inbox = _Inbox(asyncio.get_running_loop())
         try:
-            req, stream, include_usage = await run_in_threadpool(self._admit, raw, chat, inbox.put)
+            job = await run_in_threadpool(self._admit, raw, chat, inbox.put)
         except BadRequest as e:
             return error_response(400, str(e), "invalid_request_error", e.param)
         except QueueFullError as e:
@@ -294,106 +419,134 @@ class Server:
         except (ModelError, ValueError) as e:  # a bad prompt (ids, length), sampling parameters
             return error_response(400, str(e), "invalid_request_error")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        if stream:
-            return StreamingResponse(self._sse(request, req, inbox, rid, chat, include_usage),
-                                     media_type="text/event-stream",
+        if job.stream:
+            return StreamingResponse(self._sse(request, job, inbox, rid), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._wait(request, req, inbox, rid, chat)
+        return await self._wait(request, job, inbox, rid)
 
-    async def _next(self, request: HTTPRequest, req: Request, inbox: _Inbox) -> Event | None:
-        """The next event of req; None (and the request cancelled) when the client went away."""
-        while True:
-            ev = await inbox.get(POLL_DISCONNECT_S)
-            if ev is not None:
-                return ev
-            if await request.is_disconnected():
-                self.engine.cancel(req)
-                return None
+    def _cancel(self, job: _Job) -> None:
+        for r in job.reqs:
+            self.engine.cancel(r)
 
-    async def _wait(self, request: HTTPRequest, req: Request, inbox: _Inbox, rid: str,
-                    chat: bool) -> Response:
+    async def _wait(self, request: HTTPRequest, job: _Job, inbox: _Inbox, rid: str) -> Response:
         async def watch() -> None:  # the body is read: the next message is the client's disconnect
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            self.engine.cancel(req)
+            self._cancel(job)
 
         watcher = asyncio.ensure_future(watch())
+        ends: dict[int, Event] = {}
         try:
-            while True:
-                ev = await inbox.get(POLL_DISCONNECT_S)
-                if ev is not None and ev.kind == "done":
-                    break
+            while len(ends) < len(job.reqs):
+                item = await inbox.get(POLL_DISCONNECT_S)
+                if item is not None and item[1].kind == "done":
+                    ends[item[0]] = item[1]
+                    if item[1].finish_reason in ("error", "cancelled"):
+                        break  # the answer is an error: the other choices are not needed
         except BaseException:
-            self.engine.cancel(req)
+            self._cancel(job)
             raise
         finally:
             watcher.cancel()
-        if ev.finish_reason == "cancelled":
-            return Response(status_code=499)
-        if ev.finish_reason == "error":
-            if ev.unavailable:  # not the request's fault: a pipeline stage was lost
-                return error_response(503, ev.error or "generation failed", "server_unavailable")
-            return error_response(500, ev.error or "generation failed", "server_error")
-        c = req.result()
-        usage = {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-                 "total_tokens": c.prompt_tokens + c.completion_tokens}
-        if chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": c.text},
-                                      "logprobs": None, "finish_reason": c.finish_reason}
-        else:
-            choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "model": self.model_name, "choices": [choice],
-                             "usage": usage, "system_fingerprint": "ggml_py"})
+        for ev in ends.values():
+            if ev.finish_reason in ("error", "cancelled"):
+                self._cancel(job)
+                if ev.finish_reason == "cancelled":
+                    return Response(status_code=499)
+                if ev.unavailable:  # not the request's fault: a pipeline stage was lost
+                    return error_response(503, ev.error or "generation failed", "server_unavailable")
+                return error_response(500, ev.error or "generation failed", "server_error")
+        tok = self.model.tokenizer_or_none
+        choices = []
+        for i, req in enumerate(job.reqs):
+            c = req.result()
+            if job.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                                "logprobs": None if c.logprobs is None else chat_logprobs(tok, c.logprobs),
+                                "finish_reason": c.finish_reason})
+                continue
+            head = job.echo_text(i, self.model) if job.echo else ""
+            lp = None
+            if c.logprobs is not None:
+                pre = job.prompt_ids(i) if job.echo else []
+                lp = completion_logprobs(tok, (c.prompt_logprobs or []) + c.logprobs, pre + c.tokens,
+                                         0 if job.echo else len(job.echo_text(i, self.model)))
+            choices.append({"index": i, "text": head + c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+        return JSONResponse({"id": rid, "object": "chat.completion" if job.chat else "text_completion",
+                             "created": int(time.time()), "model": self.model_name, "choices": choices,
+                             "usage": job.usage(), "system_fingerprint": "ggml_py"})
 
-    async def _sse(self, request: HTTPRequest, req: Request, inbox: _Inbox, rid: str, chat: bool,
-                   include_usage: bool) -> AsyncIterator[str]:
+    async def _sse(self, request: HTTPRequest, job: _Job, inbox: _Inbox, rid: str) -> AsyncIterator[str]:
         created = int(time.time())
+        chat = job.chat
         obj = "chat.completion.chunk" if chat else "text_completion"
+        tok = self.model.tokenizer_or_none
+        offsets = [0 if job.echo else len(job.echo_text(i, self.model)) for i in range(len(job.reqs))]
 
-        def chunk(delta: str | None, finish: str | None, role: bool = False) -> str:
+        def chunk(i: int, delta: str | None, finish: str | None, lps: list[TokenLogprob | None] | None = None,
+                  ids: list[int] | None = None, role: bool = False) -> str:
+            want = job.logprobs is not None
             if chat:
                 d: dict[str, Any] = {}
                 if role:
                     d["role"] = "assistant"
                 if delta is not None:
                     d["content"] = delta
-                choice: dict[str, Any] = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+                lp = chat_logprobs(tok, [x for x in lps or [] if x is not None]) if want and lps else None
+                choice: dict[str, Any] = {"index": i, "delta": d, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+                lp = None
+                if want and lps:
+                    lp = completion_logprobs(tok, lps, ids or [x.token for x in lps if x is not None], offsets[i])
+                    offsets[i] += sum(len(t) for t in lp["tokens"])
+                choice = {"index": i, "text": delta or "", "logprobs": lp, "finish_reason": finish}
             out = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice],
                    "system_fingerprint": "ggml_py"}
             return f"data: {json.dumps(out)}\n\n"
 
-        done = False
+        n_done = 0
+        started: set[int] = set()
         try:
             if chat:
-                yield chunk("", None, role=True)
-            while True:
-                ev = await self._next(request, req, inbox)
-                if ev is None:
+                for i in range(len(job.reqs)):
+                    yield chunk(i, "", None, role=True)
+            while n_done < len(job.reqs):
+                item = await self._next(request, job, inbox)
+                if item is None:
                     return
+                i, ev = item
+                if job.echo and i not in started:  # the prompt first (its logprobs are known once it is computed)
+                    started.add(i)
+                    c = job.reqs[i]
+                    yield chunk(i, job.echo_text(i, self.model), None, c.prompt_logprobs, job.prompt_ids(i))
                 if ev.kind == "token":
-                    yield chunk(ev.text, None)
+                    yield chunk(i, ev.text, None, list(ev.logprobs))
                     continue
-                done = True
-                if ev.finish_reason == "error":
+                n_done += 1
+                if ev.finish_reason in ("error", "cancelled"):
                     err = {"error": {"message": ev.error or "generation failed",
                                      "type": "server_unavailable" if ev.unavailable else "server_error",
                                      "param": None, "code": None}}
                     yield f"data: {json.dumps(err)}\n\n"
+                    n_done = -1
                     return
-                yield chunk(None if chat else "", ev.finish_reason)
-                if include_usage:
-                    c = req.result()
-                    usage = {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-                             "total_tokens": c.prompt_tokens + c.completion_tokens}
-                    yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': self.model_name, 'choices': [], 'usage': usage})}\n\n"  # noqa: E501
-                yield "data: [DONE]\n\n"
-                return
+                yield chunk(i, None if chat else "", ev.finish_reason, list(ev.logprobs))
+            if job.include_usage:
+                yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': self.model_name, 'choices': [], 'usage': job.usage()})}\n\n"  # noqa: E501
+            yield "data: [DONE]\n\n"
         finally:
-            if not done:  # the client went away (the response was cancelled): free the sequence now
-                self.engine.cancel(req)
+            if n_done < len(job.reqs):  # the client went away (the response was cancelled), or a choice failed
+                self._cancel(job)
+
+    async def _next(self, request: HTTPRequest, job: _Job, inbox: _Inbox) -> tuple[int, Event] | None:
+        """The next event of a job's choices; None (and the job cancelled) when the client went away."""
+        while True:
+            item = await inbox.get(POLL_DISCONNECT_S)
+            if item is not None:
+                return item
+            if await request.is_disconnected():
+                self._cancel(job)
+                return None
 
 
 def _loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
