@@ -42,7 +42,7 @@ def test_cells_mask_is_causal_per_sequence():
     pos = np.array([3, 4, 5], np.int32)
     assert (one.mask(np.zeros(3, np.int32), pos, 6) == causal_mask(pos, 6)).all()
     assert (one.mask(np.zeros(3, np.int32), pos, 6, window=2) == causal_mask(pos, 6, 2)).all()
-    assert c.free(0) == 3 and c.n_used == 2 and c.n_kv == 5
+    assert c.free(0).size == 3 and c.n_used == 2 and c.n_kv == 5
     assert c.alloc(np.array([2] * 4, np.int32), np.arange(4, dtype=np.int32)).tolist() == [0, 1, 2, 5]
     with pytest.raises(CacheFullError, match="KV cache is full"):
         c.alloc(np.array([2] * 11, np.int32), np.arange(4, 15, dtype=np.int32))
@@ -55,7 +55,7 @@ def test_cells_keep_each_sequence_in_blocks_of_its_own():
     c = KVCells(128, 4, block=32)
     steps = [c.alloc(np.array([0, 1, 2], np.int32), np.full(3, p, np.int32)).tolist() for p in range(3)]
     assert steps == [[0, 32, 64], [1, 33, 65], [2, 34, 66]] and c.n_kv == 67
-    assert c.free(1) == 3
+    assert c.free(1).size == 3
     got = c.alloc(np.full(40, 3, np.int32), np.arange(40, dtype=np.int32))
     assert got.tolist() == list(range(32, 64)) + list(range(96, 104))  # block 1 (freed), then block 3
     rest = c.alloc(np.full(12, 0, np.int32), np.arange(3, 15, dtype=np.int32))

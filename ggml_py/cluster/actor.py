@@ -58,7 +58,7 @@ def frame(meta: np.ndarray, x: np.ndarray) -> bytes:
 
 def unframe(msg: bytes) -> tuple[np.ndarray, memoryview]:
     """The packed meta of a message and the bytes after it."""
-    size = StepMeta.packed_size(np.frombuffer(msg, np.int32, 4))
+    size = StepMeta.packed_size(np.frombuffer(msg, np.int32, StepMeta.N_COUNTS))
     return np.frombuffer(msg, np.int32, size), memoryview(msg)[4 * size:]
 
 

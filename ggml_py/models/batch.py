@@ -31,6 +31,7 @@ import numpy as np
 from ggml_py.errors import ModelError
 from ggml_py.ir import dtypes
 from ggml_py.models.kv_cache import KVCells, cells_for
+from ggml_py.models.prefix_cache import ROOT, PrefixIndex, block_digest
 from ggml_py.models.stage import Stage, StepMeta, logit_rows
 
 if TYPE_CHECKING:
@@ -97,7 +98,8 @@ class BatchDecoder:
     """
 
     def __init__(self, model: Model, n_ctx: int | None = None, n_seq_max: int = 8, n_batch: int = DEFAULT_N_BATCH,
-                 kv_type: str | dtypes.DType | None = None, stages: Sequence[StageLike] | None = None) -> None:
+                 kv_type: str | dtypes.DType | None = None, stages: Sequence[StageLike] | None = None,
+                 prefix_cache: bool = True) -> None:
         for name, v in (("n_seq_max", n_seq_max), ("n_batch", n_batch)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ModelError(f"{name} must be a positive integer, got {v!r}")
@@ -111,6 +113,8 @@ class BatchDecoder:
         self.n_batch = n_batch
         self.n_out = logit_rows(n_seq_max)  # rows of logits a step may ask for
         self.cells = KVCells(cells_for(n_ctx, n_seq_max), n_seq_max, capacity=n_ctx)
+        # whole blocks of computed tokens, kept after their sequences end and found again by later prompts
+        self.prefix = PrefixIndex(self.cells.block) if prefix_cache else None
         # the blocks run as one local stage beside the decoder (sharing its cells), or as the given pipeline stages,
         # each with its own record of the cells kept from the step metas (stage.py)
         self._own_stages = stages is None  # given stages are the caller's to close; this decoder starts them afresh
@@ -127,8 +131,14 @@ class BatchDecoder:
         self._free_ids = list(range(n_seq_max))
         self._next_pos: dict[int, int] = {}  # sequence id -> its next position (= tokens it holds)
         self._tokens: dict[int, list[int]] = {}  # sequence id -> its tokens (replayed when a stage is rebuilt)
-        self._freed: list[int] = []  # sequences ended since the last step (the stages' records free them then)
-        self._released = np.zeros(0, np.int32)  # cells of a failed step (likewise)
+        self._digests: dict[int, list[bytes]] = {}  # sequence id -> the digests of its whole blocks (prefix_cache.py)
+        self._unindexed: set[int] = set()  # sequences whose later blocks are not indexed (cells out of order)
+        # what changed in the cells since the last step, for the stages' records (StepMeta): sequences ended, cells
+        # freed, cells now shared (sequence, cell), K/V rows to copy (src, dst, sequence, position)
+        self._freed: list[int] = []
+        self._released = np.zeros(0, np.int32)
+        self._links: list[np.ndarray] = []
+        self._copies: list[np.ndarray] = []
         self.steps = 0
         self.tokens = 0
         self.step_s = 0.0
@@ -164,17 +174,65 @@ class BatchDecoder:
             s = self._free_ids.pop(0)
             self._next_pos[s] = 0
             self._tokens[s] = []
+            self._digests[s] = []
             return s
 
+    def reuse_prefix(self, seq_id: int, prompt: Sequence[int]) -> int:
+        """Let an empty sequence start with the longest prefix of `prompt` the prefix cache holds (whole blocks, at
+        least the last token left to compute); returns the tokens it now holds, which its steps skip."""
+        with self.model._lock:
+            if self._next_pos.get(seq_id) != 0:
+                raise ModelError(f"sequence {seq_id} is not an empty active sequence")
+            if self.prefix is None:
+                return 0
+            blocks, digests = self.prefix.lookup(prompt)
+            if not blocks:
+                return 0
+            self._links.append(self._linked(seq_id, self.cells.link(seq_id, np.array(blocks))))
+            self.cells.touch(seq_id)
+            n = len(blocks) * self.cells.block
+            self._next_pos[seq_id] = n
+            self._tokens[seq_id] = [int(t) for t in prompt[:n]]
+            self._digests[seq_id] = digests
+            return n
+
+    def fork(self, parent: int) -> int:
+        """A new sequence holding the same tokens as `parent`: it shares the parent's whole blocks, and gets a copy
+        of the rest (the part-filled last block) before its next step; from there on the two go their own ways."""
+        with self.model._lock:
+            if parent not in self._next_pos:
+                raise ModelError(f"sequence {parent} is not active")
+            if any(parent in q.seq_list for q in self._inflight):
+                raise ModelError(f"sequence {parent} is in a step in flight: collect its result first")
+            child = self.new_sequence()
+            linked, src, dst = self.cells.fork(parent, child)
+            self._drain_evicted()
+            self._links.append(self._linked(child, linked))
+            if src.size:
+                self._copies.append(np.stack([src, dst, np.full(src.size, child, np.int32), self.cells.pos[dst]]))
+            self._next_pos[child] = self._next_pos[parent]
+            self._tokens[child] = list(self._tokens[parent])
+            self._digests[child] = list(self._digests[parent])
+            if parent in self._unindexed:
+                self._unindexed.add(child)
+            return child
+
+    @staticmethod
+    def _linked(seq_id: int, cells: np.ndarray) -> np.ndarray:
+        return np.stack([np.full(cells.size, seq_id, np.int32), cells.astype(np.int32)])
+
     def free_sequence(self, seq_id: int) -> None:
-        """End a sequence: its cells are free for others at once."""
+        """End a sequence: the cells no other sequence sees are free for others at once (but those of blocks the
+        prefix cache keeps, until they are needed)."""
         with self.model._lock:
             if seq_id not in self._next_pos:
                 raise ModelError(f"sequence {seq_id} is not active")
-            self.cells.free(seq_id)
+            self._released = np.concatenate([self._released, self.cells.free(seq_id)])
             self._freed.append(seq_id)
             del self._next_pos[seq_id]
             del self._tokens[seq_id]
+            del self._digests[seq_id]
+            self._unindexed.discard(seq_id)
             self._ended.append(seq_id)
             self._reuse_ids()
 
@@ -224,15 +282,13 @@ class BatchDecoder:
                     self._rebuild()
                 st.logits = self._run(st)
             else:
-                st.cells = self.cells.alloc(st.seqs, st.pos)  # CacheFullError when the cache is full
-                meta = StepMeta(st.seqs, st.pos, st.cells, st.out_rows, tuple(self._freed), self._released)
+                st.cells = self._alloc(st)  # CacheFullError when the cache is full
                 try:
-                    st.handle = stage.submit(meta, st.ids)
+                    st.handle = stage.submit(self._meta(st, st.cells), st.ids)
                 except BaseException:
                     self.cells.release(st.cells)
                     raise
-                self._freed.clear()
-                self._released = np.zeros(0, np.int32)
+                self._sent()
                 self._commit(st)  # the sequences' positions move on now: the next step of each follows this one
                 self._inflight.append(st)
             self.step_s += time.perf_counter() - t_step
@@ -274,10 +330,9 @@ class BatchDecoder:
         """Compute a step now, through every stage; a stage lost on the way is started again, the caches rebuilt,
         and the step tried once more (RECOVERIES_PER_STEP)."""
         for attempt in range(RECOVERIES_PER_STEP + 1):
-            cells = self.cells.alloc(st.seqs, st.pos)  # CacheFullError when the cache is full
+            cells = self._alloc(st)  # CacheFullError when the cache is full
             try:
-                x = self._run_stages(StepMeta(st.seqs, st.pos, cells, st.out_rows, tuple(self._freed),
-                                              self._released), st.ids)
+                x = self._run_stages(self._meta(st, cells), st.ids)
                 break
             except BaseException as e:
                 # the step did not happen: its cells are free again, and the stages' records are told (so are
@@ -288,16 +343,77 @@ class BatchDecoder:
                     continue  # a lost stage was started again and every KV rebuilt: the same step once more
                 raise
         st.cells = cells
-        self._freed.clear()
-        self._released = np.zeros(0, np.int32)
+        self._sent()
         self._commit(st)
         self._count(st)
         return x
+
+    def _alloc(self, st: _Step) -> np.ndarray:
+        cells = self.cells.alloc(st.seqs, st.pos)
+        self._drain_evicted()
+        return cells
+
+    def _drain_evicted(self) -> None:
+        """Blocks the cells evicted to make room: out of the index, their cells freed in the stages' records."""
+        blocks, cells = self.cells.take_evicted()
+        if self.prefix is not None:
+            for b in blocks:
+                self.prefix.forget(b)
+        if cells.size:
+            self._released = np.concatenate([self._released, cells])
+
+    def _meta(self, st: _Step, cells: np.ndarray) -> StepMeta:
+        """A step's metadata with what changed in the cells since the last step."""
+        links = np.concatenate(self._links, axis=1) if self._links else np.zeros((2, 0), np.int32)
+        copies = np.concatenate(self._copies, axis=1) if self._copies else np.zeros((4, 0), np.int32)
+        return StepMeta(st.seqs, st.pos, cells, st.out_rows, tuple(self._freed), self._released, links, copies)
+
+    def _sent(self) -> None:
+        """Every stage has applied the changes to the cells (a step went through)."""
+        self._freed.clear()
+        self._released = np.zeros(0, np.int32)
+        self._links.clear()
+        self._copies.clear()
 
     def _commit(self, st: _Step) -> None:
         for s, k, t in zip(st.seq_list, st.lens, st.toks):
             self._next_pos[s] += k
             self._tokens[s].extend(t)
+            if self.prefix is not None:
+                self._index_blocks(s)
+
+    def _index_blocks(self, s: int) -> None:
+        """Index the sequence's blocks that are whole now; one whose cells do not hold their positions in order ends
+        the indexing of that sequence (its later blocks would not follow a run of indexed ones)."""
+        assert self.prefix is not None
+        bs, digests, toks = self.cells.block, self._digests[s], self._tokens[s]
+        while s not in self._unindexed and (len(digests) + 1) * bs <= len(toks):
+            k = len(digests)
+            b = self._block_of(s, k)
+            if b is None:
+                self._unindexed.add(s)
+                return
+            d = block_digest(digests[-1] if digests else ROOT, toks[k * bs:(k + 1) * bs])
+            digests.append(d)
+            if not self.cells.cached[b] and self.prefix.add(d, b):
+                self.cells.cached[b] = True
+
+    def _block_of(self, s: int, k: int) -> int | None:
+        """The block holding positions [k * block, (k + 1) * block) of sequence s, each at its offset, above the
+        block of the positions before; None when its cells are not laid out so."""
+        bs, cells = self.cells.block, self.cells
+        lo = k * bs
+        mine = np.flatnonzero(cells.member[:, s])
+        p = cells.pos[mine]
+        at = mine[(p >= lo) & (p < lo + bs)]
+        if at.size != bs:
+            return None
+        b = int(at[0]) // bs
+        if not np.array_equal(cells.pos[b * bs:(b + 1) * bs], np.arange(lo, lo + bs)):
+            return None
+        if k and not bool((mine[p == lo - 1] < b * bs).all()):
+            return None
+        return b
 
     def _count(self, st: _Step) -> None:
         self.steps += 1
@@ -398,21 +514,29 @@ class BatchDecoder:
         others' is as it was. Until it succeeds, no step runs on the stale caches (`_stale`)."""
         for st in self.stages:
             st.reset()
-        self._freed.clear()
-        self._released = np.zeros(0, np.int32)
+        self.cells.evict_unseen()  # blocks only the prefix cache holds have no tokens to compute them from
+        self._drain_evicted()
+        self._sent()
+        # each cell once, as a token of the first sequence that sees it; every sequence's view of the cells (shared
+        # blocks included) sent with the first step
+        done = np.zeros(self.cells.n_cells, bool)
         parts: list[list[np.ndarray]] = [[], [], [], []]  # seqs, pos, cells, ids
         for s in sorted(self._next_pos):
-            cells = np.flatnonzero(self.cells.seq == s).astype(np.int32)
+            cells = np.flatnonzero(self.cells.member[:, s] & ~done).astype(np.int32)
+            done[cells] = True
             cells = cells[np.argsort(self.cells.pos[cells], kind="stable")]
             pos = self.cells.pos[cells]
             for part, a in zip(parts, (np.full(cells.size, s, np.int32), pos, cells,
                                        np.asarray(self._tokens[s], np.int32)[pos])):
                 part.append(a)
         seqs, pos, cells, ids = (np.concatenate(p) if p else np.zeros(0, np.int32) for p in parts)
+        seen, by = np.nonzero(self.cells.member)
+        links = np.stack([by, seen]).astype(np.int32)
         none = np.zeros(0, np.int32)
         for a in range(0, seqs.size, self.n_batch):
             sl = slice(a, a + self.n_batch)
-            self._run_stages(StepMeta(seqs[sl], pos[sl], cells[sl], none), ids[sl])
+            self._run_stages(StepMeta(seqs[sl], pos[sl], cells[sl], none, links=links if a == 0 else
+                                      np.zeros((2, 0), np.int32)), ids[sl])
         self._stale = False
 
     def stats(self) -> dict[str, Any]:

@@ -22,13 +22,17 @@ from ggml_py.errors import ModelError
 from ggml_py.ir import dtypes
 from ggml_py.ir.symbolic import sym
 from ggml_py.models.blocks import StepGraph
-from ggml_py.models.kv_cache import KVCache, KVCells, cells_for
+from ggml_py.models.kv_cache import CopyRows, KVCache, KVCells, cells_for, copy_rows_graph
 from ggml_py.models.memory import require_memory, step_buffer_bytes
 from ggml_py.runtime.plan import prepare
 
 if TYPE_CHECKING:
     from ggml_py.models.model import Model
     from ggml_py.runtime.plan import Plan
+
+
+def _none() -> np.ndarray:
+    return np.zeros(0, np.int32)
 
 
 @dataclass(frozen=True)
@@ -39,36 +43,46 @@ class StepMeta:
     pos: np.ndarray  # (T,) its position
     cells: np.ndarray  # (T,) the cache cell it is written to
     out_rows: np.ndarray  # (n_out,) the rows whose logits are wanted (may be empty)
-    freed: tuple[int, ...] = ()  # sequences ended since the previous step: their cells are free before this one
-    released: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # cells of a step that failed
+    # what changed in the cells since the previous step, applied in this order before it (KVCells):
+    freed: tuple[int, ...] = ()  # sequences ended: they see no cell any more
+    released: np.ndarray = field(default_factory=_none)  # cells freed (ended sequences', evicted, a failed step's)
+    links: np.ndarray = field(default_factory=lambda: np.zeros((2, 0), np.int32))  # (sequence, cell) now shared
+    copies: np.ndarray = field(default_factory=lambda: np.zeros((4, 0), np.int32))  # (src, dst cell, seq, pos):
+    # K and V rows copied into a fork's own cells
+
+    N_COUNTS = 6  # the counts a packed meta starts with
 
     @property
     def n_tokens(self) -> int:
         return int(self.seqs.size)
 
+    def _parts(self) -> list[np.ndarray]:
+        return [self.seqs, self.pos, self.cells, self.out_rows, np.array(self.freed, np.int32), self.released,
+                self.links.ravel(), self.copies.ravel()]
+
     def nbytes(self) -> int:
         """The bytes this meta is made of (what crosses a stage boundary besides the hidden states)."""
-        return (self.seqs.nbytes + self.pos.nbytes + self.cells.nbytes + self.out_rows.nbytes + 4 * len(self.freed)
-                + self.released.nbytes)
+        return sum(a.nbytes for a in self._parts())
 
     def pack(self) -> np.ndarray:
-        """One int32 array (4 counts, then seqs, pos, cells, out_rows, freed, released): what a remote stage is
-        sent, one buffer to serialize instead of six."""
-        n, o, f, r = self.n_tokens, self.out_rows.size, len(self.freed), self.released.size
-        return np.concatenate([np.array([n, o, f, r], np.int32), self.seqs, self.pos, self.cells, self.out_rows,
-                               np.array(self.freed, np.int32), self.released]).astype(np.int32, copy=False)
+        """One int32 array (N_COUNTS counts, then every part): what a remote stage is sent, one buffer to
+        serialize instead of eight."""
+        counts = [self.n_tokens, self.out_rows.size, len(self.freed), self.released.size, self.links.shape[1],
+                  self.copies.shape[1]]
+        return np.concatenate([np.array(counts, np.int32), *self._parts()]).astype(np.int32, copy=False)
 
     @staticmethod
     def packed_size(counts: np.ndarray) -> int:
-        """The int32 values of a packed meta, from its first 4 (the counts)."""
-        n, o, f, r = (int(v) for v in counts[:4])
-        return 4 + 3 * n + o + f + r
+        """The int32 values of a packed meta, from its first N_COUNTS (the counts)."""
+        n, o, f, r, lk, c = (int(v) for v in counts[:StepMeta.N_COUNTS])
+        return StepMeta.N_COUNTS + 3 * n + o + f + r + 2 * lk + 4 * c
 
     @staticmethod
     def unpack(a: np.ndarray) -> StepMeta:
-        n, o, f, r = (int(v) for v in a[:4])
-        parts = np.split(a[4:], np.cumsum([n, n, n, o, f]))
-        return StepMeta(parts[0], parts[1], parts[2], parts[3], tuple(parts[4].tolist()), parts[5])
+        n, o, f, r, lk, c = (int(v) for v in a[:StepMeta.N_COUNTS])
+        parts = np.split(a[StepMeta.N_COUNTS:], np.cumsum([n, n, n, o, f, r, 2 * lk]))
+        return StepMeta(parts[0], parts[1], parts[2], parts[3], tuple(parts[4].tolist()), parts[5],
+                        parts[6].reshape(2, lk), parts[7].reshape(4, c))
 
 
 PROMPT_LOGIT_ROWS = 32  # rows of logits a step may ask for beyond one per sequence (a prompt's log-probabilities)
@@ -181,6 +195,8 @@ class Stage:
         self.cells = KVCells(self.n_cells, n_seq_max) if cells is None else cells
         self._graph: StepGraph | None = None
         self._plan: Plan | None = None
+        self._copy: CopyRows | None = None
+        self._copy_plan: Plan | None = None
         self.plans_prepared = 0
         self.prepare_s = 0.0
         self.compute_s = 0.0  # in the plan's compute
@@ -206,14 +222,21 @@ class Stage:
         Returns the logits of meta.out_rows (last stage) or this stage's hidden states (T, n_embd)."""
         t_step = time.perf_counter()
         g, plan = self._prepared()
-        if self._mirror:
+        src, dst, cseq, cpos = meta.copies
+        if self._mirror:  # the decoder's changes to the cells since the last step, in its order
             for s in meta.freed:
-                self.cells.free(s)
+                self.cells.unlink(s)
             if meta.released.size:
                 self.cells.release(meta.released)
-            self.cells.occupy(meta.cells, meta.seqs, meta.pos)
+            self.cells.see(meta.links[0], meta.links[1])
         n = meta.n_tokens
         try:
+            if self._mirror:
+                self.cells.occupy(dst, cseq, cpos)
+            if src.size:
+                self._copy_rows(src, dst)
+            if self._mirror:
+                self.cells.occupy(meta.cells, meta.seqs, meta.pos)
             n_kv = self.cells.n_kv
             if self.first:
                 assert g.tokens is not None
@@ -238,12 +261,24 @@ class Stage:
             else:
                 out = plan.get_output(g.logits)
         except BaseException:
-            if self._mirror:
-                self.cells.release(meta.cells)  # the step did not happen here
+            if self._mirror:  # the step did not happen here (the decoder sends its copies again)
+                self.cells.release(np.concatenate([dst, meta.cells]))
             raise
         self.steps += 1
         self.step_s += time.perf_counter() - t_step
         return out
+
+    def _copy_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy the K and V rows of cells `src` into cells `dst` in every layer of this stage (a fork's cells), on
+        a plan of its own prepared once."""
+        if self._copy is None:
+            n = sym("n_copy", self.n_cells)
+            self._copy = copy_rows_graph(self.cache, self.layers, n)
+            self._copy_plan = prepare(self._copy.outputs, backends=self.model.backends)
+        plan = self._copy_plan
+        plan.set_input(self._copy.src, src)
+        plan.set_input(self._copy.dst, dst)
+        plan.compute()
 
     def reset(self) -> None:
         """Forget every sequence: a new decoder starts on this stage with an empty cache."""
@@ -255,6 +290,7 @@ class Stage:
         return False
 
     def close(self) -> None:
-        if self._plan is not None:
-            self._plan.close()
-            self._plan = None
+        for p in (self._plan, self._copy_plan):
+            if p is not None:
+                p.close()
+        self._plan = self._copy_plan = None

@@ -100,6 +100,7 @@ class Completion:
     finish_reason: str
     prompt_tokens: int
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens not computed for it (the prefix cache's, or shared with its parent)
     logprobs: list[TokenLogprob] | None = None  # one per token (GenParams.logprobs)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, None for the first (echo)
 
@@ -138,7 +139,10 @@ class Request:
         self.seq: int | None = None
         self.group = 0  # its micro-batch (Engine.n_groups)
         self.n_prefilled = 0
+        self.n_cached = 0  # prompt tokens it did not compute: found in the prefix cache, or its parent's (a fork)
         self.limit = 0  # positions this request may use (set at admission)
+        self.parent: Request | None = None  # the request whose prompt it forks from, once that one is prefilled
+        self.children: list[Request] = []  # requests waiting to fork from this one (the other choices of n > 1)
         self.next_token: int | None = None  # sampled, not yet in the cache
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprob] = []  # of the generated tokens (params.logprobs set)
@@ -166,7 +170,7 @@ class Request:
             raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
         lp = self.params.logprobs is not None
         return Completion(self.id, self.text, list(self.tokens), self.finish_reason or "error", len(self.prompt),
-                          self.error, list(self.logprobs) if lp else None,
+                          self.error, self.n_cached, list(self.logprobs) if lp else None,
                           list(self.prompt_logprobs) if self.params.echo_logprobs else None)
 
     def _emit(self, ev: Event) -> None:
@@ -188,7 +192,7 @@ class Engine:
 
     def __init__(self, model: Model, n_parallel: int = 4, n_ctx: int | None = None, max_queue: int = 64,
                  n_batch: int = 128, kv_type: str | None = None, stages: Sequence[StageLike] | None = None,
-                 micro_batches: int | None = None) -> None:
+                 micro_batches: int | None = None, prefix_cache: bool = True) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ModelError(f"max_queue must be a non-negative integer, got {max_queue!r}")
         if isinstance(n_parallel, bool) or not isinstance(n_parallel, int) or n_parallel < 1:
@@ -201,8 +205,9 @@ class Engine:
         self.n_parallel = n_parallel
         self.n_ctx_seq = min(n_ctx // n_parallel, model.hparams.n_ctx_train)
         self.max_queue = max_queue
+        # stages: e.g. a pipeline on a cluster (ggml_py/cluster/)
         self.decoder = BatchDecoder(model, n_ctx=n_ctx, n_seq_max=n_parallel, n_batch=n_batch, kv_type=kv_type,
-                                    stages=stages)  # stages: e.g. a pipeline on a cluster (ggml_py/cluster/)
+                                    stages=stages, prefix_cache=prefix_cache)
         self.n_batch = n_batch
         # micro_batches > 1 (on a pipeline: P + 1 for P stages keeps every stage busy): the active requests are
         # split into that many groups whose steps follow each other through the stages, one step of each in flight
@@ -228,14 +233,16 @@ class Engine:
         self.requests_cancelled = 0
         self.requests_rejected = 0
         self.tokens_generated = 0
-        self.tokens_prompt = 0
+        self.tokens_prompt = 0  # prompt tokens computed
+        self.tokens_prompt_cached = 0  # prompt tokens not computed (the prefix cache's, or a fork's parent's)
+        self.requests_forked = 0
         self.t_start = time.perf_counter()
         self.busy_s = 0.0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) of recent steps
 
     # -- client side (any thread) ------------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: GenParams | None = None,
-               on_event: Callable[[Event], None] | None = None) -> Request:
+               on_event: Callable[[Event], None] | None = None, _children: int = 0) -> Request:
         """Queue a request (prompt token ids); returns at once. Raises ModelError / SamplingError for a bad
         request, QueueFullError when `max_queue` requests are waiting, EngineClosedError when draining."""
         params = params or GenParams()
@@ -255,13 +262,27 @@ class Engine:
                 raise EngineClosedError("the server is shutting down")
             # a request the worker has not admitted yet into a free sequence is not waiting for one
             waiting = len(self._queue) - max(0, self.n_parallel - len(self._active))
-            if waiting >= self.max_queue:
+            if waiting + _children >= self.max_queue:
                 self.requests_rejected += 1
                 raise QueueFullError(f"{waiting} requests are waiting (max_queue {self.max_queue})")
             self._queue.append(req)
             self.requests_total += 1
             self._cond.notify_all()
         return req
+
+    def submit_choices(self, prompt: Sequence[int], params: Sequence[GenParams],
+                       on_events: Sequence[Callable[[Event], None] | None]) -> list[Request]:
+        """Several completions of one prompt (OpenAI's n), each with its own parameters (its seed): the first
+        computes the prompt, the others fork from it once it has (sharing its cache cells: the prompt is computed
+        once) and sample their first token from the same logits. Raises as `submit`."""
+        first = self.submit(prompt, params[0], on_events[0], _children=len(params) - 1)
+        for p, ev in zip(params[1:], on_events[1:]):
+            child = Request(first.prompt, p, ev, self._tok)
+            child.parent = first
+            first.children.append(child)
+        with self._cond:
+            self.requests_total += len(first.children)
+        return [first, *first.children]
 
     def cancel(self, req: Request) -> None:
         """Stop a request: its sequence is freed before the next step (at once when the worker is idle)."""
@@ -316,11 +337,19 @@ class Engine:
                 self._queue.remove(r)
                 self._finish(r, "cancelled")
             while self._queue and len(self._active) < self.n_parallel and self.decoder.has_free_sequence:
-                r = self._queue.popleft()
+                r = self._queue[0]
+                # a request with choices to fork waits for a sequence for each (unless nothing else runs: then
+                # those that find none when it forks run on their own)
+                if self._active and self.n_parallel - len(self._active) < 1 + len(r.children):
+                    break
+                self._queue.popleft()
                 if r.params.max_tokens == 0 and not r.params.echo_logprobs:  # nothing to compute
                     self._finish(r, "length")
                     continue
                 r.seq = self.decoder.new_sequence()
+                if not r.params.echo_logprobs:  # (echo wants the logits of every prompt token: it computes them)
+                    r.n_prefilled = r.n_cached = self.decoder.reuse_prefix(r.seq, r.prompt)
+                    self.tokens_prompt_cached += r.n_cached
                 r.limit = self.n_ctx_seq
                 sizes = [sum(q.group == g for q in self._active) for g in range(self.n_groups)]
                 r.group = sizes.index(min(sizes))
@@ -352,6 +381,7 @@ class Engine:
             self._inflight.clear()
             raise
         wanting, rows = self._split_rows(outs, logits)
+        wanting, rows = self._fork_children(wanting, rows)
         ids = self._sample(wanting, rows)
         new = 0
         with self._cond:
@@ -408,6 +438,34 @@ class Engine:
                 budget -= k
                 n_prompt += k
         return entries, outs, n_prompt
+
+    def _fork_children(self, wanting: list[Request], rows: np.ndarray) -> tuple[list[Request], np.ndarray]:
+        """Requests whose prompt was just computed fork their waiting choices, which sample from the same row."""
+        if not any(r.children for r in wanting):
+            return wanting, rows
+        out, take = [], []
+        with self._cond:
+            for i, r in enumerate(wanting):
+                out.append(r)
+                take.append(i)
+                if not r.children or r.tokens or r.done.is_set():
+                    continue
+                for child in r.children:
+                    if len(self._active) < self.n_parallel and self.decoder.has_free_sequence:
+                        child.seq = self.decoder.fork(r.seq)
+                        child.n_prefilled = child.n_cached = len(r.prompt)
+                        child.prompt_logprobs = list(r.prompt_logprobs)
+                        child.limit, child.group = r.limit, r.group
+                        self._active.append(child)
+                        self.tokens_prompt_cached += child.n_cached
+                        self.requests_forked += 1
+                        out.append(child)
+                        take.append(i)
+                    else:  # no sequence for it now: it runs on its own (and finds the prompt's whole blocks cached)
+                        child.parent = None
+                        self._queue.appendleft(child)
+                r.children = []
+        return out, rows[np.asarray(take, np.int64)]
 
     def _split_rows(self, outs: list[_Rows], logits: np.ndarray) -> tuple[list[Request], np.ndarray]:
         """A step's rows of logits: the prompt tokens' logprobs recorded (echo), and the requests that sample a
@@ -498,6 +556,10 @@ class Engine:
         """End r (under the lock): free its sequence, record, emit "done"."""
         if r.done.is_set():
             return
+        for child in reversed(r.children):  # choices that never forked run on their own
+            child.parent = None
+            self._queue.appendleft(child)
+        r.children = []
         if r.seq is not None:
             if r in self._active:
                 self._active.remove(r)
@@ -521,9 +583,13 @@ class Engine:
 
     def _fail_all(self, why: str) -> None:
         with self._cond:
-            for r in list(self._active) + list(self._queue):
-                self._finish(r, "error", why, unavailable=isinstance(self._error, UnavailableError))
+            left = list(self._active) + list(self._queue)
             self._queue.clear()
+            while left:
+                r = left.pop(0)
+                left += r.children  # choices that never forked end with it
+                r.children = []
+                self._finish(r, "error", why, unavailable=isinstance(self._error, UnavailableError))
 
     # -- state -------------------------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
@@ -539,6 +605,10 @@ class Engine:
                 "requests_total": self.requests_total, "requests_finished": self.requests_finished,
                 "requests_cancelled": self.requests_cancelled, "requests_rejected": self.requests_rejected,
                 "tokens_generated": self.tokens_generated, "tokens_prompt": self.tokens_prompt,
+                "tokens_prompt_cached": self.tokens_prompt_cached, "requests_forked": self.requests_forked,
+                "prefix_cache_hit_rate": self.tokens_prompt_cached / max(1, self.tokens_prompt_cached
+                                                                         + self.tokens_prompt),
+                "kv_cells_cached": self.decoder.cells.n_cached,
                 "tokens_per_second": sum(n for _, n in recent[1:]) / span if span > 0 else 0.0,
                 "tokens_per_busy_second": self.tokens_generated / self.busy_s if self.busy_s else 0.0,
                 "kv_cells_used": self.decoder.cells.n_used, "kv_cells_out_of_order": self.decoder.cells.out_of_order,

@@ -132,9 +132,12 @@ class _Job:
         return text if text is not None else model.detokenize(ids)
 
     def usage(self) -> dict[str, Any]:
-        """Each prompt counted once, every choice's completion tokens."""
+        """Each prompt counted once (and the tokens of it found in the prefix cache), every choice's completion
+        tokens."""
         done = [r.result(0) for r in self.reqs]
-        return usage(sum(len(ids) for ids, _ in self.prompts), sum(c.completion_tokens for c in done))
+        first = [c for i, c in enumerate(done) if i == 0 or self.prompt_of[i] != self.prompt_of[i - 1]]
+        return usage(sum(len(ids) for ids, _ in self.prompts), sum(c.completion_tokens for c in done),
+                     sum(c.cached_tokens for c in first))
 
 
 def _is_id(t: Any) -> bool:
@@ -360,12 +363,12 @@ class Server:
         job = _Job(chat, stream, include_usage, not chat and echo(body), prompts, params.logprobs)
         try:
             for k, (ids, _) in enumerate(prompts):
-                for i in range(n):
-                    idx = len(job.reqs)
-                    seed = None if params.seed is None else params.seed + i  # choice i: the seed's i-th successor
-                    job.reqs.append(self.engine.submit(ids, replace(params, seed=seed),
-                                                       functools.partial(put, idx)))
-                    job.prompt_of.append(k)
+                # choice i: the seed's i-th successor; the choices of one prompt share its computation (a fork)
+                ps = [replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
+                evs = [functools.partial(put, len(job.reqs) + i) for i in range(n)]
+                job.reqs += self.engine.submit_choices(ids, ps, evs) if n > 1 else [
+                    self.engine.submit(ids, ps[0], evs[0])]
+                job.prompt_of += [k] * n
         except BaseException:
             for r in job.reqs:
                 self.engine.cancel(r)
