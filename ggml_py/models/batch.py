@@ -542,7 +542,8 @@ class BatchDecoder:
     def stats(self) -> dict[str, Any]:
         local = self._local_stages()
         return {"n_ctx": self.n_ctx, "n_seq_max": self.n_seq_max, "n_batch": self.n_batch,
-                "active_sequences": self.n_active, "cells_used": self.cells.n_used, "n_kv": self.cells.n_kv,
+                "active_sequences": self.n_active, "cells_used": self.cells.n_held,
+                "cells_cached": self.cells.n_cached, "n_kv": self.cells.n_kv,
                 "cells_out_of_order": self.cells.out_of_order,
                 "steps": self.steps, "tokens": self.tokens, "step_s": self.step_s, "stages": len(self.stages),
                 "compute_s": sum(st.compute_s for st in local),

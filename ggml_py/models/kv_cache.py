@@ -152,6 +152,11 @@ class KVCells:
         return int(self.evictable().size) * self.block
 
     @property
+    def n_held(self) -> int:
+        """Cells a sequence sees."""
+        return self.n_used - self.n_cached
+
+    @property
     def n_free(self) -> int:
         return self.capacity - self.n_used + self.n_cached
 

@@ -611,7 +611,7 @@ class Engine:
                 "kv_cells_cached": self.decoder.cells.n_cached,
                 "tokens_per_second": sum(n for _, n in recent[1:]) / span if span > 0 else 0.0,
                 "tokens_per_busy_second": self.tokens_generated / self.busy_s if self.busy_s else 0.0,
-                "kv_cells_used": self.decoder.cells.n_used, "kv_cells_out_of_order": self.decoder.cells.out_of_order,
+                "kv_cells_used": self.decoder.cells.n_held, "kv_cells_out_of_order": self.decoder.cells.out_of_order,
                 "steps": self.decoder.steps,
                 "plans_prepared": self.decoder.plans_prepared, "uptime_s": now - self.t_start,
             }
