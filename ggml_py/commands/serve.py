@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--max-tokens", type=int, default=None, dest="max_tokens",
                    help="default max_tokens of chat requests (default: until EOS or the sequence's context; "
                         "completions default to 16 as OpenAI's)")
+    p.add_argument("--no-prefix-cache", action="store_false", dest="prefix_cache",
+                   help="do not keep whole blocks of computed prompts for later requests that start with the same "
+                        "tokens (on by default; the answers are the same either way: docs/serving.md)")
     p.add_argument("--alias", default=None, help="the model name the API reports (default: the file name)")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads per backend (default: the backend's)")
     p.add_argument("--backend", default=None, help="comma-separated backends in order of preference")
@@ -184,7 +187,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         metrics = serve(model, host=args.host, port=args.port, n_parallel=args.parallel, n_ctx=ctx,
                         max_queue=args.queue, n_batch=args.batch, model_name=args.alias,
                         default_max_tokens=args.max_tokens, log=log, log_level=args.log_level, options=options,
-                        stages=stages or None, micro_batches=args.micro_batches)
+                        stages=stages or None, micro_batches=args.micro_batches, prefix_cache=args.prefix_cache)
         log(f"ggml-py serve: stopped after {metrics['requests_finished']} requests, "
             f"{metrics['tokens_generated']} tokens generated ({metrics['shutdown']})")
         # a second signal cut the drain short: exit as that signal would have (128 + its number)

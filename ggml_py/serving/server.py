@@ -570,7 +570,8 @@ def serve(model: Any, host: str = "127.0.0.1", port: int = 8080, n_parallel: int
           max_queue: int = 64, n_batch: int = 128, model_name: str | None = None,
           default_max_tokens: int | None = None, log: Callable[[str], None] | None = None,
           log_level: str = "warning", options: ServeOptions | None = None,
-          stages: Sequence[StageLike] | None = None, micro_batches: int | None = None) -> dict[str, Any]:
+          stages: Sequence[StageLike] | None = None, micro_batches: int | None = None,
+          prefix_cache: bool = True) -> dict[str, Any]:
     """Run the server until Ctrl-C / SIGTERM (then drain for at most `options.drain_timeout` seconds, and return the
     final metrics, with "shutdown": "drained", "cut" or "forced" and "signal"). A second signal stops at once.
     Port 0 picks a free one; the address is logged ("listening on http://HOST:PORT"). `stages`: the model's blocks
@@ -627,7 +628,7 @@ def serve(model: Any, host: str = "127.0.0.1", port: int = 8080, n_parallel: int
     n_conn, batch, fd_note = fit_connections(options.max_connections)
     guard = ConnectionGuard(n_conn, options.header_timeout)
     engine = Engine(model, n_parallel=n_parallel, n_ctx=n_ctx, max_queue=max_queue, n_batch=n_batch, stages=stages,
-                    micro_batches=micro_batches)
+                    micro_batches=micro_batches, prefix_cache=prefix_cache)
     engine.start()
     srv = Server(model, engine, model_name=model_name, default_max_tokens=default_max_tokens, options=options,
                  host=host)
