@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -177,15 +177,17 @@ class BatchDecoder:
             self._digests[s] = []
             return s
 
-    def reuse_prefix(self, seq_id: int, prompt: Sequence[int]) -> int:
+    def reuse_prefix(self, seq_id: int, prompt: Sequence[int],
+                     usable: Callable[[list[bytes]], int] | None = None) -> int:
         """Let an empty sequence start with the longest prefix of `prompt` the prefix cache holds (whole blocks, at
-        least the last token left to compute); returns the tokens it now holds, which its steps skip."""
+        least the last token left to compute; `usable(digests)` may keep fewer: PrefixIndex.lookup); returns the
+        tokens it now holds, which its steps skip."""
         with self.model._lock:
             if self._next_pos.get(seq_id) != 0:
                 raise ModelError(f"sequence {seq_id} is not an empty active sequence")
             if self.prefix is None:
                 return 0
-            blocks, digests = self.prefix.lookup(prompt)
+            blocks, digests = self.prefix.lookup(prompt, usable)
             if not blocks:
                 return 0
             self._links.append(self._linked(seq_id, self.cells.link(seq_id, np.array(blocks))))
@@ -216,6 +218,13 @@ class BatchDecoder:
             if parent in self._unindexed:
                 self._unindexed.add(child)
             return child
+
+    def annotate(self, seq_id: int, k: int, data: Any) -> bool:
+        """Keep `data` with the sequence's k-th whole block in the prefix cache (PrefixIndex.annotate); False when
+        that block is not indexed."""
+        with self.model._lock:
+            digests = self._digests.get(seq_id, [])
+            return self.prefix is not None and k < len(digests) and self.prefix.annotate(digests[k], data)
 
     @staticmethod
     def _linked(seq_id: int, cells: np.ndarray) -> np.ndarray:

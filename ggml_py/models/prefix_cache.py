@@ -11,7 +11,8 @@ attention sums in the same order and its tokens are the same with the cache on o
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +31,9 @@ class PrefixIndex:
         self.block = block
         self._by_digest: dict[bytes, int] = {}
         self._digest_of: dict[int, bytes] = {}
+        # what the engine knows about an indexed block beyond its K and V (its prompt logprobs): by digest, since
+        # equal tokens at equal positions give equal values (determinism) whichever sequence computed them
+        self.data: dict[bytes, Any] = {}
         self.tokens_looked_up = 0  # prompt tokens that could have been found (whole blocks, all but the last token)
         self.tokens_found = 0
 
@@ -44,18 +48,28 @@ class PrefixIndex:
         self._digest_of[block] = digest
         return True
 
+    def annotate(self, digest: bytes, data: Any) -> bool:
+        """Keep `data` with an indexed block; False when no block has these tokens."""
+        if digest not in self._by_digest:
+            return False
+        self.data[digest] = data
+        return True
+
     def forget(self, block: int) -> None:
         d = self._digest_of.pop(block, None)
         if d is not None:
             del self._by_digest[d]
+            self.data.pop(d, None)
 
     def clear(self) -> None:
         self._by_digest.clear()
         self._digest_of.clear()
+        self.data.clear()
 
-    def lookup(self, tokens: Sequence[int]) -> tuple[list[int], list[bytes]]:
+    def lookup(self, tokens: Sequence[int],
+               usable: Callable[[list[bytes]], int] | None = None) -> tuple[list[int], list[bytes]]:
         """The blocks holding the longest indexed prefix of `tokens` (whole blocks, leaving at least the last token
-        to compute: its logits are wanted), and their digests."""
+        to compute: its logits are wanted), and their digests; `usable(digests)` may keep fewer (the first n)."""
         n = (len(tokens) - 1) // self.block
         blocks: list[int] = []
         digests: list[bytes] = []
@@ -67,6 +81,9 @@ class PrefixIndex:
                 break
             blocks.append(b)
             digests.append(d)
+        if usable is not None and blocks:
+            n_use = usable(digests)
+            blocks, digests = blocks[:n_use], digests[:n_use]
         self.tokens_looked_up += n * self.block
         self.tokens_found += len(blocks) * self.block
         return blocks, digests
