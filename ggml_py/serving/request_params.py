@@ -68,6 +68,22 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
             raise BadRequest(f"{name} is not supported: tool and function calling are not implemented", name)
 
 
+def _refuse_unserved(body: dict[str, Any]) -> None:
+    """What would change the answer's kind, or its checks, and is not done here is refused (400) too: inserting
+    before a suffix, audio output, web search, moderation. (Hints and metadata, such as `user`, `store`,
+    `reasoning_effort` or `prediction`, do not change the text returned and are ignored: docs/serving.md's table.)"""
+    if body.get("suffix") not in (None, ""):
+        raise BadRequest("suffix is not supported: insertion before a suffix (fill-in-the-middle) is not implemented",
+                         "suffix")
+    if body.get("modalities") not in (None, ["text"]):
+        raise BadRequest('modalities is not supported beyond ["text"]: audio output is not implemented',
+                         "modalities")
+    for name, what in (("audio", "audio output is not implemented"), ("web_search_options", "no web search is done"),
+                       ("moderation", "no moderation model runs here")):
+        if body.get(name) is not None:
+            raise BadRequest(f"{name} is not supported: {what}", name)
+
+
 def gen_params(body: dict[str, Any], default_max_tokens: int | None, n_vocab: int | None = None) -> GenParams:
     """Sampling and stopping from an OpenAI request body (+ llama.cpp's top_k, min_p, repeat_penalty extensions).
     Unset values take ggml_py's sampler defaults (as llama-server does), not OpenAI's temperature 1. `top_p` 0 is
@@ -88,6 +104,7 @@ def gen_params(body: dict[str, Any], default_max_tokens: int | None, n_vocab: in
         raise BadRequest("stop must be a string or a list of at most 4 strings", "stop")
     seed = _int(body, "seed", None, 0, 2**63 - 1)
     _refuse_unsupported(body)
+    _refuse_unserved(body)
     temperature = _num(body, "temperature", d.temperature, 0.0, 2.0)
     top_p = _num(body, "top_p", d.top_p, 0.0, 1.0)
     if top_p == 0.0:  # the smallest set reaching probability 0: the most likely token alone
@@ -125,7 +142,8 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a role", "messages")
         if m["role"] not in ("system", "developer", "user", "assistant", "tool"):
-            raise BadRequest(f"messages[{i}].role {m['role']!r} is not one of system, user, assistant", "messages")
+            raise BadRequest(f"messages[{i}].role {m['role']!r} is not one of system, developer, user, assistant, "
+                             "tool", "messages")
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({"role": role, "content": _content(m, i)})
     return out
