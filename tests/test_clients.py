@@ -9,8 +9,9 @@ connection beyond 127.0.0.1 is refused and recorded (serve_helpers.refuse_intern
 subprocesses through a sitecustomize), and the tests check that none was tried: with the settings the docs give
 (`LITELLM_LOCAL_MODEL_COST_MAP`, `LLM_LOAD_PLUGINS`), nothing of these libraries reaches for the internet.
 
-And the table of request fields in docs/serving.md: each row's fields are sent and the answer checked (200, or 400
-with the message and `param`), and every field of the installed `openai` package's request types must have a row.
+The docs' "Clients" blocks run as they are written, each in a process of its own, with the internet refused the same
+way. And the table of request fields in docs/serving.md: each row's fields are sent and the answer checked (200, or
+400 with the message and `param`), and every field of the installed `openai` package's request types must have a row.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def _reference(server, messages, max_tokens=N):
     r = server.client().chat.completions.create(model="smollm2", messages=messages, temperature=0,
                                                 max_tokens=max_tokens)
     u = r.usage
+    assert r.choices[0].message.content and u.completion_tokens > 0
     return r.choices[0].message.content, (u.prompt_tokens, u.completion_tokens, u.total_tokens)
 
 
@@ -128,6 +130,7 @@ def test_langchain_invoke_stream_and_batch(server, offline):
         lc.bind_tools([Person]).invoke(msgs)
     with pytest.raises(openai.BadRequestError, match="response_format is not supported"):
         lc.with_structured_output(Person).invoke(msgs)
+    http.close()
     assert offline == []
 
 
