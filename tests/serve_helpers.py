@@ -1,9 +1,11 @@
 """Driving a real `ggml-py serve` from tests: the server in a subprocess on 127.0.0.1 (a free port), raw HTTP over a
 socket (for what an HTTP client library will not send: partial heads and bodies, lies in Content-Length), many slow
-connections that never finish their request head."""
+connections that never finish their request head; no internet for the client libraries under test (refuse_internet,
+in this process or, through SITECUSTOMIZE, in a subprocess)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import resource
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -256,3 +259,74 @@ def under_attack(url: str, n_slow: int = 1000, tries: int = 5, stop_chars: int =
     return {"latencies_s": latencies, "hostile_statuses": {k: sorted(set(v)) for k, v in got.items()},
             "hostile_requests": {k: len(v) for k, v in got.items()}, "slow_connections_open": slow_open,
             "slow_connections_made": slow.opened, "slow_closed_by_server": slow.closed_by_server}
+
+
+# -- no internet: what a client library tries to reach beyond this machine ------------------------------------------
+def _loopback(host: object) -> bool:
+    import ipaddress
+
+    if isinstance(host, bytes):
+        host = host.decode("ascii", "replace")
+    if not isinstance(host, str):
+        return True  # not an internet address (AF_UNIX paths and the like)
+    if host.lower() in ("localhost", "localhost.", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False  # a name other than localhost: it would be looked up, i.e. reach a resolver
+
+
+def refuse_internet(record: Callable[[str], None]) -> Callable[[], None]:
+    """From now on, in this process, every name lookup of a host other than localhost and every connection to an
+    address outside 127.0.0.0/8 and ::1 is recorded (`record("getaddrinfo example.com:443")`) and refused at once
+    (OSError), as on a machine without a network; loopback traffic goes through. Returns the function that undoes
+    it. Used in-process by the client tests and in their subprocesses (SITECUSTOMIZE below)."""
+    orig_gai, orig_connect, orig_connect_ex = socket.getaddrinfo, socket.socket.connect, socket.socket.connect_ex
+
+    def getaddrinfo(host, port, *args, **kw):  # type: ignore[no-untyped-def]
+        if not _loopback(host):
+            record(f"getaddrinfo {host}:{port}")
+            raise socket.gaierror(socket.EAI_NONAME, f"no network in this test ({host})")
+        return orig_gai(host, port, *args, **kw)
+
+    def check(sock: socket.socket, address: object) -> None:
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and isinstance(address, tuple) \
+                and not _loopback(address[0]):
+            record(f"connect {address[0]}:{address[1]}")
+            raise OSError(errno.ENETUNREACH, f"no network in this test ({address[0]})")
+
+    def connect(self, address):  # type: ignore[no-untyped-def]
+        check(self, address)
+        return orig_connect(self, address)
+
+    def connect_ex(self, address):  # type: ignore[no-untyped-def]
+        check(self, address)
+        return orig_connect_ex(self, address)
+
+    socket.getaddrinfo = getaddrinfo  # type: ignore[assignment]
+    socket.socket.connect = connect  # type: ignore[method-assign]
+    socket.socket.connect_ex = connect_ex  # type: ignore[method-assign]
+
+    def undo() -> None:
+        socket.getaddrinfo = orig_gai  # type: ignore[assignment]
+        socket.socket.connect = orig_connect  # type: ignore[method-assign]
+        socket.socket.connect_ex = orig_connect_ex  # type: ignore[method-assign]
+
+    return undo
+
+
+# a sitecustomize.py for a subprocess (its folder and this one on PYTHONPATH): refuse_internet from its start, each
+# attempt appended as a line to the file $GGML_PY_TEST_NET_LOG
+SITECUSTOMIZE = """\
+import os
+from serve_helpers import refuse_internet
+
+
+def _record(what, _path=os.environ["GGML_PY_TEST_NET_LOG"]):
+    with open(_path, "a") as f:
+        f.write(what + "\\n")
+
+
+refuse_internet(_record)
+"""

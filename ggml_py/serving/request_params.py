@@ -77,8 +77,6 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
     if body.get("best_of") not in (None, 1) and body.get("best_of") != body.get("n", 1):
         raise BadRequest("best_of is not supported (only best_of equal to n, which returns every completion): "
                          "ask for n completions with logprobs and choose among them", "best_of")
-    if body.get("suffix") not in (None, ""):
-        raise BadRequest("suffix (insertion) is not supported", "suffix")
     rf = body.get("response_format")
     if rf is not None and rf != {"type": "text"}:
         raise BadRequest("response_format is not supported (only {\"type\": \"text\"}, the default): structured "
@@ -89,6 +87,22 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
     for name in ("tool_choice", "function_call"):
         if body.get(name) not in (None, "none"):
             raise BadRequest(f"{name} is not supported: tool and function calling are not implemented", name)
+
+
+def _refuse_unserved(body: dict[str, Any]) -> None:
+    """What would change the answer's kind, or its checks, and is not done here is refused (400) too: inserting
+    before a suffix, audio output, web search, moderation. (Hints and metadata, such as `user`, `store`,
+    `reasoning_effort` or `prediction`, do not change the text returned and are ignored: docs/serving.md's table.)"""
+    if body.get("suffix") not in (None, ""):
+        raise BadRequest("suffix is not supported: insertion before a suffix (fill-in-the-middle) is not implemented",
+                         "suffix")
+    if body.get("modalities") not in (None, ["text"]):
+        raise BadRequest('modalities is not supported beyond ["text"]: audio output is not implemented',
+                         "modalities")
+    for name, what in (("audio", "audio output is not implemented"), ("web_search_options", "no web search is done"),
+                       ("moderation", "no moderation model runs here")):
+        if body.get(name) is not None:
+            raise BadRequest(f"{name} is not supported: {what}", name)
 
 
 def n_choices(body: dict[str, Any]) -> int:
@@ -125,6 +139,7 @@ def gen_params(body: dict[str, Any], default_max_tokens: int | None, n_vocab: in
     logprobs = _logprobs(body, chat)
     if chat and body.get("echo") is not None:
         raise BadRequest("echo is a field of /v1/completions, not of chat completions", "echo")
+    _refuse_unserved(body)
     temperature = _num(body, "temperature", d.temperature, 0.0, 2.0)
     top_p = _num(body, "top_p", d.top_p, 0.0, 1.0)
     if top_p == 0.0:  # the smallest set reaching probability 0: the most likely token alone
@@ -163,7 +178,8 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a role", "messages")
         if m["role"] not in ("system", "developer", "user", "assistant", "tool"):
-            raise BadRequest(f"messages[{i}].role {m['role']!r} is not one of system, user, assistant", "messages")
+            raise BadRequest(f"messages[{i}].role {m['role']!r} is not one of system, developer, user, assistant, "
+                             "tool", "messages")
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({"role": role, "content": _content(m, i)})
     return out

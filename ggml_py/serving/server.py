@@ -351,7 +351,7 @@ class Server:
         """Parse, validate, tokenize and submit every choice (a pool thread). A choice that cannot be submitted
         cancels those that were."""
         body = parse_json(raw)
-        stream = body.get("stream", False)
+        stream = False if body.get("stream") is None else body["stream"]  # null: unset, as OpenAI's
         if not isinstance(stream, bool):
             raise BadRequest("stream must be a boolean", "stream")
         so = body.get("stream_options") or {}
