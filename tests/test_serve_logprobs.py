@@ -78,7 +78,7 @@ def test_generated_tokens_report_their_logprob_and_the_best_alternatives(served,
         gen.append(int(_log_softmax(model, ids + gen)[-1].argmax()))
     ref = _log_softmax(model, ids + gen)
     assert lp.tokens == [model.detokenize([t]) for t in gen] + lp.tokens[3:]
-    for i, tok in enumerate(lp.tokens):
+    for i, _tok in enumerate(lp.tokens):
         top = lp.top_logprobs[i]
         assert len(top) == 5 and list(top.values()) == sorted(top.values(), reverse=True)
         assert abs(lp.token_logprobs[i] - ref[len(ids) - 1 + i].max()) < 1e-6  # greedy: the best token
