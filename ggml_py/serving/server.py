@@ -469,7 +469,8 @@ class Server:
             lp = None
             if c.logprobs is not None:
                 pre = job.prompt_ids(i) if job.echo else []
-                lp = completion_logprobs(tok, (c.prompt_logprobs or []) + c.logprobs, pre + c.tokens,
+                ids = pre + [x.token for x in c.logprobs]  # the generated tokens, and the EOG that ended them
+                lp = completion_logprobs(tok, (c.prompt_logprobs or []) + c.logprobs, ids,
                                          0 if job.echo else len(job.echo_text(i, self.model)))
             choices.append({"index": i, "text": head + c.text, "logprobs": lp, "finish_reason": c.finish_reason})
         return JSONResponse({"id": rid, "object": "chat.completion" if job.chat else "text_completion",
