@@ -141,3 +141,30 @@ def test_tokenizer_routes_are_the_models_tokenizer(served, model):
     info = httpx.get(url + "/tokenizer_info").json()
     assert info["eos_token"] == "<|im_end|>" and info["chat_template"] == model.tokenizer.chat_template
     assert httpx.post(url + "/detokenize", json={"tokens": [model.n_vocab]}).status_code == 400
+
+
+def test_a_completion_ending_on_eos_reports_its_logprob(served, model):
+    """A completion that stops on the end-of-generation token reports that token's logprob last (not its text), as
+    vLLM does: lm-eval's max_tokens 1 answers are read as the prompt and one token after it (before: the prompt
+    alone, which it scored as a log-likelihood of 0, "greedy", for choices the model would end the text after: 2 of
+    its 144 on tests/test_lm_eval.py's quiz). The chat API's content logprobs stay those of the content's tokens."""
+    ids = model.tokenize("Question: What color is fresh snow?\nAnswer: white", add_special=False)
+    ref = _log_softmax(model, ids)
+    eos = int(ref[-1].argmax())
+    assert model.tokenizer.is_eog(eos)  # the model would end the text here
+    c = served.client()
+    kw = dict(model="x", prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True, seed=1234)
+    r = c.completions.create(**kw)
+    ch = r.choices[0]
+    lp = ch.logprobs
+    assert ch.finish_reason == "stop" and ch.text == model.detokenize(ids) and r.usage.completion_tokens == 0
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+    assert lp.tokens[-1] == model.detokenize([eos]) and lp.text_offset[-1] == len(ch.text)
+    assert abs(lp.token_logprobs[-1] - ref[-1, eos]) < 1e-6 and max(lp.top_logprobs[-1].values()) == \
+        lp.token_logprobs[-1]
+    chunks = list(c.completions.create(stream=True, **kw))  # streamed: the same entries
+    streamed = [x for k in chunks for x in (k.choices[0].logprobs.token_logprobs if k.choices[0].logprobs else [])]
+    assert streamed == lp.token_logprobs
+    prompt = model.detokenize(ids)  # no echo, no logprobs: the text alone, as before
+    r = c.completions.create(model="x", prompt=prompt, max_tokens=1, temperature=0)
+    assert r.choices[0].text == "" and r.choices[0].finish_reason == "stop" and r.choices[0].logprobs is None

@@ -68,6 +68,9 @@ class GenParams:
     logit_bias: Mapping[int, float] | None = None  # {token id: added to its logit}, before the penalties
     logprobs: int | None = None  # each generated token's logprob and this many alternatives (None: none)
     echo_logprobs: bool = False  # the prompt's tokens' logprobs too (with `logprobs` alternatives)
+    # a generation that ends on an end-of-generation token reports that token's logprob last (not its text): the
+    # completions API, as vLLM does (lm-eval reads a max_tokens 1 answer as the prompt and one token after it)
+    eog_logprob: bool = False
 
     def sampler(self) -> Sampler:
         return Sampler(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
@@ -101,7 +104,7 @@ class Completion:
     prompt_tokens: int
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens not computed for it (the prefix cache's, or shared with its parent)
-    logprobs: list[TokenLogprob] | None = None  # one per token (GenParams.logprobs)
+    logprobs: list[TokenLogprob] | None = None  # one per token (GenParams.logprobs), and the EOG's (eog_logprob)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, None for the first (echo)
 
     @property
@@ -519,6 +522,8 @@ class Engine:
         if r.t_first is None:
             r.t_first = time.perf_counter()
         if p.stop_at_eos and self._tok is not None and self._tok.is_eog(t):
+            if lp is not None and p.eog_logprob:
+                r.logprobs.append(lp)  # carried by the "done" event
             self._finish(r, "stop")
             return 0
         r.tokens.append(t)

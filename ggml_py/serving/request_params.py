@@ -150,7 +150,7 @@ def gen_params(body: dict[str, Any], default_max_tokens: int | None, n_vocab: in
         frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0), seed=seed, stop=stops,
         stop_at_eos=not body.get("ignore_eos", False), logit_bias=_logit_bias(body, n_vocab), logprobs=logprobs,
-        echo_logprobs=not chat and echo(body) and logprobs is not None)
+        echo_logprobs=not chat and echo(body) and logprobs is not None, eog_logprob=not chat)
 
 
 def _content(m: dict[str, Any], i: int) -> str:
