@@ -35,19 +35,23 @@ TASKS_DIR = os.path.join("tests", "fixtures", "lm_eval")  # the task's data_file
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
+    return _lm_eval(tmp_path_factory.mktemp("lm_eval"), TASK)
+
+
+def _lm_eval(out, task: str, *server_args: str, limit: int | None = None) -> dict:
     """lm_eval run once against a real server: its results, its samples, the server's tokenization of every context
-    and context + continuation (what lm-eval's remote tokenizer got), its wall time and output."""
+    and context + continuation (what lm-eval's remote tokenizer got), its wall time and output, the server's
+    metrics after it."""
     import httpx
 
-    out = tmp_path_factory.mktemp("lm_eval")
-    server = ServerProc(default_model_path(), "--parallel", "4", "-t", "2")
+    server = ServerProc(default_model_path(), "--parallel", "4", "-t", "2", *server_args)
     try:
         name = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
         cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions",
                "--model_args", f"base_url={server.url}/v1/completions,model={name},num_concurrent=1,"
                                "tokenized_requests=True",
-               "--batch_size", "4", "--tasks", TASK, "--include_path", TASKS_DIR,
-               "--log_samples", "--output_path", str(out / "results")]
+               "--batch_size", "4", "--tasks", task, "--include_path", TASKS_DIR,
+               "--log_samples", "--output_path", str(out / "results"), *(["--limit", str(limit)] if limit else [])]
         # offline: the datasets cache in the test's directory, no hub (the task's data is local, the tokenizer the
         # server's)
         env = {**os.environ, "HF_HOME": str(out / "hf"), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
@@ -56,7 +60,7 @@ def run(tmp_path_factory):
         wall = time.perf_counter() - t0
         assert p.returncode == 0, f"lm_eval exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
         [results_file] = glob.glob(str(out / "results" / "*" / "results_*.json"))
-        [samples_file] = glob.glob(str(out / "results" / "*" / f"samples_{TASK}_*.jsonl"))
+        [samples_file] = glob.glob(str(out / "results" / "*" / f"samples_{task}_*.jsonl"))
         with open(results_file) as f:
             results = json.load(f)
         with open(samples_file) as f:
@@ -65,9 +69,11 @@ def run(tmp_path_factory):
         with httpx.Client(timeout=30) as c:
             served_ids = {t: c.post(server.url + "/tokenize", json={"prompt": t, "add_special_tokens": False})
                           .json()["tokens"] for t in texts}
+        metrics = server.metrics()
     finally:
         server.stop()
-    return {"results": results, "samples": samples, "served_ids": served_ids, "wall_s": wall, "log": p.stderr}
+    return {"results": results, "samples": samples, "served_ids": served_ids, "wall_s": wall, "log": p.stderr,
+            "metrics": metrics}
 
 
 def _pairs(sample: dict) -> list[dict[str, str]]:
@@ -132,3 +138,17 @@ def test_lm_eval_loglikelihoods_and_accuracy_equal_the_models(run):
     assert res["acc,none"] == pytest.approx(np.mean(acc), abs=1e-12)
     assert res["acc_norm,none"] == pytest.approx(np.mean(acc_norm), abs=1e-12)
     assert 0 < np.mean(acc) < 1  # partly right: the comparison means something
+
+
+def test_lm_eval_answers_the_same_with_the_prefix_cache_on_and_off(tmp_path):
+    """The 5-shot quiz (every request starts with the same five solved questions): the server with the prefix cache
+    computes that start once, and every log-likelihood and greedy flag is the one the server without it gives."""
+    on = _lm_eval(tmp_path / "on", "ggml_py_quiz_5shot", limit=16)
+    off = _lm_eval(tmp_path / "off", "ggml_py_quiz_5shot", "--no-prefix-cache", limit=16)
+    assert [s["resps"] for s in on["samples"]] == [s["resps"] for s in off["samples"]]
+    assert len(on["samples"]) == 16 and off["metrics"]["tokens_prompt_cached"] == 0
+    m = on["metrics"]
+    assert m["tokens_prompt_cached"] > m["tokens_prompt"] / 2, m
+    print(f"\nlm-eval 5-shot, 16 questions: {on['wall_s']:.1f} s with the prefix cache ({m['tokens_prompt']} prompt "
+          f"tokens computed, {m['tokens_prompt_cached']} cached), {off['wall_s']:.1f} s without "
+          f"({off['metrics']['tokens_prompt']} computed)")
