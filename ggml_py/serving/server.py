@@ -4,6 +4,7 @@ GenParams), access.py (Host/Origin, API key, JSON-only routes), connections.py (
 http_common.py (errors, limits, log lines).
 
     POST /v1/completions, /v1/chat/completions     (JSON, or server-sent events with "stream": true)
+    POST /v1/embeddings                            (the model's pooled hidden states: models/embed.py)
     GET  /v1/models, /health, /metrics             (/metrics: Prometheus text; ?format=json for JSON)
 
 The model runs on the engine's one worker thread; the event loop only moves bytes and events. Everything that costs
@@ -23,6 +24,7 @@ stops at once.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
 import json
@@ -48,6 +50,8 @@ from starlette.routing import Route
 
 from ggml_py.errors import GgmlPyError, ModelError
 from ggml_py.models.batch import StageLike
+from ggml_py.models.embed import Embedder
+from ggml_py.models.stage import Stage
 from ggml_py.serving.access import ApiGuard, HostOriginGuard
 from ggml_py.serving.connections import LISTEN_BACKLOG, ConnectionGuard, fit_connections, guarded_h11_protocol
 from ggml_py.serving.engine import Engine, EngineClosedError, Event, QueueFullError, Request
@@ -62,7 +66,14 @@ from ggml_py.serving.http_common import (
     require_server_extra,
 )
 from ggml_py.serving.options import ServeOptions
-from ggml_py.serving.request_params import chat_messages, gen_params, max_token_bytes, parse_json
+from ggml_py.serving.request_params import (
+    chat_messages,
+    embedding_format,
+    embedding_inputs,
+    gen_params,
+    max_token_bytes,
+    parse_json,
+)
 
 
 class _BodyRefused(Exception):
@@ -118,6 +129,12 @@ class Server:
         self.drain_deadline: float | None = None  # time.monotonic() by which the requests are cut on shutdown
         self.cut_reason: str | None = None  # why the requests left were cut, if they were
         self._drain_timer: asyncio.TimerHandle | None = None
+        # embeddings run on an Embedder of their own (its KV cache and plan made on the first request), with
+        # inputs as long as a sequence's context and steps as large as the engine's, so that a step of either holds
+        # the model's lock for as long; only where the model's blocks run in this process (not on a pipeline)
+        self._embedder: Embedder | None = None
+        self._embedder_lock = threading.Lock()
+        self.embeddings_local = all(isinstance(st, Stage) for st in engine.decoder.stages)
         middleware = [Middleware(HostOriginGuard, bound_host=host, allowed_hosts=options.allowed_hosts,
                                  cors_origins=options.cors_origins)]
         if options.cors_origins:
@@ -131,6 +148,7 @@ class Server:
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
         ], middleware=middleware, lifespan=self._lifespan)
 
     @contextlib.asynccontextmanager
@@ -270,9 +288,10 @@ class Server:
                 from None
         return bytes(buf)
 
-    async def _generate(self, request: HTTPRequest, chat: bool) -> Response:
+    async def _body(self, request: HTTPRequest) -> bytes | Response:
+        """The request body, or the response that refuses it (413, 408) or notes that its client went away."""
         try:
-            raw = await self._read_body(request)
+            return await self._read_body(request)
         except _BodyRefused as e:  # the rest of the body is not read: the connection closes after the answer
             return error_response(e.status, str(e), "invalid_request_error", headers={"Connection": "close"},
                           code="request_too_large" if e.status == 413 else "request_timeout")
@@ -281,6 +300,11 @@ class Server:
             notes("disconnect-body", f"a client ({client.host}:{client.port}) went away before its request body "
                   "had arrived" if client else "a client went away before its request body had arrived")
             return Response(status_code=499)
+
+    async def _generate(self, request: HTTPRequest, chat: bool) -> Response:
+        raw = await self._body(request)
+        if isinstance(raw, Response):
+            return raw
         inbox = _Inbox(asyncio.get_running_loop())
         try:
             req, stream, include_usage = await run_in_threadpool(self._admit, raw, chat, inbox.put)
@@ -299,6 +323,56 @@ class Server:
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._wait(request, req, inbox, rid, chat)
+
+    # -- embeddings ------------------------------------------------------------------------------------------------
+    async def embeddings(self, request: HTTPRequest) -> Response:
+        raw = await self._body(request)
+        if isinstance(raw, Response):
+            return raw
+        try:  # parsing, tokenizing and every step in a pool thread: the event loop never waits for the model
+            out = await run_in_threadpool(self._embed, raw)
+        except BadRequest as e:
+            return error_response(400, str(e), "invalid_request_error", e.param)
+        except GgmlPyError as e:  # not the request's fault: the model closed, memory, a backend's error
+            log.warning("ggml-py serve: an embeddings request failed: %s", e)
+            return error_response(500, f"embedding failed: {e}", "server_error")
+        return JSONResponse(out)
+
+    def embedder(self) -> Embedder:
+        """The server's Embedder, made on first use (its memory checked then; its plan prepared at its first
+        step)."""
+        with self._embedder_lock:
+            if self._embedder is None:
+                self._embedder = Embedder(self.model, n_ctx=self.engine.n_ctx_seq, n_batch=self.engine.n_batch)
+            return self._embedder
+
+    def _embed(self, raw: bytes) -> dict[str, Any]:
+        """An embeddings request (a pool thread): parsed, checked, tokenized, computed, answered."""
+        body = parse_json(raw)
+        if not self.embeddings_local:
+            raise BadRequest("embeddings are not available when the model's blocks run as pipeline stages "
+                             "(--cluster)")
+        m = self.model
+        fmt = embedding_format(body, m.hparams.n_embd)
+        items = embedding_inputs(body, self.options.max_embedding_inputs)
+        for i, it in enumerate(items):
+            if isinstance(it, str):
+                self._check_chars(len(it), f"input[{i}]", "input")
+        emb = self.embedder()
+        try:
+            mode = emb.resolve_pooling()
+            ids = emb.token_inputs(items)
+        except ModelError as e:  # an id outside the vocabulary, an input too long, a pooling the model asks for
+            raise BadRequest(str(e), "input") from None
+        vecs = emb.embed_ids(ids, normalize=True, pooling=mode)
+        data = []
+        for i, v in enumerate(vecs):
+            # base64: the float32 values' little-endian bytes, as OpenAI's (and its client's decoder) have them
+            e: Any = base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") if fmt == "base64" else v.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": e})
+        n = sum(int(a.size) for a in ids)
+        return {"object": "list", "data": data, "model": self.model_name,
+                "usage": {"prompt_tokens": n, "total_tokens": n}}
 
     async def _next(self, request: HTTPRequest, req: Request, inbox: _Inbox) -> Event | None:
         """The next event of req; None (and the request cancelled) when the client went away."""
