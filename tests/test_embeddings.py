@@ -190,6 +190,27 @@ def test_the_files_pooling_type_and_refusals(tmp_path):
         emb.embed("x")
 
 
+def test_cli_embed(tiny, tmp_path, capsys):
+    import json
+
+    from ggml_py.commands.cli import main
+
+    out = tmp_path / "vecs"
+    assert main(["embed", "-m", tiny, "-p", "the cat", "-p", "a dog", "--json", "--out", str(out)]) == 0
+    res = json.loads(capsys.readouterr().out)
+    with load_model(tiny, progress=False) as m:
+        want = m.embed(["the cat", "a dog"])
+        assert res["tokens"] == [len(m.tokenize("the cat")), len(m.tokenize("a dog"))]
+    assert res["pooling"] == "mean" and res["normalized"] and res["n_embd"] == want.shape[1]
+    assert np.array_equal(np.array(res["embeddings"], np.float32), want)
+    assert np.array_equal(np.load(res["out"]), want) and res["out"] == str(out) + ".npy"
+    assert main(["embed", "-m", tiny, "-p", "the cat", "--pooling", "last", "--no-normalize"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("embedding 0 (") and "cosine" not in text
+    assert main(["embed", "-m", tiny, "-p", ""]) == 1
+    assert "error: input 0 is empty (no tokens)" in capsys.readouterr().err
+
+
 def test_embed_leaves_a_generation_alone_and_interleaves_with_an_engine(tiny):
     """Model.embed between the steps of a generate iterator does not overtake it (its own cache); with an engine
     generating in its thread, an embed call's steps interleave with the engine's (each takes the model's lock) and
