@@ -14,7 +14,8 @@ RANK 4; absent: MEAN, as `llama-embedding --pooling mean` on a causal LM): MEAN 
 its first token's row, LAST its last token's. llama.cpp pools in the graph (MEAN as a product with a matrix of
 1/n_tokens); here the rows come out of the plan and are pooled on the host, over the input's own rows alone, in an
 order that depends on nothing else: so an input's vector is the same bit for bit whatever it is batched with (its
-rows are: docs/serving.md, "Deterministic"), and a product over the whole step's rows could not promise that.
+rows are: docs/serving.md, "Deterministic"), which a float32 product over the whole step's rows (or float32 sums
+per step) could not promise.
 NONE (one vector per token) and RANK (a classification head) are not supported.
 
 Thread safety: one `embed` at a time per embedder (its sequences hold cells across steps), and each step takes the
@@ -177,16 +178,22 @@ class Embedder:
         """(n_inputs, n_embd) float32: one vector per input (a text, or a list of token ids; or a list of these),
         pooled as the file says (or `pooling`: "mean", "cls", "last"), L2-normalized when `normalize`."""
         mode = self.resolve_pooling(pooling)
-        return self.embed_ids(self.token_inputs(inputs), normalize, mode)
+        return self._embed(self.token_inputs(inputs), normalize, mode)
 
-    def embed_ids(self, ids: Sequence[np.ndarray], normalize: bool = True, pooling: str | None = None) -> np.ndarray:
-        """embed() of inputs already checked by `token_inputs`."""
+    def embed_ids(self, ids: Sequence[Sequence[int] | np.ndarray], normalize: bool = True,
+                  pooling: str | None = None) -> np.ndarray:
+        """embed() of inputs that are token ids (e.g. `token_inputs`'s: checked again, a few comparisons each)."""
         mode = self.resolve_pooling(pooling)
+        if any(isinstance(x, str) for x in ids):
+            raise ModelError("embed_ids takes lists of token ids; embed takes texts")
+        return self._embed(self.token_inputs(list(ids)), normalize, mode)
+
+    def _embed(self, ids: list[np.ndarray], normalize: bool, mode: str) -> np.ndarray:
         if not ids:
             return np.zeros((0, self.n_embd), np.float32)
         with self._calls:
             try:
-                vecs = self._run(list(ids), mode)
+                vecs = self._run(ids, mode)
             finally:
                 self.cells.clear()  # the cache holds nothing between calls, also after a failed step
         return l2_normalize(vecs) if normalize else vecs
@@ -198,7 +205,10 @@ class Embedder:
         n = len(ids)
         lens = [int(a.size) for a in ids]
         out = np.zeros((n, self.n_embd), np.float32)
-        rows: dict[int, np.ndarray] = {}  # input -> its hidden rows (MEAN: every token's; CLS, LAST: one)
+        # input -> MEAN: the sum of its rows so far, float64 (exact for float32 rows unless their exponents span
+        # more than ~29 bits), added one row at a time in position order, so the same whatever chunks they came in
+        # even then; CLS, LAST: its one row
+        acc: dict[int, np.ndarray] = {}
         done = [0] * n  # tokens computed per input
         seq_of: dict[int, int] = {}
         free = list(range(self.n_seq_max))
@@ -211,7 +221,7 @@ class Embedder:
                 active.append(i)
                 seq_of[i] = free.pop(0)
                 reserved += lens[i]
-                rows[i] = np.empty((lens[i] if mode == "mean" else 1, self.n_embd), np.float32)
+                acc[i] = np.zeros(self.n_embd, np.float64 if mode == "mean" else np.float32)
             budget = self.n_batch
             parts = []  # (input, first position, tokens) of this step
             for i in active:
@@ -225,26 +235,29 @@ class Embedder:
             pos = np.concatenate([np.arange(a, a + k, dtype=np.int32) for i, a, k in parts])
             starts = np.cumsum([0] + [k for _, _, k in parts])
             # the rows each input needs from this step: MEAN all of its own, CLS its first token's, LAST its last's
-            want: list[tuple[int, int, int, int]] = []  # (input, row of the step, rows, where in the input's rows)
+            want: list[tuple[int, int, int]] = []  # (input, its first row in the step, rows)
             for (i, a, k), r in zip(parts, starts):
                 if mode == "mean":
-                    want.append((i, int(r), k, a))
+                    want.append((i, int(r), k))
                 elif mode == "cls" and a == 0:
-                    want.append((i, int(r), 1, 0))
+                    want.append((i, int(r), 1))
                 elif mode == "last" and a + k == lens[i]:
-                    want.append((i, int(r) + k - 1, 1, 0))
-            out_rows = np.concatenate([np.arange(r, r + c, dtype=np.int32) for _, r, c, _ in want]) if want \
+                    want.append((i, int(r) + k - 1, 1))
+            out_rows = np.concatenate([np.arange(r, r + c, dtype=np.int32) for _, r, c in want]) if want \
                 else np.zeros(0, np.int32)
             h = self._step(toks, seqs, pos, out_rows)
             o = 0
-            for i, _, c, at in want:
-                rows[i][at:at + c] = h[o:o + c]
+            for i, _, c in want:
+                if mode == "mean":  # add.accumulate sums sequentially: the last row is acc + x0 + x1 + ...
+                    acc[i] = np.add.accumulate(np.vstack([acc[i][None], h[o:o + c]]), axis=0, dtype=np.float64)[-1]
+                else:
+                    acc[i] = h[o]
                 o += c
             for i, a, k in parts:
                 done[i] = a + k
             for i in [i for i in active if done[i] == lens[i]]:
-                # pooled over the input's own rows alone (float64, one fixed order): independent of its company
-                out[i] = rows.pop(i).mean(axis=0, dtype=np.float64) if mode == "mean" else rows.pop(i)[0]
+                # pooled over the input's own rows alone, in one fixed order: independent of its company
+                out[i] = acc.pop(i) / lens[i] if mode == "mean" else acc.pop(i)
                 self.cells.free(seq_of[i])
                 free.append(seq_of.pop(i))
                 free.sort()
