@@ -9,7 +9,10 @@ from __future__ import annotations
 import base64
 import importlib
 import importlib.util
+import json
 import re
+import socket
+import threading
 import time
 
 import gguf
@@ -20,7 +23,7 @@ from serve_helpers import ServerProc
 
 from ggml_py import counters, load_model
 from ggml_py.errors import ModelError
-from ggml_py.models.embed import Embedder
+from ggml_py.models.embed import Embedder, EmbeddingCancelled
 from ggml_py.serving.engine import Engine, GenParams
 
 import llamacpp_peer
@@ -192,9 +195,26 @@ def test_the_files_pooling_type_and_refusals(tmp_path):
         emb.embed("x")
 
 
-def test_cli_embed(tiny, tmp_path, capsys):
-    import json
+def test_a_stopped_call_ends_before_its_next_step(tiny):
+    stop = threading.Event()
 
+    class Stopping(Embedder):
+        def _step(self, *args: object) -> np.ndarray:
+            out = super()._step(*args)
+            stop.set()  # as the server's watcher does when the client goes away
+            return out
+
+    with load_model(tiny, n_ctx=256, progress=False) as m:
+        ids = [m.tokenize(f"item {i}: the cat is on the mat") for i in range(6)]
+        with Stopping(m, n_batch=8) as e:
+            with pytest.raises(EmbeddingCancelled, match="cancelled"):
+                e.embed_ids(ids, stop=stop)
+            assert e.steps == 1 and e.cells.n_used == 0
+            stop.clear()
+            assert np.array_equal(e.embed_ids(ids[:1]), m.embed(ids[:1]))  # the next call runs as ever
+
+
+def test_cli_embed(tiny, tmp_path, capsys):
     from ggml_py.commands.cli import main
 
     out = tmp_path / "vecs"
@@ -260,7 +280,7 @@ def server(tiny):
     if not HAVE_SERVER:
         pytest.skip('needs the server extra and openai: pip install ".[test,server]"')
     s = ServerProc(tiny, "--parallel", "2", "--ctx", "256", "--max-embedding-inputs", "5", "--api-key", KEY,
-                   "-t", "2")
+                   "--batch", "8", "-t", "2")
     yield s
     s.stop()
 
@@ -361,3 +381,19 @@ def test_concurrent_requests_get_their_own_vectors(server, local):
         assert gen.result().choices[0].text is not None
     for i, o in enumerate(outs):
         assert np.array_equal(o, vecs[[i % 3, (i + 1) % 3]])
+
+
+def test_a_client_that_goes_away_stops_its_embedding(server, local):
+    """5 inputs of 128 tokens in steps of 8 (the server's --batch): the client closes its connection once the
+    request is sent, and the embedding stops before its next step (one log line); the next request is served."""
+    body = json.dumps({"input": [[1 + i] * 128 for i in range(5)], "encoding_format": "float"}).encode()
+    head = (f"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((server.host, server.port)) as sk:
+        sk.sendall(head + body)
+    deadline = time.time() + 10
+    while "went away during its embeddings request" not in server.log_text and time.time() < deadline:
+        time.sleep(0.05)
+    assert "went away during its embeddings request: stopped" in server.log_text
+    r = server.client(api_key=KEY).embeddings.create(model="m", input=local["texts"], encoding_format="float")
+    assert np.array_equal(np.array([d.embedding for d in r.data], np.float32), local["vecs"])

@@ -50,6 +50,10 @@ SUPPORTED_POOLING = ("mean", "cls", "last")
 DEFAULT_N_BATCH = 128  # tokens per step at most (the plan's bound on n_tok and n_out)
 DEFAULT_N_SEQ_MAX = 16  # inputs side by side in one step at most
 
+
+class EmbeddingCancelled(ModelError):
+    """An embed call stopped between two steps because its `stop` event was set (its client went away)."""
+
 # what `embed` takes: a text, token ids, or a list of either
 EmbedInput = str | Sequence[int] | np.ndarray
 EmbedInputs = EmbedInput | Sequence[EmbedInput]
@@ -181,24 +185,26 @@ class Embedder:
         return self._embed(self.token_inputs(inputs), normalize, mode)
 
     def embed_ids(self, ids: Sequence[Sequence[int] | np.ndarray], normalize: bool = True,
-                  pooling: str | None = None) -> np.ndarray:
-        """embed() of inputs that are token ids (e.g. `token_inputs`'s: checked again, a few comparisons each)."""
+                  pooling: str | None = None, stop: threading.Event | None = None) -> np.ndarray:
+        """embed() of inputs that are token ids (e.g. `token_inputs`'s: checked again, a few comparisons each).
+        `stop`: set from another thread, the call raises EmbeddingCancelled before its next step."""
         mode = self.resolve_pooling(pooling)
         if any(isinstance(x, str) for x in ids):
             raise ModelError("embed_ids takes lists of token ids; embed takes texts")
-        return self._embed(self.token_inputs(list(ids)), normalize, mode)
+        return self._embed(self.token_inputs(list(ids)), normalize, mode, stop)
 
-    def _embed(self, ids: list[np.ndarray], normalize: bool, mode: str) -> np.ndarray:
+    def _embed(self, ids: list[np.ndarray], normalize: bool, mode: str,
+               stop: threading.Event | None = None) -> np.ndarray:
         if not ids:
             return np.zeros((0, self.n_embd), np.float32)
         with self._calls:
             try:
-                vecs = self._run(ids, mode)
+                vecs = self._run(ids, mode, stop)
             finally:
                 self.cells.clear()  # the cache holds nothing between calls, also after a failed step
         return l2_normalize(vecs) if normalize else vecs
 
-    def _run(self, ids: list[np.ndarray], mode: str) -> np.ndarray:
+    def _run(self, ids: list[np.ndarray], mode: str, stop: threading.Event | None = None) -> np.ndarray:
         """Every input through the plan: admitted in order while a sequence is free and the cache can hold its
         whole input, each step the next chunk of every admitted input (in admission order) up to n_batch tokens,
         an input pooled and its cells freed once its last token is computed."""
@@ -216,6 +222,8 @@ class Embedder:
         active: list[int] = []
         reserved = 0  # tokens the admitted inputs will hold in the cache when complete
         while pending or active:
+            if stop is not None and stop.is_set():
+                raise EmbeddingCancelled(f"the embedding of {n} inputs was cancelled")
             while pending and len(active) < self.n_seq_max and reserved + lens[pending[0]] <= self.n_ctx:
                 i = pending.popleft()
                 active.append(i)

@@ -50,7 +50,7 @@ from starlette.routing import Route
 
 from ggml_py.errors import GgmlPyError, ModelError
 from ggml_py.models.batch import StageLike
-from ggml_py.models.embed import Embedder
+from ggml_py.models.embed import Embedder, EmbeddingCancelled
 from ggml_py.models.stage import Stage
 from ggml_py.serving.access import ApiGuard, HostOriginGuard
 from ggml_py.serving.connections import LISTEN_BACKLOG, ConnectionGuard, fit_connections, guarded_h11_protocol
@@ -329,13 +329,26 @@ class Server:
         raw = await self._body(request)
         if isinstance(raw, Response):
             return raw
+        stop = threading.Event()
+
+        async def watch() -> None:  # the body is read: the next message is the client's disconnect
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            stop.set()  # the embedding stops before its next step: the model's time goes to those still waiting
+
+        watcher = asyncio.ensure_future(watch())
         try:  # parsing, tokenizing and every step in a pool thread: the event loop never waits for the model
-            out = await run_in_threadpool(self._embed, raw)
+            out = await run_in_threadpool(self._embed, raw, stop)
+        except EmbeddingCancelled:
+            notes("disconnect-embed", "a client went away during its embeddings request: stopped")
+            return Response(status_code=499)
         except BadRequest as e:
             return error_response(400, str(e), "invalid_request_error", e.param)
         except GgmlPyError as e:  # not the request's fault: the model closed, memory, a backend's error
             log.warning("ggml-py serve: an embeddings request failed: %s", e)
             return error_response(500, f"embedding failed: {e}", "server_error")
+        finally:
+            watcher.cancel()
         return JSONResponse(out)
 
     def embedder(self) -> Embedder:
@@ -346,7 +359,7 @@ class Server:
                 self._embedder = Embedder(self.model, n_ctx=self.engine.n_ctx_seq, n_batch=self.engine.n_batch)
             return self._embedder
 
-    def _embed(self, raw: bytes) -> dict[str, Any]:
+    def _embed(self, raw: bytes, stop: threading.Event | None = None) -> dict[str, Any]:
         """An embeddings request (a pool thread): parsed, checked, tokenized, computed, answered."""
         body = parse_json(raw)
         if not self.embeddings_local:
@@ -364,7 +377,7 @@ class Server:
             ids = emb.token_inputs(items)
         except ModelError as e:  # an id outside the vocabulary, an input too long, a pooling the model asks for
             raise BadRequest(str(e), "input") from None
-        vecs = emb.embed_ids(ids, normalize=True, pooling=mode)
+        vecs = emb.embed_ids(ids, normalize=True, pooling=mode, stop=stop)
         data = []
         for i, v in enumerate(vecs):
             # base64: the float32 values' little-endian bytes, as OpenAI's (and its client's decoder) have them
