@@ -24,6 +24,7 @@ COMMANDS = {
     "generate": "generate",
     "serve": "serve",
     "eval": "eval",
+    "embed": "embed",
     "tokenize": "tokenize",
     "info": "info",
     "quantize": "quantize",

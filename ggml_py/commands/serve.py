@@ -69,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompt-chars", type=int, default=None,
                    help="longer prompts get 400 before they are tokenized (default: a sequence's context in "
                         "tokens x the longest token's bytes)")
+    g.add_argument("--max-embedding-inputs", type=int, default=d.max_embedding_inputs,
+                   help=f"inputs one /v1/embeddings request may have, else 400 (default: "
+                        f"{d.max_embedding_inputs}, as OpenAI)")
     g.add_argument("--header-timeout", type=float, default=d.header_timeout,
                    help=f"seconds for a request head to arrive, else the connection is closed "
                         f"(default: {d.header_timeout:g})")
@@ -125,6 +128,7 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
     at_least("--threads", 1)
     at_least("--max-body-bytes", 1024)
     at_least("--max-prompt-chars", 1)
+    at_least("--max-embedding-inputs", 1)
     at_least("--header-timeout", 0.01)
     at_least("--body-timeout", 0.01)
     at_least("--keep-alive-timeout", 1)
@@ -164,7 +168,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
                            header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                            keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
                            drain_timeout=args.drain_timeout, api_key=api_key,
-                           allowed_hosts=_csv(args.allowed_hosts), cors_origins=_csv(args.cors_origins))
+                           allowed_hosts=_csv(args.allowed_hosts), cors_origins=_csv(args.cors_origins),
+                           max_embedding_inputs=args.max_embedding_inputs)
     stages: list[Any] = []
     model = load_model(args.model, backends=args.backend, n_threads=args.threads, n_ctx=None,
                        kv_type=args.kv_type.upper())

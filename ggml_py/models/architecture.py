@@ -41,5 +41,6 @@ class Architecture:
         return model_tensors(r, hp, layers)
 
     def build_step(self, hp: HParams, w: Weights, cache: KVCache, n_tokens: Dim, n_kv: Dim,
-                   last_only: bool = False, n_out: Dim | None = None, layers: range | None = None) -> StepGraph:
-        return build_step(hp, w, cache, self.layer, n_tokens, n_kv, last_only, n_out, layers)
+                   last_only: bool = False, n_out: Dim | None = None, layers: range | None = None,
+                   embd: bool = False) -> StepGraph:
+        return build_step(hp, w, cache, self.layer, n_tokens, n_kv, last_only, n_out, layers, embd)

@@ -9,6 +9,7 @@ embedding and the head. Shapes are in numpy order: activations are (T, features)
 every position; the mask inputs `(T, n_kv)` bind it. A sliding window is a second mask input, never a rebuild.
 The batched decoder (batch.py) also makes T symbolic and selects the rows whose logits are wanted with an `out_idx`
 input (GET_ROWS before the last layer's FFN), so one plan serves any mix of sequences and prefill chunks.
+With `embd`, the step ends at the output norm: its output is the normed hidden states (embed.py pools them).
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ class StepGraph:
     tokens: Tensor | None  # None on a pipeline stage that does not start at the embedding
     pos: Tensor
     kv_idx: Tensor
-    logits: Tensor  # a pipeline stage before the last: its hidden states (T, n_embd) instead
+    # a pipeline stage before the last: its hidden states (T, n_embd) instead; with `embd`, the hidden states after
+    # the output norm (rows as the logits' would be), named "embd"
+    logits: Tensor
     mask: Tensor | None  # causal; None when every layer slides
     mask_swa: Tensor | None = None  # causal within the sliding window; None without sliding layers
     n_swa: int = 0
@@ -180,10 +183,17 @@ class StepBuilder:
         return StepGraph(self.T, False, self._tokens_used, self.pos, self.kv_idx, x, self._masks.get(False),
                          self._masks.get(True), self.hp.n_swa, None, hidden=self._hidden)
 
-    def finish(self, x: Tensor) -> StepGraph:
-        """The final norm, the head (token_embd when tied) and the optional soft cap; the StepGraph."""
+    def finish(self, x: Tensor, embd: bool = False) -> StepGraph:
+        """The final norm, the head (token_embd when tied) and the optional soft cap; the StepGraph. With `embd`,
+        the final norm alone: its output is the normed hidden states (llama.cpp's "result_norm", what it pools
+        into embeddings), and no head is computed."""
         hp = self.hp
-        logits = ops.mul_mat(self.w.output, self.norm(x, self.w.output_norm))
+        normed = self.norm(x, self.w.output_norm)
+        if embd:
+            return StepGraph(self.T, self.last_only, self._tokens_used, self.pos, self.kv_idx,
+                             normed.set_name("embd").set_output(), self._masks.get(False), self._masks.get(True),
+                             hp.n_swa, self.out_idx, hidden=self._hidden)
+        logits = ops.mul_mat(self.w.output, normed)
         if hp.final_softcap > 0:
             c = hp.final_softcap
             logits = ops.scale(ops.tanh(ops.scale(logits, 1.0 / c)), c)
@@ -204,7 +214,8 @@ LayerFn = Callable[[StepBuilder, Layer, int, Tensor], Tensor]
 
 
 def build_step(hp: HParams, w: Weights, cache: KVCache, layer: LayerFn, n_tokens: Dim, n_kv: Dim,
-               last_only: bool = False, n_out: Dim | None = None, layers: range | None = None) -> StepGraph:
+               last_only: bool = False, n_out: Dim | None = None, layers: range | None = None,
+               embd: bool = False) -> StepGraph:
     """The graph of one forward step: embedding, the architecture's `layer` for every block, the head.
 
     Inputs: tokens (T,) I32, pos (T,) I32, kv_idx (T,) I32, the mask(s) (T, n_kv) F32, and with `n_out` out_idx
@@ -214,13 +225,16 @@ def build_step(hp: HParams, w: Weights, cache: KVCache, layer: LayerFn, n_tokens
     `layers`, a range of the blocks, makes a pipeline stage: one that does not start at block 0 takes the hidden
     states (T, n_embd) as its input `hidden` instead of the tokens, and one that does not end at the last block
     outputs its hidden states (`hidden_out`) instead of the logits.
+
+    `embd`: the step outputs the hidden states after the output norm, (T, n_embd) or (n_out, n_embd), instead of
+    the logits (no head: what embeddings are pooled from, embed.py).
     """
     layers = range(hp.n_layer) if layers is None else layers
     b = StepBuilder(hp, w, cache, n_tokens, n_kv, last_only, n_out if layers.stop == hp.n_layer else None)
     x = b.embed() if layers.start == 0 else b.hidden_in()
     for il in layers:
         x = layer(b, w.layers[il], il, x)
-    return b.finish(x) if layers.stop == hp.n_layer else b.hidden_out(x)
+    return b.finish(x, embd) if layers.stop == hp.n_layer else b.hidden_out(x)
 
 
 def pre_norm_layer(act: str = "silu") -> LayerFn:

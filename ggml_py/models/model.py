@@ -136,7 +136,8 @@ class Model:
         # close); `_owner` is the generate iterator the cache belongs to, so an overtaken iterator raises.
         self._lock = threading.RLock()
         self._owner: object | None = None
-        self._decoders: list[Any] = []  # batch decoders on this model (closed with it)
+        self._decoders: list[Any] = []  # batch decoders and embedders on this model (closed with it)
+        self._embedder: Any = None  # the Embedder of `embed`, made on first use
         self.weights_copied = copy_weights
         self._check_file()
         if copy_weights:
@@ -449,6 +450,22 @@ class Model:
                     logits = self._forward(np.array([t], np.int32), last_only=True, kind="decode", read=read)
         finally:
             self._t["generate_s"] += time.perf_counter() - t_start
+
+    # -- embeddings ------------------------------------------------------------------------------------------------
+    def embed(self, inputs: Any, normalize: bool = True, pooling: str | None = None) -> np.ndarray:
+        """(n_inputs, n_embd) float32: one vector per input (a text or a list of token ids; or a list of these),
+        the final hidden states after the output norm pooled as the file's `{arch}.pooling_type` says (mean when
+        absent; `pooling` "mean", "cls" or "last" overrides it), L2-normalized when `normalize`. Runs on one plan
+        prepared on the first call (embed.py `Embedder`, with this model's n_ctx as the longest input); a list of
+        inputs is computed side by side. The model's own cache and generate iterators are not touched."""
+        from ggml_py.models.embed import Embedder
+
+        with self._lock:
+            self._check_open()
+            if self._embedder is None or self._embedder._closed:
+                self._embedder = Embedder(self)
+            emb = self._embedder
+        return emb.embed(inputs, normalize=normalize, pooling=pooling)
 
     # -- many sequences: a BatchDecoder (batch.py) attaches itself, and is closed with the model ------------------
     def _attach(self, dec: Any) -> None:

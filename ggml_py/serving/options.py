@@ -20,7 +20,10 @@ class ServeOptions:
     (or, when every connection is busy, the new one). drain_timeout: seconds the open requests may take to finish on
     shutdown before they are cancelled. api_key: if set, /v1/* and /metrics need `Authorization: Bearer <key>`.
     allowed_hosts: Host headers accepted besides the bound address and localhost ("*" any, "*.example.com" a
-    domain). cors_origins: origins a browser may call from (CORS; "*" any); none by default."""
+    domain). cors_origins: origins a browser may call from (CORS; "*" any); none by default.
+    max_embedding_inputs: inputs one /v1/embeddings request may have (OpenAI's own limit, 2048, by default: a
+    client that batches as many as OpenAI accepts works here too); each is also held to max_prompt_chars and to a
+    sequence's context in tokens."""
 
     max_body_bytes: int = 8 * 2**20
     max_prompt_chars: int | None = None
@@ -32,3 +35,4 @@ class ServeOptions:
     api_key: str | None = None
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
+    max_embedding_inputs: int = 2048

@@ -201,3 +201,50 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 def max_token_bytes(tokenizer: Any) -> int:
     """The bytes of the longest token's text (special tokens' included): no token stands for more of a prompt."""
     return max((len(tokenizer.token_to_piece(i)) for i in range(tokenizer.n_vocab)), default=1) or 1
+
+
+def _is_token(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def embedding_inputs(body: dict[str, Any], max_inputs: int) -> list[str | list[int]]:
+    """OpenAI's embeddings `input`: a string, a list of strings, a list of token ids (one input) or a list of lists
+    of token ids; as a list of single inputs, at most `max_inputs`. An empty string, list or list of ids is a 400
+    (as OpenAI's); the ids' range is checked against the model later."""
+    x = body.get("input")
+    what = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+    if isinstance(x, str):
+        items: list[Any] = [x]
+    elif isinstance(x, list) and x and all(_is_token(t) for t in x):
+        items = [x]
+    elif isinstance(x, list) and x:
+        items = x
+    elif isinstance(x, list):
+        raise BadRequest("input is an empty list", "input")
+    else:
+        raise BadRequest(f"input must be {what}", "input")
+    if len(items) > max_inputs:
+        raise BadRequest(f"input has {len(items)} items; at most {max_inputs} are accepted in one request", "input")
+    for i, it in enumerate(items):
+        if isinstance(it, str):
+            if not it:
+                raise BadRequest(f"{'input' if x is it else f'input[{i}]'} is an empty string", "input")
+        elif not (isinstance(it, list) and it and all(_is_token(t) for t in it)):
+            raise BadRequest(f"input[{i}] must be a non-empty string or a non-empty list of token ids (input is "
+                             f"{what})", "input")
+    return items
+
+
+def embedding_format(body: dict[str, Any], n_embd: int) -> str:
+    """`encoding_format` ("float", the default, or "base64"), with `dimensions` refused unless it is the model's
+    (a model without Matryoshka training has no shorter vectors to give)."""
+    fmt = body.get("encoding_format")
+    if fmt is None:
+        fmt = "float"
+    if fmt not in ("float", "base64"):
+        raise BadRequest(f"encoding_format must be \"float\" or \"base64\", got {fmt!r}", "encoding_format")
+    dims = body.get("dimensions")
+    if dims is not None and (not _is_token(dims) or dims != n_embd):
+        raise BadRequest(f"dimensions {dims!r} is not supported: this model's embeddings have {n_embd} dimensions",
+                         "dimensions")
+    return str(fmt)

@@ -4,6 +4,7 @@ GenParams), access.py (Host/Origin, API key, JSON-only routes), connections.py (
 http_common.py (errors, limits, log lines).
 
     POST /v1/completions, /v1/chat/completions     (JSON, or server-sent events with "stream": true)
+    POST /v1/embeddings                            (the model's pooled hidden states: models/embed.py)
     GET  /v1/models, /health, /metrics             (/metrics: Prometheus text; ?format=json for JSON)
     GET  /                                         a chat page over the chat API (chat_page.py)
 
@@ -24,6 +25,7 @@ stops at once.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
 import json
@@ -50,7 +52,9 @@ from starlette.routing import Route
 
 from ggml_py.errors import GgmlPyError, ModelError
 from ggml_py.models.batch import StageLike
+from ggml_py.models.embed import Embedder, EmbeddingCancelled
 from ggml_py.models.logprobs import TokenLogprob
+from ggml_py.models.stage import Stage
 from ggml_py.serving.access import ApiGuard, HostOriginGuard
 from ggml_py.serving.chat_page import ChatPage
 from ggml_py.serving.connections import LISTEN_BACKLOG, ConnectionGuard, fit_connections, guarded_h11_protocol
@@ -70,6 +74,8 @@ from ggml_py.serving.options import ServeOptions
 from ggml_py.serving.request_params import (
     chat_messages,
     echo,
+    embedding_format,
+    embedding_inputs,
     gen_params,
     max_token_bytes,
     n_choices,
@@ -167,6 +173,12 @@ class Server:
         self.drain_deadline: float | None = None  # time.monotonic() by which the requests are cut on shutdown
         self.cut_reason: str | None = None  # why the requests left were cut, if they were
         self._drain_timer: asyncio.TimerHandle | None = None
+        # embeddings run on an Embedder of their own (its KV cache and plan made on the first request), with
+        # inputs as long as a sequence's context and steps as large as the engine's, so that a step of either holds
+        # the model's lock for as long; only where the model's blocks run in this process (not on a pipeline)
+        self._embedder: Embedder | None = None
+        self._embedder_lock = threading.Lock()
+        self.embeddings_local = all(isinstance(st, Stage) for st in engine.decoder.stages)
         middleware = [Middleware(HostOriginGuard, bound_host=host, allowed_hosts=options.allowed_hosts,
                                  cors_origins=options.cors_origins)]
         if options.cors_origins:
@@ -184,6 +196,7 @@ class Server:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
         ], middleware=middleware, lifespan=self._lifespan)
 
     @contextlib.asynccontextmanager
@@ -401,9 +414,10 @@ class Server:
                 from None
         return bytes(buf)
 
-    async def _generate(self, request: HTTPRequest, chat: bool) -> Response:
+    async def _body(self, request: HTTPRequest) -> bytes | Response:
+        """The request body, or the response that refuses it (413, 408) or notes that its client went away."""
         try:
-            raw = await self._read_body(request)
+            return await self._read_body(request)
         except _BodyRefused as e:  # the rest of the body is not read: the connection closes after the answer
             return error_response(e.status, str(e), "invalid_request_error", headers={"Connection": "close"},
                           code="request_too_large" if e.status == 413 else "request_timeout")
@@ -412,6 +426,11 @@ class Server:
             notes("disconnect-body", f"a client ({client.host}:{client.port}) went away before its request body "
                   "had arrived" if client else "a client went away before its request body had arrived")
             return Response(status_code=499)
+
+    async def _generate(self, request: HTTPRequest, chat: bool) -> Response:
+        raw = await self._body(request)
+        if isinstance(raw, Response):
+            return raw
         inbox = _Inbox(asyncio.get_running_loop())
         try:
             job = await run_in_threadpool(self._admit, raw, chat, inbox.put)
@@ -433,6 +452,71 @@ class Server:
     def _cancel(self, job: _Job) -> None:
         for r in job.reqs:
             self.engine.cancel(r)
+
+    # -- embeddings ------------------------------------------------------------------------------------------------
+    async def embeddings(self, request: HTTPRequest) -> Response:
+        raw = await self._body(request)
+        if isinstance(raw, Response):
+            return raw
+        stop = threading.Event()
+
+        async def watch() -> None:  # the body is read: the next message is the client's disconnect
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            stop.set()  # the embedding stops before its next step: the model's time goes to those still waiting
+
+        watcher = asyncio.ensure_future(watch())
+        try:  # parsing, tokenizing, every step and the answer's JSON in a pool thread: never on the event loop
+            out = await run_in_threadpool(self._embed, raw, stop)
+        except EmbeddingCancelled:
+            notes("disconnect-embed", "a client went away during its embeddings request: stopped")
+            return Response(status_code=499)
+        except BadRequest as e:
+            return error_response(400, str(e), "invalid_request_error", e.param)
+        except (GgmlPyError, ValueError) as e:  # not the request's: the model closed, memory, non-finite values
+            log.warning("ggml-py serve: an embeddings request failed: %s", e)
+            return error_response(500, f"embedding failed: {e}", "server_error")
+        finally:
+            watcher.cancel()
+        return Response(out, media_type="application/json")
+
+    def embedder(self) -> Embedder:
+        """The server's Embedder, made on first use (its memory checked then; its plan prepared at its first
+        step)."""
+        with self._embedder_lock:
+            if self._embedder is None:
+                self._embedder = Embedder(self.model, n_ctx=self.engine.n_ctx_seq, n_batch=self.engine.n_batch)
+            return self._embedder
+
+    def _embed(self, raw: bytes, stop: threading.Event | None = None) -> bytes:
+        """An embeddings request (a pool thread): parsed, checked, tokenized, computed, its answer's JSON (2048
+        vectors of 4096 floats take 4.3 s to write here, of 576 floats 0.75 s: not on the event loop)."""
+        body = parse_json(raw)
+        if not self.embeddings_local:
+            raise BadRequest("embeddings are not available when the model's blocks run as pipeline stages "
+                             "(--cluster)")
+        m = self.model
+        fmt = embedding_format(body, m.hparams.n_embd)
+        items = embedding_inputs(body, self.options.max_embedding_inputs)
+        for i, it in enumerate(items):
+            if isinstance(it, str):
+                self._check_chars(len(it), f"input[{i}]", "input")
+        emb = self.embedder()
+        try:
+            mode = emb.resolve_pooling()
+            ids = emb.token_inputs(items)
+        except ModelError as e:  # an id outside the vocabulary, an input too long, a pooling the model asks for
+            raise BadRequest(str(e), "input") from None
+        vecs = emb.embed_ids(ids, normalize=True, pooling=mode, stop=stop)
+        data = []
+        for i, v in enumerate(vecs):
+            # base64: the float32 values' little-endian bytes, as OpenAI's (and its client's decoder) have them
+            e: Any = base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") if fmt == "base64" else v.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": e})
+        n = sum(int(a.size) for a in ids)
+        out = {"object": "list", "data": data, "model": self.model_name,
+               "usage": {"prompt_tokens": n, "total_tokens": n}}
+        return json.dumps(out, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
 
     async def _wait(self, request: HTTPRequest, job: _Job, inbox: _Inbox, rid: str) -> Response:
         async def watch() -> None:  # the body is read: the next message is the client's disconnect
