@@ -105,12 +105,18 @@ def test_n_choices_follow_their_seeds(served):
     """n = 4 at temperature 0.8: choice i is the completion a request with seed + i gets alone."""
     c = served.client()
     kw = dict(model="x", prompt="My favourite animal is the", max_tokens=12, temperature=0.8)
+    before = served.metrics()
     r = c.completions.create(n=4, seed=7, **kw)
+    after = served.metrics()
     texts = [ch.text for ch in r.choices]
     assert [ch.index for ch in r.choices] == [0, 1, 2, 3] and len(set(texts)) >= 3, texts
     assert texts == [c.completions.create(seed=7 + i, **kw).choices[0].text for i in range(4)]
     n_prompt = httpx.post(served.url + "/tokenize", json={"prompt": kw["prompt"]}).json()["count"]
     assert r.usage.prompt_tokens == n_prompt  # the prompt once, whatever n
+    # computed once: the other three choices forked from it
+    assert after["tokens_prompt"] - before["tokens_prompt"] == n_prompt
+    assert after["tokens_prompt_cached"] - before["tokens_prompt_cached"] == 3 * n_prompt
+    assert after["requests_forked"] - before["requests_forked"] == 3
 
 
 def test_bad_logprob_fields_are_refused(served):
