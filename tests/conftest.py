@@ -97,9 +97,10 @@ def installed_check() -> list[str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests that measure the process's RSS run first: later tests leave threads behind that allocate on their
-    own (an HTTP client library's workers, a browser driver's), whose memory moves the RSS under the measurement."""
-    items.sort(key=lambda it: it.get_closest_marker("rss") is None)
+    """The modules that measure the pytest process's own RSS (RUN_FIRST) run first: later tests leave threads behind
+    that allocate on their own (an HTTP client library's workers, a browser driver's), whose memory moves the RSS
+    under the measurement. (Tests that measure a subprocess of their own keep their place.)"""
+    items.sort(key=lambda it: not getattr(getattr(it, "module", None), "RUN_FIRST", False))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

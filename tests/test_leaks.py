@@ -56,6 +56,9 @@ SUMMARY: AddressSanitizer: heap-buffer-overflow
 """
 
 
+RUN_FIRST = True  # rss tests measure this process: before other tests leave allocating threads (conftest.py)
+
+
 def test_lsan_check_attributes_each_leak_to_the_first_frame_past_the_allocator():
     leaks = lsan_check.parse(LOG.splitlines())
     assert [(lk.kind, lk.nbytes) for lk in leaks] == [("Direct", 4096), ("Direct", 64), ("Indirect", 8), ("Direct", 32)]
