@@ -4,16 +4,20 @@ A `Engine` runs the model on one worker thread (or, with `run_until_idle`, on th
 `cancel` are thread-safe and return at once; a bounded queue of waiting requests gives back-pressure
 (`QueueFullError`). Each step of the worker:
 
-1. frees the sequences of cancelled requests and admits waiting ones while a sequence slot is free;
+1. frees the sequences of cancelled requests and admits waiting ones while a sequence slot is free; an admitted
+   request starts after the whole blocks of its prompt the prefix cache holds (BatchDecoder.reuse_prefix);
 2. builds one batch within the token budget `n_batch`: every decoding request's next token first, then chunks of
    the prompts being prefilled (oldest first) in what remains, so a long prompt never stalls the others' decoding;
 3. runs one `BatchDecoder.decode` (one prepared plan whatever the mix) and samples, per request with its own
-   sampler and seed, from the logits of the rows that need them (greedy rows take one vectorised argmax);
+   sampler and seed, from the logits of the rows that need them (greedy rows take one vectorised argmax); a request
+   whose prompt was just computed forks its other choices (`submit_choices`, OpenAI's n), which sample from the
+   same row; prompt and token logprobs are taken from the same rows (echo, logprobs);
 4. streams each new token's text (UTF-8 safe deltas, `stop` strings held back until they cannot match) through the
    request's `on_event` callback, and finishes requests on EOS, `stop`, `max_tokens` or their context.
 
 Every sequence may use `n_ctx // n_parallel` positions (prompt + generated), so admitted requests never run out of
-cells whatever the others do, and each request's tokens are those it would get alone (greedy: up to near-ties).
+cells whatever the others do, and each request's tokens are those it would get alone, bit for bit on the SIMD
+backend, with or without the prefix cache (docs/serving.md, "Deterministic" and "Sharing the cache").
 """
 
 from __future__ import annotations
