@@ -173,16 +173,21 @@ class KVCells:
         cached blocks no sequence sees are evicted when nothing else is free (`evicted`); CacheFullError when too
         few cells are free."""
         n = len(seq_ids)
-        if n > self.n_free:
+        if n > self.capacity - self.n_used and n > self.n_free:  # (the cached cells counted only when needed)
             raise CacheFullError(f"the KV cache is full: {n} new tokens, {self.n_free} of {self.capacity} free "
                                  f"(n_ctx); finish or cancel a sequence, or use a larger context")
         seq_ids = np.asarray(seq_ids, np.int32)
-        cells = np.empty(n, np.int32)
         positions = np.asarray(positions, np.int32)
+        cells = np.empty(n, np.int32)
         for s in np.unique(seq_ids):
             where = np.flatnonzero(seq_ids == s)
             cells[where] = got = self._cells_of(int(s), where.size)
-            self.occupy(got, seq_ids[where], positions[where])
+            self.pos[got] = positions[where]  # taken: the next sequence's cells are others
+        self.seq[cells] = seq_ids
+        self.member[cells, seq_ids] = True
+        self.n_used += n
+        if n:
+            self.n_kv = max(self.n_kv, int(cells.max()) + 1)
         return cells
 
     def _cells_of(self, s: int, k: int) -> np.ndarray:
@@ -198,7 +203,7 @@ class KVCells:
         seen = self._cell_block[np.flatnonzero(self.member[:, s])]
         last = int(seen.max()) if seen.size else -1
         unowned = np.flatnonzero((self.owner < 0) & ~self.cached)
-        old = self.evictable()
+        old = self.evictable() if self.cached.any() else unowned[:0]
         order = [unowned[unowned > last], old[old > last], unowned[unowned < last], old[old < last]]
         for b in np.concatenate(order):
             if not need:
