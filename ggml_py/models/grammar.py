@@ -19,7 +19,7 @@ import numpy as np
 
 from ggml_py.errors import GgmlPyError
 
-__all__ = ["Constraint", "GrammarError", "compile_grammar", "json_schema_grammar", "lark_grammar",
+__all__ = ["Constraint", "GrammarError", "closed_objects", "compile_grammar", "json_schema_grammar", "lark_grammar",
            "llg_tokenizer", "regex_grammar", "require_llguidance"]
 
 
@@ -43,8 +43,36 @@ def require_llguidance() -> Any:
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# keywords whose value maps names to schemas, and those whose value is data, not a schema
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA = ("enum", "const", "default", "examples", "required")
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of a JSON schema in which every object schema that lists `properties` and says nothing of
+    `additionalProperties` (or `patternProperties`) takes no other keys. Whatever it then accepts, the schema
+    accepts; without it a small model fills objects with keys of its own (it copies the schema into its answer)."""
+    if isinstance(schema, list):
+        return [closed_objects(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: closed_objects(sub) for name, sub in v.items()}
+        elif k in _DATA:
+            out[k] = v
+        else:
+            out[k] = closed_objects(v)
+    if isinstance(schema.get("properties"), dict) and not {"additionalProperties", "patternProperties",
+                                                           "unevaluatedProperties"} & schema.keys():
+        out["additionalProperties"] = False
+    return out
+
+
 def json_schema_grammar(schema: dict[str, Any] | bool | None) -> str:
-    """The llguidance grammar of a JSON schema (None: any JSON object, OpenAI's json_object)."""
+    """The llguidance grammar of a JSON schema (None: any JSON object, OpenAI's json_object), its objects closed
+    (`closed_objects`)."""
     llg = require_llguidance()
     if schema is None:
         schema = {"type": "object"}
@@ -52,6 +80,7 @@ def json_schema_grammar(schema: dict[str, Any] | bool | None) -> str:
         schema = {}
     elif not isinstance(schema, dict):
         raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
+    schema = closed_objects(schema)
     try:
         return str(llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS))
     except (ValueError, TypeError) as e:

@@ -20,6 +20,8 @@ from ggml_py.models.grammar import GrammarError, json_schema_grammar
 from ggml_py.serving.http_common import BadRequest
 
 MAX_TOOLS = 128
+# calls in one answer (parallel_tool_calls): a small model repeats a call until max_tokens when nothing stops it
+MAX_PARALLEL_CALLS = 4
 
 
 @dataclass
@@ -36,9 +38,8 @@ class ToolPlan:
         calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
                   "required": ["name", "arguments"], "additionalProperties": False} for f in self.functions]
         items: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        call_list: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
-        if not self.parallel:
-            call_list["maxItems"] = 1
+        call_list: dict[str, Any] = {"type": "array", "items": items, "minItems": 1,
+                                     "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1}
         tool_calls = {"type": "object", "properties": {"tool_calls": call_list}, "required": ["tool_calls"],
                       "additionalProperties": False}
         if self.choice != "auto":
