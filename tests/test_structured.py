@@ -315,8 +315,9 @@ def test_auto_answers_with_a_call_or_text(server):
     for msg, fin in ask_tools(server.url, "auto", range(6)):
         if msg.get("tool_calls"):
             _check_calls(msg, fin, {"add", "get_weather"})
-        else:
-            assert fin == "stop" and isinstance(msg["content"], str), (msg, fin)
+        else:  # text (cut by max_tokens: the text so far, as any answer)
+            assert fin in ("stop", "length") and isinstance(msg["content"], str), (msg, fin)
+            assert not msg["content"].startswith('{"response"'), msg
 
 
 def test_tool_calls_stream_and_the_history_renders_back(server):
@@ -387,17 +388,19 @@ if __name__ == "__main__":  # the closing note's figure: python tests/test_struc
         print("\n".join(bad))
         for choice in ({"type": "function", "function": {"name": "add"}}, "required", "auto"):
             t0 = time.perf_counter()
-            good = 0
+            good = calls = 0
             for msg, fin in ask_tools(s.url, choice, range(n * 10 // 4)):
+                calls += bool(msg.get("tool_calls"))
                 try:
                     if choice == "auto" and not msg.get("tool_calls"):
-                        assert fin == "stop" and isinstance(msg["content"], str), (msg, fin)
+                        assert fin in ("stop", "length") and isinstance(msg["content"], str), (msg, fin)
+                        assert not msg["content"].startswith('{"response"'), msg
                     else:
                         _check_calls(msg, fin, {"add"} if isinstance(choice, dict) else {"add", "get_weather"})
                     good += 1
                 except AssertionError as e:
                     print(f"tool_choice {choice}: {e}")
-            print(f"tool_choice {json.dumps(choice)}: {good}/{n * 10 // 4} well-formed in "
+            print(f"tool_choice {json.dumps(choice)}: {good}/{n * 10 // 4} well-formed ({calls} with tool calls) in "
                   f"{time.perf_counter() - t0:.1f} s")
     finally:
         s.stop()

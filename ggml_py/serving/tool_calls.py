@@ -163,12 +163,12 @@ def render_history(messages: list[dict[str, Any]], plan: ToolPlan | None) -> lis
 
 
 def parse_answer(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """A generic-format answer: (content, tool_calls in OpenAI's shape). Text that is not the format (a request
-    cut by max_tokens or a stop string) is returned as content."""
+    """A generic-format answer: (content, tool_calls in OpenAI's shape). A text answer cut by max_tokens is the
+    text so far; other text that is not the format (calls cut short, a stop string) is returned as it is."""
     try:
         obj = json.loads(text)
     except ValueError:
-        return text, []
+        return _cut_response(text), []
     if isinstance(obj, dict) and isinstance(obj.get("tool_calls"), list):
         calls = []
         for c in obj["tool_calls"]:
@@ -181,3 +181,20 @@ def parse_answer(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     if isinstance(obj, dict) and isinstance(obj.get("response"), str):
         return obj["response"], []
     return text, []
+
+
+_RESPONSE = '{"response": "'
+
+
+def _cut_response(text: str) -> str:
+    """A text answer cut by max_tokens: the text it had so far (a JSON string's start: a broken escape at its end
+    dropped), as any text answer cut short; other cut answers as they are."""
+    if not text.startswith(_RESPONSE):
+        return text
+    rest = text[len(_RESPONSE):]
+    for end in range(len(rest), max(-1, len(rest) - 7), -1):
+        try:
+            return str(json.loads('"' + rest[:end] + '"'))
+        except ValueError:
+            continue
+    return text
