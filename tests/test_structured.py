@@ -124,28 +124,24 @@ def test_json_object_always_parses_and_streams(server):
     grammar's: docs/serving.md)."""
     import httpx
 
-    rf = {"type": "json_object"}
-    ended = 0
-    with httpx.Client(base_url=server.url, timeout=300) as c:
-        for seed in range(8):
-            body = {"messages": [{"role": "user", "content": "Give me a JSON object about a cat."}],
-                    "response_format": rf, "temperature": 1.0, "seed": seed, "max_tokens": 200}
-            ch = c.post("/v1/chat/completions", json=body).json()["choices"][0]
-            text = ch["message"]["content"]
+    def body(seed):
+        return {"messages": [{"role": "user", "content": "Give me a JSON object about a cat."}],
+                "response_format": {"type": "json_object"}, "temperature": 1.0, "seed": seed, "max_tokens": 200}
+
+    with httpx.Client(base_url=server.url, timeout=300) as c, ThreadPoolExecutor(4) as ex:
+        chs = list(ex.map(lambda s: c.post("/v1/chat/completions", json=body(s)).json()["choices"][0], range(8)))
+        for ch in chs:
             if ch["finish_reason"] == "stop":
-                assert isinstance(json.loads(text), dict), ch
-                ended += 1
+                assert isinstance(json.loads(ch["message"]["content"]), dict), ch
             else:
-                assert ch["finish_reason"] == "length" and text.startswith("{"), ch
-            if seed == 0:  # streamed: the deltas make the same text
-                streamed = ""
-                with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
-                    for line in s.iter_lines():
-                        if line.startswith("data: {"):
-                            d = json.loads(line[6:])["choices"][0]
-                            streamed += d["delta"].get("content") or ""
-                assert streamed == text
-    assert ended >= 4
+                assert ch["finish_reason"] == "length" and ch["message"]["content"].startswith("{"), ch
+        assert sum(ch["finish_reason"] == "stop" for ch in chs) >= 4
+        streamed = ""  # streamed: the deltas make the same text
+        with c.stream("POST", "/v1/chat/completions", json={**body(0), "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    streamed += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+        assert streamed == chs[0]["message"]["content"]
 
 
 def test_a_lark_grammar_holds(server):
