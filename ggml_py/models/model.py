@@ -374,12 +374,16 @@ class Model:
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, *, temperature: float = 0.8,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                  repeat_last_n: int = 64, seed: int | None = None, stop_at_eos: bool = True,
-                 add_special: bool = True) -> Iterator[Token]:
+                 add_special: bool = True, json_schema: dict[str, Any] | bool | None = None,
+                 grammar: str | None = None) -> Iterator[Token]:
         """Tokens generated after `prompt` (text or ids), as an iterator of `Token(id, text)`.
 
         The cache is reset first: the prompt starts at position 0. temperature 0 is greedy. Generation ends after
         `max_tokens`, at an end-of-generation token when `stop_at_eos` (not yielded), or when the context is full.
-        Bad arguments and a prompt longer than the context raise at once (ModelError / ValueError).
+        `json_schema` (a JSON schema; True: any JSON object) or `grammar` (a Lark grammar, llguidance's dialect)
+        constrain every token (models/grammar.py, needs `ggml_py[structured]`); generation then also ends when the
+        grammar is complete. Bad arguments, a grammar that does not compile and a prompt longer than the context
+        raise at once (ModelError / ValueError).
         """
         from ggml_py.models.sampling import Sampler
 
@@ -393,8 +397,17 @@ class Model:
             raise ModelError(f"the prompt has {arr.size} tokens, more than the context of {self.n_ctx} (n_ctx)")
         sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                           repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
+        constraint = None
+        if json_schema is not None or grammar is not None:
+            from ggml_py.models.grammar import Constraint, GrammarError, json_schema_grammar, lark_grammar
+
+            if json_schema is not None and grammar is not None:
+                raise GrammarError("give json_schema or grammar, not both")
+            g = lark_grammar(grammar) if grammar is not None else json_schema_grammar(
+                None if json_schema is True else json_schema)
+            constraint = Constraint(self.tokenizer, g, self.n_vocab)
         self.prompt_tokens = arr.tolist()
-        return self._generate(arr, max_tokens, sampler, stop_at_eos)
+        return self._generate(arr, max_tokens, sampler, stop_at_eos, constraint)
 
     def _step_as(self, owner: object) -> None:
         """Checks before each step of a generate iterator (called under the lock)."""
@@ -404,7 +417,8 @@ class Model:
                              "or reset) and cannot continue on a cache that is no longer its own; start a new one")
         self._check_file()
 
-    def _generate(self, ids: np.ndarray, max_tokens: int, sampler: Any, stop_at_eos: bool) -> Iterator[Token]:
+    def _generate(self, ids: np.ndarray, max_tokens: int, sampler: Any, stop_at_eos: bool,
+                  constraint: Any = None) -> Iterator[Token]:
         from ggml_py.models.stream_decoder import StreamDecoder
 
         owner = object()
@@ -422,7 +436,8 @@ class Model:
             if max_tokens == 0:
                 return
             # a sampler that looks at the best few tokens only reads the step's candidates, not the whole logits
-            read = "top" if sampler.needs_only_top(min(TOP_CANDIDATES, self.n_vocab)) else "logits"
+            top = constraint is None and sampler.needs_only_top(min(TOP_CANDIDATES, self.n_vocab))
+            read = "top" if top else "logits"
             with self._lock:
                 self._step_as(owner)
                 logits = self._forward(ids, last_only=True, kind="prefill", read=read)
@@ -430,6 +445,9 @@ class Model:
                 t0 = time.perf_counter()
                 if read == "top":
                     t = int(sampler.sample_candidates(*logits))
+                elif constraint is not None:  # the tokens the grammar forbids at -inf
+                    t = int(sampler.sample(constraint.apply(logits[-1]), history))
+                    constraint.consume(t)
                 else:
                     t = int(sampler.sample(logits[-1], history))
                 self._t["sample_s"] += time.perf_counter() - t0
@@ -439,7 +457,7 @@ class Model:
                 self.generated_tokens.append(t)
                 self._t["generated_tokens"] += 1
                 text = decoder.push(t) if decoder is not None else ""
-                if i == max_tokens - 1 or self.n_past >= self.n_ctx:
+                if i == max_tokens - 1 or self.n_past >= self.n_ctx or (constraint is not None and constraint.done):
                     if decoder is not None:
                         text += decoder.flush()
                     yield Token(t, text)

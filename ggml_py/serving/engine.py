@@ -11,9 +11,12 @@ A `Engine` runs the model on one worker thread (or, with `run_until_idle`, on th
 3. runs one `BatchDecoder.decode` (one prepared plan whatever the mix) and samples, per request with its own
    sampler and seed, from the logits of the rows that need them (greedy rows take one vectorised argmax); a request
    whose prompt was just computed forks its other choices (`submit_choices`, OpenAI's n), which sample from the
-   same row; prompt and token logprobs are taken from the same rows (echo, logprobs);
+   same row; prompt and token logprobs are taken from the same rows (echo, logprobs); a request
+   with a grammar (`GenParams.grammar`, models/grammar.py) samples from its row with the tokens the grammar forbids
+   at -inf, the masks computed on a thread of their own while the step runs;
 4. streams each new token's text (UTF-8 safe deltas, `stop` strings held back until they cannot match) through the
-   request's `on_event` callback, and finishes requests on EOS, `stop`, `max_tokens` or their context.
+   request's `on_event` callback, and finishes requests on EOS, `stop`, `max_tokens`, their context or a complete
+   grammar.
 
 Every sequence may use `n_ctx // n_parallel` positions (prompt + generated), so admitted requests never run out of
 cells whatever the others do, and each request's tokens are those it would get alone, bit for bit on the SIMD
@@ -28,6 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +39,7 @@ import numpy as np
 
 from ggml_py.errors import GgmlPyError, ModelError, UnavailableError
 from ggml_py.models.batch import BatchDecoder, StageLike
+from ggml_py.models.grammar import Constraint, GrammarError
 from ggml_py.models.logprobs import TokenLogprob, token_logprobs
 from ggml_py.models.sampling import Sampler
 from ggml_py.serving.stop_strings import StopMatcher, check_stops
@@ -75,6 +80,9 @@ class GenParams:
     # a generation that ends on an end-of-generation token reports that token's logprob last (not its text): the
     # completions API, as vLLM does (lm-eval reads a max_tokens 1 answer as the prompt and one token after it)
     eog_logprob: bool = False
+    # an llguidance grammar (models/grammar.py: json_schema_grammar, lark_grammar, ...) every generated token obeys;
+    # the request ends with "stop" when the grammar is complete
+    grammar: str | None = None
 
     def sampler(self) -> Sampler:
         return Sampler(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
@@ -143,13 +151,18 @@ class Request:
     """One submitted request. Read its state only after `done` is set (or through its events)."""
 
     def __init__(self, prompt: Sequence[int], params: GenParams, on_event: Callable[[Event], None] | None,
-                 decoder: Any) -> None:
+                 decoder: Any, n_vocab: int | None = None) -> None:
         from ggml_py.models.stream_decoder import StreamDecoder
 
         self.id = f"req-{next(_ids)}"
         self.prompt = [int(t) for t in prompt]
         self.params = params
         self.sampler = params.sampler()
+        self.constraint: Constraint | None = None  # its grammar's state (built here: the submitting thread's time)
+        if params.grammar is not None:
+            if decoder is None:
+                raise GrammarError("constrained decoding needs the model's tokenizer")
+            self.constraint = Constraint(decoder, params.grammar, n_vocab)
         self.on_event = on_event
         self.stream = StreamDecoder(decoder, special=False) if decoder is not None else None
         self.seq: int | None = None
@@ -236,6 +249,8 @@ class Engine:
             raise ModelError(f"micro_batches must be a positive integer, got {micro_batches!r}")
         self.n_groups = micro_batches or 1
         self._inflight: deque[tuple[int, Any, list[Request], list[_Rows], int]] = deque()
+        self._mask_pool: ThreadPoolExecutor | None = None
+        self._mask_future: Future[None] | None = None
         self._tok = model.tokenizer_or_none
         self._cond = threading.Condition()
         self._queue: deque[Request] = deque()
@@ -273,7 +288,7 @@ class Engine:
         if len(ids) >= self.n_ctx_seq:
             raise ModelError(f"the prompt has {len(ids)} tokens; a sequence holds at most {self.n_ctx_seq} "
                              f"(context {self.decoder.n_ctx} / {self.n_parallel} parallel), prompt and completion")
-        req = Request(ids, params, on_event, self._tok)
+        req = Request(ids, params, on_event, self._tok, self.model.n_vocab)
         with self._cond:
             if self._closing:
                 raise EngineClosedError("the server is shutting down")
@@ -294,7 +309,7 @@ class Engine:
         once) and sample their first token from the same logits. Raises as `submit`."""
         first = self.submit(prompt, params[0], on_events[0], _children=len(params) - 1)
         for p, ev in zip(params[1:], on_events[1:]):
-            child = Request(first.prompt, p, ev, self._tok)
+            child = Request(first.prompt, p, ev, self._tok, self.model.n_vocab)
             child.parent = first
             first.children.append(child)
         with self._cond:
@@ -373,6 +388,14 @@ class Engine:
             busy = {g for g, *_ in self._inflight}
         if not active and not self._inflight:
             return False
+        masks = self._prepare_masks(active)  # while the step computes (llguidance releases the GIL)
+        try:
+            return self._step(t0, active, busy)
+        finally:
+            if masks is not None:
+                masks.result()
+
+    def _step(self, t0: float, active: list[Request], busy: set[int]) -> bool:
         for g in range(self.n_groups):  # a step for every micro-batch that has none in flight
             members = [r for r in active if r.group == g]
             if g in busy or not members:
@@ -395,6 +418,8 @@ class Engine:
             self._fail_step(members + [r for q in self._inflight for r in q[2]], e)
             self._inflight.clear()
             raise
+        if self._mask_future is not None:  # the constraints' masks are ready before any of them is used
+            self._mask_future.result()
         wanting, rows = self._split_rows(outs, logits)
         wanting, rows = self._fork_children(wanting, rows)
         ids = self._sample(wanting, rows)
@@ -412,6 +437,8 @@ class Engine:
                     if r.params.max_tokens == 0:  # only the prompt's logprobs were wanted
                         self._finish(r, "length")
                         continue
+                    if r.constraint is not None:
+                        r.constraint.consume(t)
                     lp = r.params.logprobs
                     new += self._accept(r, t, None if lp is None else token_logprobs(rows[i], [t], lp)[0])
                 except Exception as e:  # e.g. detokenizing its id: that request ends, the others go on
@@ -424,6 +451,26 @@ class Engine:
             while self._recent and now - self._recent[0][0] > 10.0:
                 self._recent.popleft()
         return True
+
+    def _prepare_masks(self, active: list[Request]) -> Future[None] | None:
+        """Start computing the next token's mask of every constrained request on the mask thread (made on first
+        use: requests without a grammar pay nothing); the step's own thread waits for it before sampling."""
+        self._mask_future = None
+        cons = [r.constraint for r in active if r.constraint is not None]
+        if not cons:
+            return None
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="ggml_py-grammar")
+
+        def run() -> None:
+            for c in cons:
+                try:
+                    c.prepare()
+                except Exception:  # found again, and reported, when the request samples
+                    pass
+
+        self._mask_future = self._mask_pool.submit(run)
+        return self._mask_future
 
     def _entries(self, members: list[Request]) -> tuple[list[tuple[int, Any, bool | str]], list[_Rows], int]:
         """One step's entries for these requests (decoding first, one token each, then prompt chunks, oldest first,
@@ -551,17 +598,20 @@ class Engine:
     def _sample(self, reqs: list[Request], logits: np.ndarray) -> list[int | Exception]:
         """Each request's next token, or the exception its sampler raised (that request alone fails)."""
         out: list[int | Exception] = [0] * len(reqs)
-        greedy = [i for i, r in enumerate(reqs) if r.greedy]
+        greedy = [i for i, r in enumerate(reqs) if r.greedy and r.constraint is None]
         if greedy:
             best = logits[greedy].argmax(axis=1)
             for i, t in zip(greedy, best.tolist()):
                 out[i] = int(t)
         for i, r in enumerate(reqs):
-            if not r.greedy:
-                try:
-                    out[i] = int(r.sampler.sample(logits[i], r.prompt + r.tokens))
-                except Exception as e:
-                    out[i] = e
+            if r.greedy and r.constraint is None:
+                continue
+            try:
+                # a constrained request samples from its row with the tokens its grammar forbids at -inf
+                x = logits[i] if r.constraint is None else r.constraint.apply(logits[i])
+                out[i] = int(np.argmax(x)) if r.greedy else int(r.sampler.sample(x, r.prompt + r.tokens))
+            except Exception as e:
+                out[i] = e
         return out
 
     def _fail(self, r: Request, e: Exception) -> None:
@@ -586,10 +636,11 @@ class Engine:
             r.logprobs.append(lp)
         delta = r.stream.push(t) if r.stream is not None else ""
         pos_next = len(r.prompt) + len(r.tokens)  # the position this token will take in the cache
-        ends = (p.max_tokens is not None and len(r.tokens) >= p.max_tokens) or pos_next >= r.limit
+        complete = r.constraint is not None and r.constraint.done  # its grammar takes no more tokens
+        ends = complete or (p.max_tokens is not None and len(r.tokens) >= p.max_tokens) or pos_next >= r.limit
         if ends and r.stream is not None:
             delta += r.stream.flush()
-        if self._text(r, delta, final=ends):
+        if self._text(r, delta, final=ends) or complete:
             self._finish(r, "stop")
         elif ends:
             self._finish(r, "length")
@@ -699,6 +750,8 @@ class Engine:
         elif drain:
             self.run_until_idle()
         self._fail_all("the server stopped")
+        if self._mask_pool is not None:
+            self._mask_pool.shutdown()
         self.decoder.close()
 
     @property

@@ -7,6 +7,7 @@ import json
 import math
 from typing import Any
 
+from ggml_py.models.grammar import GrammarError, json_schema_grammar, lark_grammar
 from ggml_py.models.logprobs import MAX_TOP_LOGPROBS
 from ggml_py.serving.engine import GenParams
 from ggml_py.serving.http_common import (
@@ -77,16 +78,41 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
     if body.get("best_of") not in (None, 1) and body.get("best_of") != body.get("n", 1):
         raise BadRequest("best_of is not supported (only best_of equal to n, which returns every completion): "
                          "ask for n completions with logprobs and choose among them", "best_of")
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise BadRequest("response_format is not supported (only {\"type\": \"text\"}, the default): structured "
-                         "output (json_object, json_schema) is not implemented", "response_format")
-    for name in ("tools", "functions"):
-        if body.get(name) not in (None, []):
-            raise BadRequest(f"{name} is not supported: tool and function calling are not implemented", name)
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
-            raise BadRequest(f"{name} is not supported: tool and function calling are not implemented", name)
+
+
+def grammar(body: dict[str, Any]) -> str | None:
+    """The llguidance grammar the output must follow (models/grammar.py), None for free text: OpenAI's
+    `response_format` ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": ...}}) or the
+    `grammar` extension (a Lark grammar, llguidance's dialect). Only a grammar's syntax is checked here; whether it
+    compiles for the model's tokenizer is the server's check (a 400 too)."""
+    rf, lark = body.get("response_format"), body.get("grammar")
+    if lark is not None and not isinstance(lark, str):
+        raise BadRequest("grammar must be a string (a Lark grammar)", "grammar")
+    if lark is not None and rf not in (None, {"type": "text"}):
+        raise BadRequest("response_format and grammar cannot both constrain the output: send one", "grammar")
+    try:
+        if lark is not None:
+            return lark_grammar(lark)
+        if rf is None:
+            return None
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return json_schema_grammar(None)
+        if kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("name", ""), str):
+                raise BadRequest('response_format json_schema must be {"name": ..., "schema": {...}}',
+                                 "response_format")
+            schema = js.get("schema")
+            if schema is not None and not isinstance(schema, dict | bool):
+                raise BadRequest("response_format.json_schema.schema must be a JSON schema (an object)",
+                                 "response_format")
+            return json_schema_grammar({} if schema is None else schema)
+    except GrammarError as e:
+        raise BadRequest(str(e), "grammar" if lark is not None else "response_format") from None
+    raise BadRequest('response_format type must be "text", "json_object" or "json_schema"', "response_format")
 
 
 def _refuse_unserved(body: dict[str, Any]) -> None:
@@ -150,7 +176,7 @@ def gen_params(body: dict[str, Any], default_max_tokens: int | None, n_vocab: in
         frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0), seed=seed, stop=stops,
         stop_at_eos=not body.get("ignore_eos", False), logit_bias=_logit_bias(body, n_vocab), logprobs=logprobs,
-        echo_logprobs=not chat and echo(body) and logprobs is not None, eog_logprob=not chat)
+        echo_logprobs=not chat and echo(body) and logprobs is not None, eog_logprob=not chat, grammar=grammar(body))
 
 
 def _content(m: dict[str, Any], i: int) -> str:
@@ -169,7 +195,8 @@ def _content(m: dict[str, Any], i: int) -> str:
     raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The messages: role and content (text), an assistant's tool_calls, a tool message's tool_call_id and name."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise BadRequest("messages must be a non-empty list", "messages")
@@ -181,7 +208,35 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
             raise BadRequest(f"messages[{i}].role {m['role']!r} is not one of system, developer, user, assistant, "
                              "tool", "messages")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": _content(m, i)})
+        msg: dict[str, Any] = {"role": role, "content": _content(m, i)}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        if role == "tool":
+            for k in ("tool_call_id", "name"):
+                if isinstance(m.get(k), str):
+                    msg[k] = m[k]
+        out.append(msg)
+    return out
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls as {"name", "arguments"} (arguments parsed from their JSON string)."""
+    what = f'messages[{i}].tool_calls must be a list of {{"type": "function", "function": {{"name": ..., ' \
+           '"arguments": "<JSON>"}}'
+    if not isinstance(calls, list):
+        raise BadRequest(what, "messages")
+    out = []
+    for c in calls:
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise BadRequest(what, "messages")
+        args = f.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                pass  # kept as the text it is
+        out.append({"id": c.get("id"), "name": f["name"], "arguments": args})
     return out
 
 

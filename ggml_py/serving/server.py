@@ -53,6 +53,7 @@ from starlette.routing import Route
 from ggml_py.errors import GgmlPyError, ModelError
 from ggml_py.models.batch import StageLike
 from ggml_py.models.embed import Embedder, EmbeddingCancelled
+from ggml_py.models.grammar import GrammarError, compile_grammar
 from ggml_py.models.logprobs import TokenLogprob
 from ggml_py.models.stage import Stage
 from ggml_py.serving.access import ApiGuard, HostOriginGuard
@@ -81,6 +82,7 @@ from ggml_py.serving.request_params import (
     n_choices,
     parse_json,
 )
+from ggml_py.serving.tool_calls import ToolPlan, parse_answer, render_history, tool_plan
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_CHOICES = 64  # completions in one request (prompts x n)
@@ -129,6 +131,7 @@ class _Job:
     echo: bool  # completions: the prompt before each completion
     prompts: list[tuple[list[int], str | None]]  # token ids, and the text given (None: given as ids)
     logprobs: int | None
+    tools: ToolPlan | None = None  # chat: the answers are tool calls or text in the generic format (tool_calls.py)
     reqs: list[Request] = field(default_factory=list)
     prompt_of: list[int] = field(default_factory=list)  # each choice's prompt
 
@@ -329,13 +332,14 @@ class Server:
             raise BadRequest(f"{what} has {n} characters; a sequence's context ({self.engine.n_ctx_seq} tokens) "
                              f"holds at most {cap}", param)
 
-    def _prompts(self, body: dict[str, Any], chat: bool) -> list[tuple[list[int], str | None]]:
+    def _prompts(self, body: dict[str, Any], chat: bool, tools: ToolPlan | None = None
+                 ) -> list[tuple[list[int], str | None]]:
         """The prompts' token ids, each with its text when it was given as text (a pool thread: rendering and
         tokenizing take time in proportion to the text). Completions take a string, a list of token ids, or a
         list of either (each its own prompt)."""
         m = self.model
         if chat:
-            msgs = chat_messages(body)
+            msgs = render_history(chat_messages(body), tools)
             self._check_chars(sum(len(x["content"]) for x in msgs), "the messages' content", "messages")
             try:
                 text = m.apply_chat_template(msgs, add_generation_prompt=True)
@@ -372,11 +376,20 @@ class Server:
         params = gen_params(body, self.default_max_tokens if chat else (self.default_max_tokens or 16),
                             self.model.n_vocab, chat=chat)
         n = n_choices(body)
-        prompts = self._prompts(body, chat)
+        tools = tool_plan(body) if chat else None
+        if tools is not None:
+            if params.grammar is not None:
+                raise BadRequest("tools and response_format (or grammar) cannot both constrain the answer: send one, "
+                                 "or tool_choice \"none\"", "tools")
+            params = replace(params, grammar=tools.grammar())
+            self._check_grammar(params.grammar, "tools")
+        elif params.grammar is not None:
+            self._check_grammar(params.grammar, "grammar" if body.get("grammar") is not None else "response_format")
+        prompts = self._prompts(body, chat, tools)
         if len(prompts) * n > MAX_CHOICES:
             raise BadRequest(f"{len(prompts)} prompts x n={n} ask for {len(prompts) * n} completions; at most "
                              f"{MAX_CHOICES} in one request", "n")
-        job = _Job(chat, stream, include_usage, not chat and echo(body), prompts, params.logprobs)
+        job = _Job(chat, stream, include_usage, not chat and echo(body), prompts, params.logprobs, tools)
         try:
             for k, (ids, _) in enumerate(prompts):
                 # choice i: the seed's i-th successor; the choices of one prompt share its computation (a fork)
@@ -390,6 +403,17 @@ class Server:
                 self.engine.cancel(r)
             raise
         return job
+
+    def _check_grammar(self, grammar: str, param: str) -> None:
+        """A 400 naming the problem when a request's grammar (or JSON schema) does not compile for the model (the
+        first one builds llguidance's view of the tokenizer: ~0.3 s for 49k tokens, once)."""
+        tok = self.model.tokenizer_or_none
+        if tok is None:
+            raise BadRequest("constrained output needs the model's tokenizer, and this model has none", param)
+        try:
+            compile_grammar(tok, grammar, self.model.n_vocab)
+        except GrammarError as e:
+            raise BadRequest(f"{param}: {e}", param) from None
 
     async def _read_body(self, request: HTTPRequest) -> bytes:
         """The request body, at most `max_body_bytes` (413 from its Content-Length, or once more has streamed in:
@@ -551,9 +575,10 @@ class Server:
         for i, req in enumerate(job.reqs):
             c = req.result()
             if job.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                msg, finish = _message(job, c.text, c.finish_reason)
+                choices.append({"index": i, "message": msg,
                                 "logprobs": None if c.logprobs is None else chat_logprobs(tok, c.logprobs),
-                                "finish_reason": c.finish_reason})
+                                "finish_reason": finish})
                 continue
             head = job.echo_text(i, self.model) if job.echo else ""
             lp = None
@@ -575,7 +600,7 @@ class Server:
         offsets = [0 if job.echo else len(job.echo_text(i, self.model)) for i in range(len(job.reqs))]
 
         def chunk(i: int, delta: str | None, finish: str | None, lps: list[TokenLogprob | None] | None = None,
-                  ids: list[int] | None = None, role: bool = False) -> str:
+                  ids: list[int] | None = None, role: bool = False, calls: list[dict[str, Any]] | None = None) -> str:
             want = job.logprobs is not None
             if chat:
                 d: dict[str, Any] = {}
@@ -583,6 +608,8 @@ class Server:
                     d["role"] = "assistant"
                 if delta is not None:
                     d["content"] = delta
+                if calls:
+                    d["tool_calls"] = calls
                 lp = chat_logprobs(tok, [x for x in lps or [] if x is not None]) if want and lps else None
                 choice: dict[str, Any] = {"index": i, "delta": d, "logprobs": lp, "finish_reason": finish}
             else:
@@ -611,7 +638,10 @@ class Server:
                     c = job.reqs[i]
                     yield chunk(i, job.echo_text(i, self.model), None, c.prompt_logprobs, job.prompt_ids(i))
                 if ev.kind == "token":
-                    yield chunk(i, ev.text, None, list(ev.logprobs))
+                    if job.tools is None:
+                        yield chunk(i, ev.text, None, list(ev.logprobs))
+                    elif ev.logprobs:
+                        yield chunk(i, None, None, list(ev.logprobs))
                     continue
                 n_done += 1
                 if ev.finish_reason in ("error", "cancelled"):
@@ -621,7 +651,13 @@ class Server:
                     yield f"data: {json.dumps(err)}\n\n"
                     n_done = -1
                     return
-                yield chunk(i, None if chat else "", ev.finish_reason, list(ev.logprobs))
+                finish = ev.finish_reason
+                if job.tools is not None:  # the answer is known once it is complete: its content or its calls
+                    msg, finish = _message(job, job.reqs[i].text, finish)
+                    calls = [{"index": k, **c} for k, c in enumerate(msg.get("tool_calls", []))]
+                    if msg["content"] is not None or calls:
+                        yield chunk(i, msg["content"], None, calls=calls)
+                yield chunk(i, None if chat else "", finish, list(ev.logprobs))
             if job.include_usage:
                 yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': self.model_name, 'choices': [], 'usage': job.usage()})}\n\n"  # noqa: E501
             yield "data: [DONE]\n\n"
@@ -638,6 +674,17 @@ class Server:
             if await request.is_disconnected():
                 self._cancel(job)
                 return None
+
+
+def _message(job: _Job, text: str, finish: str) -> tuple[dict[str, Any], str]:
+    """A chat answer's message and finish_reason: with tools, the generic format parsed into content or tool_calls
+    (finish_reason "tool_calls")."""
+    if job.tools is None:
+        return {"role": "assistant", "content": text}, finish
+    content, calls = parse_answer(text)
+    if not calls:
+        return {"role": "assistant", "content": content}, finish
+    return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls" if finish == "stop" else finish
 
 
 def _loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
