@@ -144,6 +144,21 @@ def test_json_object_always_parses_and_streams(server):
         assert streamed == chs[0]["message"]["content"]
 
 
+def test_n_choices_each_follow_the_schema(server):
+    """n = 3: the choices fork from one prompt, each with its own grammar state and seed."""
+    import httpx
+    import jsonschema
+
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMAS[0]}}
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=300, json={
+        "messages": [{"role": "user", "content": "A person, as JSON."}], "response_format": rf, "n": 3,
+        "temperature": 1.0, "seed": 11, "max_tokens": MAX_TOKENS})
+    chs = r.json()["choices"]
+    assert len(chs) == 3 and all(ch["finish_reason"] == "stop" for ch in chs), chs
+    for ch in chs:
+        jsonschema.validate(json.loads(ch["message"]["content"]), SCHEMAS[0])
+
+
 def test_a_lark_grammar_holds(server):
     import httpx
 
@@ -257,6 +272,29 @@ def test_model_generate_takes_a_json_schema():
         text = "".join(t.text for t in m.generate("Yes or no?", 8, temperature=0, grammar='start: "yes" | "no"'))
         assert text in ("yes", "no")
     finally:
+        m.close()
+
+
+def test_a_token_outside_the_grammar_fails_that_request_alone():
+    """A constrained request whose sampled token does not fit (here: its mask bypassed) ends with an error event;
+    the engine and the request beside it go on."""
+    from ggml_py.models import default_model_path, load_model
+    from ggml_py.models.grammar import lark_grammar
+    from ggml_py.serving.engine import Engine, GenParams
+
+    m = load_model(default_model_path(), n_ctx=256)
+    e = Engine(m, n_parallel=2, n_ctx=512)
+    try:
+        ids = m.tokenize("Say something.")
+        bad = e.submit(ids, GenParams(max_tokens=8, temperature=0, grammar=lark_grammar('start: "zzz" "qqq"')))
+        bad.constraint.apply = lambda row: row  # type: ignore[union-attr, method-assign]
+        free = e.submit(ids, GenParams(max_tokens=8, temperature=0))
+        e.run_until_idle()
+        c = bad.result(0)
+        assert c.finish_reason == "error" and "does not fit the grammar" in (c.error or ""), c
+        assert free.result(0).finish_reason in ("stop", "length") and free.result(0).tokens
+    finally:
+        e.close()
         m.close()
 
 
