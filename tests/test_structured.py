@@ -346,12 +346,30 @@ def test_a_named_and_a_required_tool_choice_always_call(server):
 
 
 def test_auto_answers_with_a_call_or_text(server):
+    texts = 0
     for msg, fin in ask_tools(server.url, "auto", range(6)):
         if msg.get("tool_calls"):
             _check_calls(msg, fin, {"add", "get_weather"})
         else:  # text (cut by max_tokens: the text so far, as any answer)
             assert fin in ("stop", "length") and isinstance(msg["content"], str), (msg, fin)
             assert not msg["content"].startswith('{"response"'), msg
+            texts += 1
+    assert texts
+    # a text answer streams as it comes: many content deltas that make the same text
+    c = server.client()
+    for seed in range(6):
+        kw = {"model": "smollm2", "messages": [{"role": "user", "content": "What is the weather in Paris? And what "
+                                                "is 2 + 3?"}], "tools": [WEATHER, ADD], "tool_choice": "auto",
+              "temperature": 1.0, "seed": seed, "max_tokens": 200}
+        whole = c.chat.completions.create(**kw).choices[0]
+        if whole.message.tool_calls:
+            continue
+        deltas = [ch.choices[0].delta.content for ch in c.chat.completions.create(**kw, stream=True)
+                  if ch.choices and ch.choices[0].delta.content]
+        assert "".join(deltas) == whole.message.content and len(deltas) > 1, (deltas, whole)
+        break
+    else:
+        raise AssertionError("no text answer among the seeds")
 
 
 def test_tool_calls_stream_and_the_history_renders_back(server):
