@@ -318,11 +318,12 @@ def _client_blocks() -> list[tuple[str, str]]:
 
 
 def test_the_docs_client_blocks_run_offline(server, tmp_path):
-    """Each block of docs/serving.md's "Clients" marked `<!-- client test -->`, run as it is written (the address
-    replaced by this server's) in a process of its own, a fresh llm user folder, without the settings of this run
-    (what a block needs, it sets), every connection beyond 127.0.0.1 refused: it must exit 0 having tried none."""
+    """Each block of docs/serving.md marked `<!-- client test -->` ("Clients", structured output), run as it is
+    written (the address replaced by this server's) in a process of its own, a fresh llm user folder, without the
+    settings of this run (what a block needs, it sets), every connection beyond 127.0.0.1 refused: it must exit 0
+    having tried none."""
     blocks = _client_blocks()
-    assert [lang for lang, _ in blocks] == ["python", "python", "sh", "python"]
+    assert [lang for lang, _ in blocks] == ["python", "python", "python", "python", "sh", "python"]
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)

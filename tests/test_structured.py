@@ -144,6 +144,21 @@ def test_json_object_always_parses_and_streams(server):
         assert streamed == chs[0]["message"]["content"]
 
 
+def test_n_choices_each_follow_the_schema(server):
+    """n = 3: the choices fork from one prompt, each with its own grammar state and seed."""
+    import httpx
+    import jsonschema
+
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMAS[0]}}
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=300, json={
+        "messages": [{"role": "user", "content": "A person, as JSON."}], "response_format": rf, "n": 3,
+        "temperature": 1.0, "seed": 11, "max_tokens": MAX_TOKENS})
+    chs = r.json()["choices"]
+    assert len(chs) == 3 and all(ch["finish_reason"] == "stop" for ch in chs), chs
+    for ch in chs:
+        jsonschema.validate(json.loads(ch["message"]["content"]), SCHEMAS[0])
+
+
 def test_a_lark_grammar_holds(server):
     import httpx
 
@@ -260,6 +275,29 @@ def test_model_generate_takes_a_json_schema():
         m.close()
 
 
+def test_a_token_outside_the_grammar_fails_that_request_alone():
+    """A constrained request whose sampled token does not fit (here: its mask bypassed) ends with an error event;
+    the engine and the request beside it go on."""
+    from ggml_py.models import default_model_path, load_model
+    from ggml_py.models.grammar import lark_grammar
+    from ggml_py.serving.engine import Engine, GenParams
+
+    m = load_model(default_model_path(), n_ctx=256)
+    e = Engine(m, n_parallel=2, n_ctx=512)
+    try:
+        ids = m.tokenize("Say something.")
+        bad = e.submit(ids, GenParams(max_tokens=8, temperature=0, grammar=lark_grammar('start: "zzz" "qqq"')))
+        bad.constraint.apply = lambda row: row  # type: ignore[union-attr, method-assign]
+        free = e.submit(ids, GenParams(max_tokens=8, temperature=0))
+        e.run_until_idle()
+        c = bad.result(0)
+        assert c.finish_reason == "error" and "does not fit the grammar" in (c.error or ""), c
+        assert free.result(0).finish_reason in ("stop", "length") and free.result(0).tokens
+    finally:
+        e.close()
+        m.close()
+
+
 # -- tool calls ------------------------------------------------------------------------------------------------------
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
@@ -308,12 +346,30 @@ def test_a_named_and_a_required_tool_choice_always_call(server):
 
 
 def test_auto_answers_with_a_call_or_text(server):
+    texts = 0
     for msg, fin in ask_tools(server.url, "auto", range(6)):
         if msg.get("tool_calls"):
             _check_calls(msg, fin, {"add", "get_weather"})
         else:  # text (cut by max_tokens: the text so far, as any answer)
             assert fin in ("stop", "length") and isinstance(msg["content"], str), (msg, fin)
             assert not msg["content"].startswith('{"response"'), msg
+            texts += 1
+    assert texts
+    # a text answer streams as it comes: many content deltas that make the same text
+    c = server.client()
+    for seed in range(6):
+        kw = {"model": "smollm2", "messages": [{"role": "user", "content": "What is the weather in Paris? And what "
+                                                "is 2 + 3?"}], "tools": [WEATHER, ADD], "tool_choice": "auto",
+              "temperature": 1.0, "seed": seed, "max_tokens": 200}
+        whole = c.chat.completions.create(**kw).choices[0]
+        if whole.message.tool_calls:
+            continue
+        deltas = [ch.choices[0].delta.content for ch in c.chat.completions.create(**kw, stream=True)
+                  if ch.choices and ch.choices[0].delta.content]
+        assert "".join(deltas) == whole.message.content and len(deltas) > 1, (deltas, whole)
+        break
+    else:
+        raise AssertionError("no text answer among the seeds")
 
 
 def test_tool_calls_stream_and_the_history_renders_back(server):

@@ -82,7 +82,7 @@ from ggml_py.serving.request_params import (
     n_choices,
     parse_json,
 )
-from ggml_py.serving.tool_calls import ToolPlan, parse_answer, render_history, tool_plan
+from ggml_py.serving.tool_calls import ToolPlan, parse_answer, render_history, response_so_far, tool_plan
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_CHOICES = 64  # completions in one request (prompts x n)
@@ -624,6 +624,8 @@ class Server:
 
         n_done = 0
         started: set[int] = set()
+        texts = [""] * len(job.reqs)  # tools: each choice's answer so far, and the content of it streamed
+        sent = [""] * len(job.reqs)
         try:
             if chat:
                 for i in range(len(job.reqs)):
@@ -640,8 +642,14 @@ class Server:
                 if ev.kind == "token":
                     if job.tools is None:
                         yield chunk(i, ev.text, None, list(ev.logprobs))
-                    elif ev.logprobs:
-                        yield chunk(i, None, None, list(ev.logprobs))
+                        continue
+                    # a text answer streams its text as it comes; tool calls come whole once complete
+                    texts[i] += ev.text
+                    so_far = response_so_far(texts[i])
+                    delta = so_far[len(sent[i]):] if so_far is not None and so_far.startswith(sent[i]) else ""
+                    sent[i] += delta
+                    if delta or ev.logprobs:
+                        yield chunk(i, delta or None, None, list(ev.logprobs))
                     continue
                 n_done += 1
                 if ev.finish_reason in ("error", "cancelled"):
@@ -652,11 +660,14 @@ class Server:
                     n_done = -1
                     return
                 finish = ev.finish_reason
-                if job.tools is not None:  # the answer is known once it is complete: its content or its calls
+                if job.tools is not None:  # the answer is complete: its calls, or the rest of its content
                     msg, finish = _message(job, job.reqs[i].text, finish)
                     calls = [{"index": k, **c} for k, c in enumerate(msg.get("tool_calls", []))]
-                    if msg["content"] is not None or calls:
-                        yield chunk(i, msg["content"], None, calls=calls)
+                    content = msg["content"]
+                    if content is not None and sent[i] and content.startswith(sent[i]):
+                        content = content[len(sent[i]):] or None
+                    if content is not None or calls:
+                        yield chunk(i, content, None, calls=calls)
                 yield chunk(i, None if chat else "", finish, list(ev.logprobs))
             if job.include_usage:
                 yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': self.model_name, 'choices': [], 'usage': job.usage()})}\n\n"  # noqa: E501

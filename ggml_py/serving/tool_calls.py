@@ -186,15 +186,23 @@ def parse_answer(text: str) -> tuple[str | None, list[dict[str, Any]]]:
 _RESPONSE = '{"response": "'
 
 
-def _cut_response(text: str) -> str:
-    """A text answer cut by max_tokens: the text it had so far (a JSON string's start: a broken escape at its end
-    dropped), as any text answer cut short; other cut answers as they are."""
+def response_so_far(text: str) -> str | None:
+    """The text of a text answer (`{"response": "...`) from the start of its JSON, complete or not: its string's
+    characters so far (an escape not complete yet, and the closing quote and brace, left out), a prefix of its final
+    text; None when the answer is not a text answer (or not yet known to be one)."""
     if not text.startswith(_RESPONSE):
-        return text
+        return None
     rest = text[len(_RESPONSE):]
     for end in range(len(rest), max(-1, len(rest) - 7), -1):
         try:
             return str(json.loads('"' + rest[:end] + '"'))
         except ValueError:
             continue
-    return text
+    return None
+
+
+def _cut_response(text: str) -> str:
+    """A text answer cut by max_tokens: the text it had so far, as any text answer cut short; other cut answers as
+    they are."""
+    so_far = response_so_far(text)
+    return text if so_far is None else so_far
