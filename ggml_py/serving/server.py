@@ -138,9 +138,11 @@ class _Job:
     def prompt_ids(self, i: int) -> list[int]:
         return self.prompts[self.prompt_of[i]][0]
 
-    def echo_text(self, i: int, model: Any) -> str:
-        ids, text = self.prompts[self.prompt_of[i]]
-        return text if text is not None else model.detokenize(ids)
+    def echo_text(self, i: int) -> str:
+        """Choice i's prompt as text (completions with echo or logprobs: _admit detokenized the token prompts)."""
+        text = self.prompts[self.prompt_of[i]][1]
+        assert text is not None
+        return text
 
     def usage(self) -> dict[str, Any]:
         """Each prompt counted once (and the tokens of it found in the prefix cache), every choice's completion
@@ -390,6 +392,8 @@ class Server:
             raise BadRequest(f"{len(prompts)} prompts x n={n} ask for {len(prompts) * n} completions; at most "
                              f"{MAX_CHOICES} in one request", "n")
         job = _Job(chat, stream, include_usage, not chat and echo(body), prompts, params.logprobs, tools)
+        if not chat and (job.echo or job.logprobs is not None):  # the text echoed or offset from: here, in the pool
+            job.prompts = [(ids, text if text is not None else self.model.detokenize(ids)) for ids, text in prompts]
         try:
             for k, (ids, _) in enumerate(prompts):
                 # choice i: the seed's i-th successor; the choices of one prompt share its computation (a fork)
@@ -580,13 +584,13 @@ class Server:
                                 "logprobs": None if c.logprobs is None else chat_logprobs(tok, c.logprobs),
                                 "finish_reason": finish})
                 continue
-            head = job.echo_text(i, self.model) if job.echo else ""
+            head = job.echo_text(i) if job.echo else ""
             lp = None
             if c.logprobs is not None:
                 pre = job.prompt_ids(i) if job.echo else []
                 ids = pre + [x.token for x in c.logprobs]  # the generated tokens, and the EOG that ended them
                 lp = completion_logprobs(tok, (c.prompt_logprobs or []) + c.logprobs, ids,
-                                         0 if job.echo else len(job.echo_text(i, self.model)))
+                                         0 if job.echo else len(job.echo_text(i)))
             choices.append({"index": i, "text": head + c.text, "logprobs": lp, "finish_reason": c.finish_reason})
         return JSONResponse({"id": rid, "object": "chat.completion" if job.chat else "text_completion",
                              "created": int(time.time()), "model": self.model_name, "choices": choices,
@@ -597,7 +601,9 @@ class Server:
         chat = job.chat
         obj = "chat.completion.chunk" if chat else "text_completion"
         tok = self.model.tokenizer_or_none
-        offsets = [0 if job.echo else len(job.echo_text(i, self.model)) for i in range(len(job.reqs))]
+        # completions' text offsets (logprobs): from the prompt's end, or 0 when the prompt is echoed
+        offsets = [0 if job.echo or chat or job.logprobs is None else len(job.echo_text(i))
+                   for i in range(len(job.reqs))]
 
         def chunk(i: int, delta: str | None, finish: str | None, lps: list[TokenLogprob | None] | None = None,
                   ids: list[int] | None = None, role: bool = False, calls: list[dict[str, Any]] | None = None) -> str:
@@ -638,7 +644,7 @@ class Server:
                 if job.echo and i not in started:  # the prompt first (its logprobs are known once it is computed)
                     started.add(i)
                     c = job.reqs[i]
-                    yield chunk(i, job.echo_text(i, self.model), None, c.prompt_logprobs, job.prompt_ids(i))
+                    yield chunk(i, job.echo_text(i), None, c.prompt_logprobs, job.prompt_ids(i))
                 if ev.kind == "token":
                     if job.tools is None:
                         yield chunk(i, ev.text, None, list(ev.logprobs))
