@@ -93,13 +93,14 @@ ASAN_EXPECT_BACKENDS ?= simd
 # long rows) test_simd_kernels, test_simd_conformance and test_architectures run; test_determinism, two real models
 # decoded 20 ways (533 s there), whose kernel paths (every attention path, split keys, products of 1-300 rows)
 # test_determinism_ops, test_simd_kernels and test_batch run; test_chat_page (a browser), test_clients (HTTP
-# client libraries) and test_lm_eval (lm-eval, with pyarrow and pandas, where the preloaded sanitizer runtime
-# checks nothing of ours), driving a server whose native paths test_serve and test_serve_logprobs run.
+# client libraries), test_lm_eval (lm-eval, with pyarrow and pandas, where the preloaded sanitizer runtime
+# checks nothing of ours) and test_structured (llguidance's Rust masks, 200 constrained requests), driving a server
+# whose native paths test_serve and test_serve_logprobs run.
 ASAN_SKIP ?= tests/test_gguf.py tests/test_gguf_fuzz.py tests/test_quants.py tests/test_sampling.py \
 	tests/test_sampling_vs_llamacpp.py tests/test_tokenizer.py tests/test_docs_walkthrough.py tests/test_quantize_cmd.py \
 	tests/test_gemma3.py tests/test_vs_llamacpp.py tests/test_cluster.py tests/test_serve_limits.py \
 	tests/test_stop_strings.py tests/test_layers.py tests/test_write_model.py tests/test_determinism.py \
-	tests/test_chat_page.py tests/test_clients.py tests/test_lm_eval.py
+	tests/test_chat_page.py tests/test_clients.py tests/test_lm_eval.py tests/test_structured.py
 # the longest first, so that the jobs end together
 ASAN_FIRST := tests/test_serve.py tests/test_hostile_inputs.py tests/test_architectures.py \
 	tests/test_native_plugin.py tests/test_model.py

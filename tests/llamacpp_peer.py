@@ -52,12 +52,38 @@ import numpy as np
 import llama_cpp
 
 
-def run(model, ids, out):
-    llm = llama_cpp.Llama(model_path=model, n_ctx=128, logits_all=True, verbose=False, n_threads=2)
+def run(model, ids, out, n_ctx=128):
+    llm = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_batch=512, logits_all=True, verbose=False, n_threads=2)
     llm.eval(ids)
     np.save(out, np.array(llm.scores[: len(ids)], dtype=np.float32))
     return 0
 """
+
+def prompt_logits(model: str | Path, ids: list[int], out: str | Path, n_ctx: int = 128) -> np.ndarray:
+    """llama.cpp's logits of every position of the prompt `ids` on `model`, (len(ids), n_vocab) F32."""
+    if run(PROMPT_LOGITS_WORKER, str(model), list(ids), str(out), n_ctx) is None:
+        raise RuntimeError(NOT_AVAILABLE)
+    return np.load(out)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def kl_top1(ours: np.ndarray, theirs: np.ndarray) -> tuple[float, float, int, int]:
+    """How far our logits are from llama.cpp's, row by row, as llama-perplexity judges a quantization: the mean and
+    the max KL(llama.cpp || ours) of the softmax, and top-1 agreement counted where llama.cpp's own best two logits
+    are at least NEAR_TIE apart: (mean_kl, max_kl, agreeing, rows_counted). Give the model an untied head (a random
+    tied embedding makes logits of ~100 and a one-hot softmax, whose KL is 0 whatever the graph does)."""
+    lp, lq = _log_softmax(theirs), _log_softmax(ours)
+    kl = (np.exp(lp) * (lp - lq)).sum(axis=-1)
+    top2 = np.sort(theirs, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) >= NEAR_TIE
+    agree = theirs.argmax(axis=-1) == ours.argmax(axis=-1)
+    return float(kl.mean()), float(kl.max()), int((agree & clear).sum()), int(clear.sum())
+
 
 # Runs next to llama_cpp: logits of every prompt position (saved to `out` as .npy), then `n_gen` greedy tokens with
 # the margin between the best and the second-best logit at each step (each step's logits saved to `out`.steps.npy).
