@@ -24,6 +24,7 @@ from ggml_py.runtime.backend import (
     BufferType,
     Device,
     HostBuffer,
+    NodePlan,
     Split,
     aligned_host_array,
 )
@@ -201,13 +202,12 @@ class NumpyBackend(Backend):
         """Every weight that is not F32, up to F32_COPY_LIMIT, is dequantized to an F32 copy on first use and kept."""
         return sum(int(t.numel()) * 4 for t in weights if self.keeps_f32_copy(t))
 
-    def graph_plan_create(self, split: Split) -> list[_Step]:
-        return [_Step(self, split, n) for n in split.nodes]
+    def graph_plan_create(self, split: Split) -> NodePlan:
+        return NodePlan(split.nodes, [_Step(self, split, n).run for n in split.nodes])
 
-    def graph_plan_compute(self, plan: list[_Step], bindings: Mapping[str, int]) -> None:
+    def graph_plan_compute(self, plan: NodePlan, bindings: Mapping[str, int]) -> None:
         with np.errstate(all="ignore"):  # inf/nan are results here, as in C
-            for step in plan:
-                step.run(bindings)
+            plan.run(self.name, bindings)
 
 
 class NumpyRegistration(BackendRegistration):

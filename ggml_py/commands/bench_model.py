@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ggml_py.commands import llamacpp_venv
+from ggml_py.commands.profile_report import plan_profile_lines
 from ggml_py.errors import GgmlPyError
 from ggml_py.sysmem import peak_rss_bytes
 
@@ -215,11 +216,8 @@ def report(r: dict[str, Any]) -> str:
     ]
     prof = r.get("decode_profile")
     if prof:
-        step = prof["seconds_per_compute"]
-        lines.append(f"  decode step profile     : {1e3 * step:.2f} ms per compute, host "
-                     f"{1e6 * prof['host_seconds_per_compute']:.0f} us, {len(prof['splits'])} split(s)")
-        lines += [f"    {op:<16} {1e3 * sec:7.3f} ms  {100 * sec / step:5.1f}%" for op, sec in prof["by_op"].items()]
-        lines += [f"  warning: {w}" for w in prof["warnings"]]
+        lines.append("  decode step profile:")
+        lines += plan_profile_lines(prof, "    ")
     lc = r.get("llamacpp")
     if lc:
         lines += [

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from ggml_py.commands._model_args import add_model_arguments, add_run_arguments, load_from_args
+from ggml_py.commands.profile_report import model_profile_lines
 from ggml_py.errors import ModelError
 
 DEFAULT_PROMPT = "The three primary colors are"
@@ -28,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after an end-of-generation token")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
     p.add_argument("--system", default=None, help="with --chat: a system message")
+    p.add_argument("--profile", action="store_true",
+                   help="time every step: how the model is split between backends, time per backend and op")
     add_run_arguments(p)
 
 
@@ -56,6 +59,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = load_from_args(args)
     try:
         prompt, add_special = chat_prompt(model, text, args.system) if args.chat else (text, True)
+        if args.profile:
+            model.start_profiling()
         stream = model.generate(prompt, args.n_predict, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
                                 min_p=args.min_p, repeat_penalty=args.repeat_penalty,
                                 repeat_last_n=args.repeat_last_n, seed=args.seed, stop_at_eos=not args.ignore_eos,
@@ -77,8 +82,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   f"{t['decode_tokens']} tokens, {t['decode_tok_s']:.1f} tok/s | host overhead "
                   f"{100 * t['host_overhead_frac']:.1f}% | plans prepared {t['plans_prepared']}, reused "
                   f"{t['plans_reused']} | backends {','.join(model.backend_names)}", file=sys.stderr)
+        profile = model.profile_report() if args.profile else None
+        if profile is not None and not args.json:
+            print("\n".join(model_profile_lines(profile)), file=sys.stderr)
         return {"model": model.path, "backends": model.backend_names, "prompt_tokens": list(model.prompt_tokens),
                 "tokens": tokens, "text": text, "timings": t, "plans_prepared": model.plans_prepared,
-                "plans_reused": model.plans_reused, "graph_reuse": model.graph_reuse, "n_ctx": model.n_ctx}
+                "plans_reused": model.plans_reused, "graph_reuse": model.graph_reuse, "n_ctx": model.n_ctx,
+                "profile": profile}
     finally:
         model.close()

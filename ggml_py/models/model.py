@@ -138,6 +138,7 @@ class Model:
         self._owner: object | None = None
         self._decoders: list[Any] = []  # batch decoders and embedders on this model (closed with it)
         self._embedder: Any = None  # the Embedder of `embed`, made on first use
+        self._profiling = False  # start_profiling(): every step plan, also those prepared later, is timed
         self.weights_copied = copy_weights
         self._check_file()
         if copy_weights:
@@ -310,6 +311,8 @@ class Model:
         self.plans_prepared += 1
         if self.graph_reuse:
             self._plans[key] = p
+            if self._profiling:
+                p.plan.start_profiling()
         return p, True
 
     def _step(self, ids: np.ndarray, last: bool, read: str | None = "logits") -> tuple[Any, float]:
@@ -524,6 +527,24 @@ class Model:
                 "kv_cache_bytes": self.cache.nbytes, "backends": self.backend_names, "graph_reuse": self.graph_reuse,
                 "tied_output": self.weights.tied, "weights_copied": self.weights_copied,
                 "plans": self._plan_summaries()}
+
+    def start_profiling(self) -> None:
+        """Time every step from now on (ggml-py generate --profile): per step plan, the time per backend, per
+        split and per op, as Plan.profile_report() gives it; profile_report() reads it."""
+        with self._lock:
+            self._profiling = True
+            for p in self._plans.values():
+                p.plan.start_profiling()
+
+    def profile_report(self) -> list[dict[str, Any]]:
+        """Per step plan computed since start_profiling() (tokens per step, last_only): its profile_report() and
+        how its nodes are split between backends (`nodes`: backend -> op -> count)."""
+        with self._lock:
+            if not self._profiling:
+                raise ModelError("profile_report() without start_profiling()")
+            summaries = {(d["tokens"], d["last_only"]): d for d in self._plan_summaries()}
+            reports = [(key, p.plan.profile_report()) for key, p in sorted(self._plans.items())]
+            return [{**summaries[key], **r} for key, r in reports if r["computes"]]
 
     def _plan_summaries(self) -> list[dict[str, Any]]:
         """Each prepared plan (one per step shape): its tokens per step, splits, and how many nodes of each op every

@@ -8,15 +8,22 @@ See docs/backend-interface.md.
 from __future__ import annotations
 
 import ctypes
+import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ggml_py.errors import BackendError, GgmlPyError
 from ggml_py.ir.symbolic import Dim, Sym, evaluate
 from ggml_py.ir.tensor import Tensor
+
+
+class ComputeCancelled(BackendError):
+    """A compute stopped by `Plan.cancel` (or a backend's graph_plan_cancel) before it finished."""
 
 
 class BufferType(ABC):
@@ -181,8 +188,43 @@ class Split:
                 evaluate(off, bindings))
 
 
+class NodePlan:
+    """A Python backend's lowered split as one callable per node, which `Backend.graph_plan_compute` runs in order.
+
+    A backend whose graph_plan_create returns one gets, without code of its own, what native plugins get from the
+    ABI: an exception in a node reaches the user as a BackendError naming the backend, the op and the node (the
+    original exception as its cause); `Plan.profile` and `ggml-py generate --profile` see the time of every node;
+    `Plan.cancel` stops a compute between two nodes."""
+
+    def __init__(self, nodes: Sequence[Tensor], steps: Sequence[Callable[[Mapping[str, int]], None]]) -> None:
+        if len(nodes) != len(steps):
+            raise ValueError(f"{len(nodes)} nodes but {len(steps)} steps")
+        self.nodes, self.steps = list(nodes), list(steps)
+        self.node_seconds: list[float] | None = None  # accumulated per node while profiling
+        self._cancel = threading.Event()
+
+    def run(self, backend: str, bindings: Mapping[str, int]) -> None:
+        self._cancel.clear()  # a cancel reaches the compute running when it is asked, not a later one
+        secs = self.node_seconds
+        n = len(self.nodes)
+        for i, (node, step) in enumerate(zip(self.nodes, self.steps)):
+            if self._cancel.is_set():
+                raise ComputeCancelled(f"backend {backend!r}: compute cancelled before node {i + 1} of {n}")
+            t0 = time.perf_counter() if secs is not None else 0.0
+            try:
+                step(bindings)
+            except GgmlPyError:
+                raise
+            except Exception as e:
+                raise BackendError(f"backend {backend!r} failed in {node.op} (node {node.name!r}, {i + 1} of {n}): "
+                                   f"{type(e).__name__}: {e}") from e
+            if secs is not None:
+                secs[i] += time.perf_counter() - t0
+
+
 class Backend(ABC):
-    """Evaluates graph splits. Subclasses implement supports_op and the plan methods."""
+    """Evaluates graph splits. Subclasses implement supports_op and the plan methods (a Python backend may return
+    a NodePlan from graph_plan_create and leave the rest to this class)."""
 
     name: str = "?"
     device: Device
@@ -200,12 +242,32 @@ class Backend(ABC):
     def graph_plan_create(self, split: Split) -> Any:
         """Lower a split once into this backend's own executable form."""
 
-    @abstractmethod
     def graph_plan_compute(self, plan: Any, bindings: Mapping[str, int]) -> None:
-        """Run a lowered split with the given symbol values. Called every step: keep it cheap."""
+        """Run a lowered split with the given symbol values. Called every step: keep it cheap. The default runs a
+        NodePlan; a backend with a plan of another kind overrides this."""
+        if not isinstance(plan, NodePlan):
+            raise NotImplementedError(f"{type(self).__name__}.graph_plan_compute for a {type(plan).__name__}")
+        plan.run(self.name, bindings)
 
     def graph_plan_free(self, plan: Any) -> None:
         """Release what graph_plan_create made."""
+
+    # The three hooks Plan.profile and Plan.cancel use; the defaults serve a NodePlan (native plugins: the ABI's).
+    def graph_plan_profile(self, plan: Any, on: bool) -> None:
+        """Start (zeroing) or stop accumulating per-node wall time."""
+        if isinstance(plan, NodePlan):
+            plan.node_seconds = [0.0] * len(plan.nodes) if on else None
+
+    def graph_plan_node_seconds(self, plan: Any) -> list[float] | None:
+        """Per-node seconds accumulated since profiling started (split.nodes order), or None when not timed."""
+        secs = plan.node_seconds if isinstance(plan, NodePlan) else None
+        return list(secs) if secs is not None else None
+
+    def graph_plan_cancel(self, plan: Any) -> None:
+        """Ask a compute of `plan` running in another thread to stop soon (ComputeCancelled); no effect when the
+        backend cannot stop one (the compute then ends normally)."""
+        if isinstance(plan, NodePlan):
+            plan._cancel.set()
 
     def graph_compute(self, split: Split, bindings: Mapping[str, int]) -> None:
         plan = self.graph_plan_create(split)

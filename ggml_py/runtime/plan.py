@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 
 from ggml_py import counters
-from ggml_py.errors import PlanError
+from ggml_py.errors import BackendError, GgmlPyError, PlanError
 from ggml_py.ir.graph import Graph
 from ggml_py.ir.symbolic import Expr, evaluate
 from ggml_py.ir.tensor import INPUT, OUTPUT, PARAM, STATE, Tensor, nbytes_upper
 from ggml_py.runtime.alloc import plan_memory
-from ggml_py.runtime.backend import Backend, Buffer, Split
+from ggml_py.runtime.backend import Backend, Buffer, ComputeCancelled, Split
 from ggml_py.runtime.placement import check_host_alloc, place_static
 from ggml_py.runtime.registry import resolve_backends
 from ggml_py.runtime.schedule import root, schedule, symbols_of
@@ -66,6 +66,12 @@ class Plan:
         self._out_views: dict[int, np.ndarray] = {}
         self.symbols = symbols_of((*graph.leafs, *graph.nodes))
         self._n_computes = 0
+        self._cancelled = False  # set by cancel() while a compute runs
+        # while profiling (start_profiling): seconds per split, and the computes and compute time when it started
+        self._split_seconds: list[float] | None = None
+        self._compute_seconds = 0.0
+        self._profile_computes0 = 0
+        self._profile_t0 = 0.0
         self._build_splits()
         self.warnings: list[str] = []
         n_compute = sum(len(r.split.nodes) for r in self.runs)
@@ -254,12 +260,15 @@ class Plan:
                     self._pending = {}  # a refused compute uses up the inputs' bindings too (_compute_locked)
                     raise PlanError(f"symbol {k} must be bound to an integer, got {v!r}")
             self._computing = threading.get_ident()
+            t0 = time.perf_counter() if self._split_seconds is not None else 0.0
             try:
                 self._compute_locked(bindings)
+                if self._split_seconds is not None:
+                    self._compute_seconds += time.perf_counter() - t0
             finally:
                 self._computing = None
 
-    def _compute_locked(self, bindings: Mapping[str, int], split_seconds: list[float] | None = None) -> None:
+    def _compute_locked(self, bindings: Mapping[str, int]) -> None:
         # the inputs' bindings are used up by this call, whether it is refused (a conflict, a symbol missing or out
         # of range), a split fails, or Ctrl-C stops it: the next set_input may bind other sizes (outputs are then
         # undefined until a compute completes)
@@ -277,13 +286,25 @@ class Plan:
         if missing:
             raise PlanError(f"symbol(s) {sorted(missing)} must be bound, e.g. compute({next(iter(missing))}=...)")
         self._check_bindings(b)
+        self._cancelled = False
+        split_seconds = self._split_seconds
         for k, run in enumerate(self.runs):
+            if self._cancelled:
+                raise ComputeCancelled(f"compute cancelled before split {k + 1} of {len(self.runs)}")
             t0 = time.perf_counter() if split_seconds is not None else 0.0
             for c in run.copies:
                 (sb, so), (db, do) = c.src, c.dst
                 if not db.copy_tensor(sb, so, do, c.size):
                     db.set_tensor(do, sb.get_tensor(so, c.size))
-            run.split.backend.graph_plan_compute(run.plan, b)
+            backend = run.split.backend
+            try:
+                backend.graph_plan_compute(run.plan, b)
+            except GgmlPyError:
+                raise
+            except Exception as e:  # a Python backend's own error: named like a native plugin's (NodePlan: the node)
+                ops = ", ".join(sorted({n.op or "" for n in run.split.nodes}))
+                raise BackendError(f"backend {backend.name!r} failed in a split of {len(run.split.nodes)} nodes "
+                                   f"({ops}): {type(e).__name__}: {e}") from e
             if split_seconds is not None:
                 split_seconds[k] += time.perf_counter() - t0
         self.bindings = b
@@ -365,52 +386,86 @@ class Plan:
             view.flags.writeable = False
             return view
 
+    def cancel(self) -> bool:
+        """Ask the compute of this plan running in another thread to stop: compute() there raises ComputeCancelled
+        (a BackendError) before its next split, and each backend stops sooner if it can (a NodePlan between two
+        nodes, a native plugin at its next poll). The plan stays usable; outputs are undefined until a compute
+        completes. Returns whether a compute was running (a cancel never reaches a later compute)."""
+        if self._computing is None:
+            return False
+        self._cancelled = True
+        for run in self.runs:
+            run.split.backend.graph_plan_cancel(run.plan)
+        return True
+
+    def start_profiling(self) -> None:
+        """From now on, every compute adds its time per split and, from backends that time their nodes (native
+        plugins, Python backends with a NodePlan), per node, until stop_profiling(). profile_report() reads it."""
+        with self._lock:
+            self._split_seconds = [0.0] * len(self.runs)
+            self._profile_computes0 = self._n_computes
+            self._profile_t0 = self._compute_seconds
+            for run in self.runs:
+                run.split.backend.graph_plan_profile(run.plan, True)
+
+    def profile_report(self) -> dict[str, Any]:
+        """Where the time of the computes since start_profiling() went, per compute: in total, per split (with its
+        copies), per backend, per op type, and the host's share (time outside the splits: input bindings, checks,
+        Python)."""
+        with self._lock:
+            if self._split_seconds is None:
+                raise PlanError("profile_report() without start_profiling()")
+            n = max(1, self._n_computes - self._profile_computes0)
+            total = self._compute_seconds - self._profile_t0
+            by_op: dict[str, float] = {}
+            by_backend_op: dict[str, dict[str, float]] = {}
+            for run in self.runs:
+                secs = run.split.backend.graph_plan_node_seconds(run.plan) or []
+                ops = by_backend_op.setdefault(run.split.backend.name, {})
+                for node, sec in zip(run.split.nodes, secs):
+                    op = node.op or ""
+                    by_op[op] = by_op.get(op, 0.0) + sec / n
+                    ops[op] = ops.get(op, 0.0) + sec / n
+            by_backend: dict[str, float] = {}
+            splits = []
+            for run, sec in zip(self.runs, self._split_seconds):
+                name = run.split.backend.name
+                by_backend[name] = by_backend.get(name, 0.0) + sec / n
+                splits.append({"backend": name, "nodes": len(run.split.nodes), "copies": len(run.copies),
+                               "seconds": sec / n})
+            return {"computes": self._n_computes - self._profile_computes0, "seconds_per_compute": total / n,
+                    "host_seconds_per_compute": (total - sum(self._split_seconds)) / n, "by_backend": by_backend,
+                    "by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])),
+                    "by_backend_op": {b: dict(sorted(o.items(), key=lambda kv: -kv[1]))
+                                      for b, o in by_backend_op.items() if o},
+                    "splits": splits, "warnings": list(self.warnings)}
+
+    def stop_profiling(self) -> dict[str, Any]:
+        """profile_report(), and the timing turned off."""
+        report = self.profile_report()
+        with self._lock:
+            self._split_seconds = None
+            for run in self.runs:
+                run.split.backend.graph_plan_profile(run.plan, False)
+        return report
+
     def profile(self, computes: int = 1, **bindings: int) -> dict[str, Any]:
-        """Compute `computes` times and say where the time went: per split (with its copies), per backend, per op
-        type (from backends that time their nodes: every native plugin), and the host's share (time outside the
-        splits: input bindings, checks, Python). Inputs must be set as for compute(); without bindings and inputs
-        set since the last compute, the last compute's bindings are used again."""
+        """Compute `computes` times and say where the time went (profile_report()). Inputs must be set as for
+        compute(); without bindings and inputs set since the last compute, the last compute's bindings are used
+        again."""
         self._enter("profile")
         if not bindings and not self._pending:
             bindings = dict(getattr(self, "bindings", {}))
-        profilers = [(run, run.split.backend) for run in self.runs
-                     if hasattr(run.split.backend, "graph_plan_profile")]
-        for run, be in profilers:
-            be.graph_plan_profile(run.plan, True)  # type: ignore[attr-defined]
-        split_s = [0.0] * len(self.runs)
-        total = 0.0
-        by_op: dict[str, float] = {}
+        pending = dict(self._pending)
+        self.start_profiling()
         try:
             for _ in range(max(1, int(computes))):
-                pending = dict(self._pending)  # every compute uses the inputs' bindings
-                t0 = time.perf_counter()
                 with self._lock:
-                    self._pending = pending
-                    self._computing = threading.get_ident()
-                    try:
-                        self._compute_locked(bindings, split_s)
-                    finally:
-                        self._computing = None
-                total += time.perf_counter() - t0
-            for run, be in profilers:
-                secs = be.graph_plan_node_seconds(run.plan) or []  # type: ignore[attr-defined]
-                for n, sec in zip(run.split.nodes, secs):
-                    by_op[n.op or ""] = by_op.get(n.op or "", 0.0) + sec
+                    self._pending = dict(pending)  # every compute uses the inputs' bindings
+                self.compute(**bindings)
         finally:
-            for run, be in profilers:
-                be.graph_plan_profile(run.plan, False)  # type: ignore[attr-defined]
-        by_backend: dict[str, float] = {}
-        splits = []
-        for run, sec in zip(self.runs, split_s):
-            name = run.split.backend.name
-            by_backend[name] = by_backend.get(name, 0.0) + sec
-            splits.append({"backend": name, "nodes": len(run.split.nodes), "copies": len(run.copies), "seconds": sec})
-        n = max(1, int(computes))
-        return {"computes": n, "seconds_per_compute": total / n,
-                "host_seconds_per_compute": (total - sum(split_s)) / n,
-                "by_backend": {k: v / n for k, v in by_backend.items()},
-                "by_op": {k: v / n for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])},
-                "splits": [{**s, "seconds": s["seconds"] / n} for s in splits], "warnings": list(self.warnings)}
+            report = self.stop_profiling()
+        return report
 
     # -- reports ------------------------------------------------------------------------------------------------
     def assignment(self) -> list[dict[str, str]]:

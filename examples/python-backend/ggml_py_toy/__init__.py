@@ -6,7 +6,7 @@ it to the next backend in the list (numpy).
 
 The four pieces every backend has:
   ToyBufferType      the memory it computes on (host RAM here, so numpy can read it too)
-  ToyBackend         supports_op + graph_plan_create (lower a split once) + graph_plan_compute (run it, every step)
+  ToyBackend         supports_op + graph_plan_create (lower a split once: a NodePlan) + graph_plan_compute (run it)
   ToyRegistration    what the `ggml_py.backends` entry point returns: name, version, devices, a factory
   register()         the entry point itself (see pyproject.toml)
 """
@@ -14,7 +14,6 @@ The four pieces every backend has:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,6 +27,7 @@ from ggml_py.runtime.backend import (
     BufferType,
     Device,
     HostBuffer,
+    NodePlan,
     Split,
     aligned_host_array,
 )
@@ -71,12 +71,15 @@ def _array(split: Split, t: Tensor, bindings: Mapping[str, int]) -> np.ndarray:
     return np.ndarray(shape, np.float32, buffer=buf.host_view(), offset=offset, strides=strides)
 
 
-@dataclass
-class ToyPlan:
-    """A lowered split: its nodes with their kernels picked once."""
+def _step(split: Split, node: Tensor) -> Callable[[Mapping[str, int]], None]:
+    """The callable that computes `node` at every compute, its kernel picked once."""
+    kernel = KERNELS[node.op]  # type: ignore[index]
 
-    split: Split
-    steps: list[tuple[Tensor, Kernel]]
+    def run(bindings: Mapping[str, int]) -> None:
+        srcs = [_array(split, s, bindings) for s in node.src if s is not None]
+        _array(split, node, bindings)[...] = kernel(node, srcs)
+
+    return run
 
 
 class ToyBackend(Backend):
@@ -89,14 +92,13 @@ class ToyBackend(Backend):
     def supports_op(self, node: Tensor) -> bool:
         return node.op in KERNELS and all(t.dtype is dtypes.F32 for t in (node, *node.src) if t is not None)
 
-    def graph_plan_create(self, split: Split) -> ToyPlan:
-        return ToyPlan(split, [(n, KERNELS[n.op]) for n in split.nodes])  # type: ignore[index]
+    def graph_plan_create(self, split: Split) -> NodePlan:
+        # a NodePlan: the runtime then names the node a kernel failed in, times nodes, and can cancel between them
+        return NodePlan(split.nodes, [_step(split, n) for n in split.nodes])
 
-    def graph_plan_compute(self, plan: ToyPlan, bindings: Mapping[str, int]) -> None:
+    def graph_plan_compute(self, plan: NodePlan, bindings: Mapping[str, int]) -> None:
         with np.errstate(all="ignore"):  # inf / nan are results, as in C
-            for node, kernel in plan.steps:
-                srcs = [_array(plan.split, s, bindings) for s in node.src if s is not None]
-                _array(plan.split, node, bindings)[...] = kernel(node, srcs)
+            plan.run(self.name, bindings)
 
 
 class ToyRegistration(BackendRegistration):

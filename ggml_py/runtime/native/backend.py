@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ggml_py.errors import BackendError
 from ggml_py.ir import schema
 from ggml_py.ir.tensor import Tensor
-from ggml_py.runtime.backend import Backend, BackendRegistration, Device, Split
+from ggml_py.runtime.backend import Backend, BackendRegistration, ComputeCancelled, Device, Split
 from ggml_py.runtime.native.abi import STATUS, const, ffi
 from ggml_py.runtime.native.lowering import upper_layout, write_node, write_tensor
 from ggml_py.runtime.native.plan import NativePlan, current_compute
@@ -24,10 +24,6 @@ def _free_backend(lib: NativeLibrary, ctx_holder: list[Any], lock: Any) -> None:
         ctx, ctx_holder[0] = ctx_holder[0], None
         if ctx is not None:
             lib.plugin.backend.free(ctx)
-
-
-class ComputeCancelled(BackendError):
-    """A compute stopped by `NativeBackend.cancel` (or a plan's cancel) before it finished."""
 
 
 class NativeBackend(Backend):
