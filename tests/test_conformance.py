@@ -40,11 +40,11 @@ class _Tweaked(NumpyBackend):
         return super().supports_op(node) and (self._claims is None or self._claims(node))
 
     def graph_plan_create(self, split):  # type: ignore[no-untyped-def]
-        steps = super().graph_plan_create(split)
+        plan = super().graph_plan_create(split)
         if self._wrap is not None:
-            for s in steps:
+            for s in plan.steps:  # the numpy backend's _Step objects
                 s.kernel = self._wrap(s.node.op, s.kernel)
-        return steps
+        return plan
 
 
 class _Reg(BackendRegistration):
@@ -306,6 +306,12 @@ def test_pytest_plugin_runs_cases_as_tests(tmp_path):
                 "--ggml-backend", "subset", "--ggml-op", "MUL_MAT", "-k", "Q4_0 or F16")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "SKIPPED" in p.stdout and "subset does not support MUL_MAT" in p.stdout and " passed" in p.stdout
+
+    # a mistyped backend: one usage error before collection (pytest's exit code 4), not an error per case
+    p = _pytest(tmp_path, "--ggml-backend", "nmupy")
+    assert p.returncode == 4, p.stdout + p.stderr
+    assert "--ggml-backend 'nmupy': unknown backend; available: " in p.stderr and "numpy" in p.stderr
+    assert "errors" not in p.stdout and len((p.stdout + p.stderr).strip().splitlines()) <= 2, p.stdout + p.stderr
 
 
 @pytest.mark.parametrize("backend", available_backends())

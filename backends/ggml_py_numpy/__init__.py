@@ -133,7 +133,7 @@ class _Step:
             a = _view(self.hvs[i], t, layout)
         return a, layout[0]
 
-    def run(self, bindings: Mapping[str, int]) -> None:
+    def __call__(self, bindings: Mapping[str, int]) -> None:
         n = self.node
         srcs: list[np.ndarray | None] = []
         for i, s in enumerate(n.src, start=1):
@@ -203,7 +203,7 @@ class NumpyBackend(Backend):
         return sum(int(t.numel()) * 4 for t in weights if self.keeps_f32_copy(t))
 
     def graph_plan_create(self, split: Split) -> NodePlan:
-        return NodePlan(split.nodes, [_Step(self, split, n).run for n in split.nodes])
+        return NodePlan(split.nodes, [_Step(self, split, n) for n in split.nodes])
 
     def graph_plan_compute(self, plan: NodePlan, bindings: Mapping[str, int]) -> None:
         with np.errstate(all="ignore"):  # inf/nan are results here, as in C

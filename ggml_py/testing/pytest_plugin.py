@@ -50,6 +50,13 @@ def _register(specs: list[str]) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     _register(config.getoption("--ggml-register"))
+    # a mistyped name is one usage error before collection, not an error in every test that uses the fixture
+    from ggml_py.runtime.registry import registry
+
+    for opt in ("--ggml-backend", "--ggml-reference"):
+        name = config.getoption(opt)
+        if name and name not in registry.names():
+            raise pytest.UsageError(f"{opt} {name!r}: unknown backend; available: {', '.join(registry.names())}")
 
 
 def _backend(name: str, what: str) -> Backend:
