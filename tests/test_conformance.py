@@ -278,6 +278,11 @@ def test_cli_human_table_and_errors(capsys):
     assert code == 1 and err.startswith("error: unknown backend")
     code, _, err = _cli(["test-backend", "numpy", "-k", "no such case"], capsys)
     assert code == 1 and "no conformance case" in err
+    # --quiet: the failures and the counts, not the cases a backend does not claim
+    code, out, _ = _cli(["test-backend", "broken_add", "--op", "ADD,ROPE", "-k", "b=[7,1]", "-q"], capsys)
+    lines = out.strip().splitlines()
+    assert code == 1 and lines[0].split()[:2] == ["FAILED", "ADD"] and "SKIPPED" not in out
+    assert lines[-1].startswith("broken_add vs numpy: 0 passed, 1 failed")
 
 
 # -- the pytest plugin -----------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-k", dest="substr", default=None, help="only cases whose id OP[TYPES](CASE) contains SUBSTR")
     p.add_argument("--reference", default="numpy", help="the reference backend (default: numpy)")
     p.add_argument("-v", "--verbose", action="store_true", help="list passed and skipped cases too")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="list failed cases only, then the counts (no skipped case, no coverage lines)")
 
 
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
@@ -29,6 +31,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
 
     report = run_backend(args.name, selected, reference=args.reference, progress=progress if args.json else None)
     if not args.json:
-        show = ("passed", "failed", "skipped") if args.verbose else ("failed", "skipped")
-        print(report.table(show=show))
+        if args.quiet and args.verbose:
+            raise ValueError("--quiet and --verbose exclude each other")
+        show = ("passed", "failed", "skipped") if args.verbose else ("failed",) if args.quiet else ("failed", "skipped")
+        print(report.table(show=show, coverage=not args.quiet))
     return report.to_dict(), (1 if report.failed else 0)

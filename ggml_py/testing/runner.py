@@ -110,8 +110,9 @@ class Report:
         return {"backend": self.backend, "passed": self.passed, "failed": self.failed, "skipped": self.skipped,
                 "results": [r.to_dict() for r in self.results], "not_covered": self.not_covered}
 
-    def table(self, show: Sequence[str] = STATUSES) -> str:
-        """A human-readable table of the results with the given statuses, and a summary."""
+    def table(self, show: Sequence[str] = STATUSES, coverage: bool = True) -> str:
+        """A human-readable table of the results with the given statuses, a summary, and (`coverage`) the ops the
+        backend left out wholly or partly."""
         rows = [r for r in self.results if r.status in show]
         w_op = max([len(r.op) for r in rows] + [2])
         w_ty = max([len(r.types) for r in rows] + [5])
@@ -125,9 +126,9 @@ class Report:
             lines.append(line)
         lines.append(f"{self.backend} vs {self.reference}: {self.passed} passed, {self.failed} failed, "
                      f"{self.skipped} skipped in {self.seconds:.2f}s")
-        if self.not_covered:
+        if coverage and self.not_covered:
             lines.append(f"not covered (the backend supports none of their cases): {', '.join(self.not_covered)}")
-        if self.partially_covered:
+        if coverage and self.partially_covered:
             lines.append(f"partially covered (some cases skipped): {', '.join(self.partially_covered)}")
         return "\n".join(lines)
 
