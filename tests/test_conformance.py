@@ -59,6 +59,11 @@ class _Reg(BackendRegistration):
         return _Tweaked(self.name, **self._kw)  # type: ignore[arg-type]
 
 
+class _UpperBoundReg(_Reg):
+    def create(self, device: Device | None = None, **options: object) -> Backend:
+        return _UpperBound(self.name)
+
+
 def _perturb_add(op: str, k: Callable) -> Callable:
     if op != "ADD":
         return k
@@ -100,6 +105,42 @@ def _truncating_convert(op: str, k: Callable) -> Callable:
     return cpy
 
 
+def _norm_without_eps(op: str, k: Callable) -> Callable:
+    if op != "RMS_NORM":
+        return k
+
+    def rms(n, s, o):  # type: ignore[no-untyped-def]
+        x = s[0].astype(np.float64)
+        return (x / np.sqrt((x * x).mean(axis=-1, keepdims=True))).astype(np.float32)
+
+    return rms
+
+
+def _mul_nan_where_b_is_zero(op: str, k: Callable) -> Callable:
+    if op != "MUL":
+        return k
+
+    def mul(n, s, o):  # type: ignore[no-untyped-def]
+        out = np.array(k(n, s, o), dtype=np.float32)
+        b_zero = k(n, [np.ones_like(s[0]), (s[1] == 0).astype(np.float32)], o) > 0  # b tiled as the kernel does
+        out[b_zero] = np.nan
+        return out
+
+    return mul
+
+
+class _UpperBound(_Tweaked):
+    """Computes every node at the upper bounds of its symbols, whatever a compute binds them to."""
+
+    def graph_plan_create(self, split):  # type: ignore[no-untyped-def]
+        from ggml_py.runtime.schedule import symbols_of
+
+        plan = super().graph_plan_create(split)
+        upper = {s.name: s.max for s in symbols_of([*split.nodes, *(s for n in split.nodes for s in n.src if s)])}
+        plan.steps = [lambda b, st=st: st(upper) for st in plan.steps]
+        return plan
+
+
 def _claims_subset(node: gp.Tensor) -> bool:
     if node.op == "MUL_MAT":
         return node.src[0].dtype.name in ("F32", "F16")
@@ -121,6 +162,9 @@ TWEAKED = {
     "bad_log": lambda: _Reg("bad_log", wrap=_log_without_nan),
     "rope_raises": lambda: _Reg("rope_raises", wrap=_rope_raises),
     "truncating": lambda: _Reg("truncating", wrap=_truncating_convert),
+    "no_eps": lambda: _Reg("no_eps", wrap=_norm_without_eps),
+    "nan_mul": lambda: _Reg("nan_mul", wrap=_mul_nan_where_b_is_zero),
+    "upper_bound": lambda: _UpperBoundReg("upper_bound"),
 }
 
 
@@ -207,6 +251,23 @@ def test_softmax_ignoring_its_mask_is_caught():
     assert {r.case for r in rep.results if r.status == "passed"} == {c.case for c in cases(op="SOFT_MAX")
                                                                     if "mask=" not in c.case}
     assert all(r.nmse > 1e-6 for r in rep.failures)
+
+
+def test_planted_bugs_fail_the_edge_cases():
+    # eps ignored: right on ordinary data, wrong where eps matters (tiny data, rows of zeros)
+    rep = run_backend("no_eps", cases(op="RMS_NORM"))
+    failed = {r.case for r in rep.failures}
+    assert any("eps=0.1,data=uniform(-0.0001" in c for c in failed) and any("row 2 zeros" in c for c in failed)
+    assert not any("eps=0," in c for c in failed)  # with eps 0 the bug is no bug
+    # NaN where b == 0 (0 * x is 0 for finite x): only the special-value cases have a zero divisor... factor
+    rep = run_backend("nan_mul", cases(op="MUL"))
+    assert {r.case for r in rep.failures} == {c.case for c in cases(op="MUL") if c.case.startswith("specials")}
+    assert all("NaN positions differ" in r.message for r in rep.failures)
+    # symbols never bound: every case that computes at several bindings and reads along a symbolic dim fails
+    rep = run_backend("upper_bound", cases("symbolic"))
+    failed_ops = {r.op for r in rep.failures}
+    assert {"SOFT_MAX", "SUM_ROWS", "FLASH_ATTN_EXT"} <= failed_ops, [r.id for r in rep.results]
+    assert all("T=" in r.message or "n_kv=" in r.message for r in rep.failures)  # the binding is named
 
 
 def test_missing_nan_is_caught():

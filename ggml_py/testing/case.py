@@ -18,7 +18,7 @@ which measure 2-5x the round-trip error.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,12 +45,13 @@ from ggml_py.ir.dtypes import (
     Q8_0,
     DType,
 )  # fmt: skip
+from ggml_py.ir.symbolic import Dim, evaluate
 from ggml_py.ir.tensor import Tensor
 from ggml_py.ir.tensor import input as _input
 from ggml_py.ir.tensor import weight as _weight
 
-__all__ = ["ALL_OPS", "CONVERT_MAX_NMSE", "WEIGHT_TYPES", "Built", "Case", "Ctx", "encode", "layout_text",
-           "shape_text"]
+__all__ = ["ALL_OPS", "CONVERT_MAX_NMSE", "WEIGHT_TYPES", "Built", "Case", "Ctx", "bound_values", "encode",
+           "layout_text", "shape_text"]
 
 # Every op the kit covers: every compute op of the schema (view ops are exercised as inputs of these).
 ALL_OPS: tuple[str, ...] = schema.COMPUTE_OPS
@@ -89,6 +90,9 @@ class Case:
     make: Callable[[Ctx], Tensor | Sequence[Tensor]] = field(repr=False, compare=False)
     max_nmse: float = DEFAULT_MAX_NMSE
     note: str = ""
+    # a graph with symbolic dims is prepared once and computed at each of these symbol values in turn, every input
+    # cut to the bound shape (the leading part of the values made at the upper bounds): as a model's plan is
+    bindings: tuple[Mapping[str, int], ...] = field(default=(), compare=False)
 
     @property
     def id(self) -> str:
@@ -132,9 +136,10 @@ class Ctx:
         self._n += 1
         return f"{name or 'in'}{self._n}"
 
-    def input(self, values: np.ndarray, t: DType = F32, name: str = "") -> Tensor:
-        """An input of type t holding `values` (converted/quantized as needed)."""
-        x = _input(values.shape, t, name=self._name(name))
+    def input(self, values: np.ndarray, t: DType = F32, name: str = "", shape: Sequence[Dim] | None = None) -> Tensor:
+        """An input of type t holding `values` (converted/quantized as needed). `shape` may have symbolic dims
+        (F32/F16/I32 only): `values` then hold the input at the symbols' upper bounds."""
+        x = _input(values.shape if shape is None else tuple(shape), t, name=self._name(name))
         self.inputs.append((x, encode(values, t).reshape(-1).view(np.uint8)
                             if t.is_quantized or t is BF16 else encode(values, t)))
         return x
@@ -187,6 +192,13 @@ class Ctx:
             total = int(np.prod(shape))
             return ops.reshape(self.rand((total,), t, lo, hi), shape)
         raise ValueError(f"unknown layout {how!r}")
+
+
+def bound_values(t: Tensor, values: np.ndarray, binding: Mapping[str, int]) -> np.ndarray:
+    """An input's values for one binding of a symbolic case: the leading part of the upper-bound values."""
+    if not t.is_symbolic:
+        return values
+    return np.ascontiguousarray(values[tuple(slice(0, evaluate(d, binding)) for d in t.shape)])
 
 
 def shape_text(shape: Sequence[int]) -> str:

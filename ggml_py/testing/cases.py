@@ -37,6 +37,7 @@ from ggml_py.testing.case import (
     layout_text,
     shape_text,
 )
+from ggml_py.testing.edge_cases import edge_cases
 
 __all__ = ["all_cases", "cases"]
 
@@ -475,7 +476,7 @@ def _copy_cases() -> list[Case]:
 
 _FAMILIES: tuple[Callable[[], list[Case]], ...] = (
     _rows_cases, _binary_cases, _unary_cases, _glu_cases, _norm_cases, _mul_mat_cases, _softmax_cases, _rope_cases,
-    _flash_attn_cases, _copy_cases,
+    _flash_attn_cases, _copy_cases, edge_cases,
 )
 _ALL: list[Case] | None = None
 

@@ -14,7 +14,7 @@ preparing or computing fail the case with a message naming the backend and the o
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ from ggml_py.ir.tensor import Tensor
 from ggml_py.runtime.backend import Backend
 from ggml_py.runtime.plan import prepare
 from ggml_py.runtime.registry import resolve_backends
-from ggml_py.testing.case import ALL_OPS, Case
+from ggml_py.testing.case import ALL_OPS, Case, bound_values
 from ggml_py.testing.cases import all_cases
 
 __all__ = ["Report", "Result", "compare", "nmse", "run_backend", "run_case", "to_float"]
@@ -173,13 +173,21 @@ def compare(ref: np.ndarray, out: np.ndarray) -> tuple[float, str]:
 
 
 # -- running ---------------------------------------------------------------------------------------------------
-def _compute(built_outputs: list[Tensor], inputs: list[tuple[Tensor, np.ndarray]], backend: Backend) -> list[Any]:
+def _compute(built_outputs: list[Tensor], inputs: list[tuple[Tensor, np.ndarray]], backend: Backend,
+             bindings: Sequence[Mapping[str, int]] = ()) -> list[tuple[str, Any]]:
+    """(label, values) of every output, computed on one plan once, or once per binding in turn."""
     plan = prepare(built_outputs, backends=[backend])
+    names = {s.name for s in plan.symbols}
     try:
-        for t, v in inputs:
-            plan.set_input(t, v)
-        plan.compute()
-        return [to_float(plan.get_output(t), t.dtype) for t in built_outputs]
+        out = []
+        for b in bindings or ({},):
+            for t, v in inputs:
+                plan.set_input(t, bound_values(t, v, b))
+            bound = {k: v for k, v in b.items() if k in names}
+            plan.compute(**bound)
+            where = f"{', '.join(f'{k}={v}' for k, v in bound.items())}: " if bound else ""
+            out += [(f"{where}output {i}", to_float(plan.get_output(t), t.dtype)) for i, t in enumerate(built_outputs)]
+        return out
     finally:
         plan.close()
 
@@ -223,20 +231,22 @@ def _evaluate(case: Case, backend: Backend, reference: Backend) -> tuple[str, st
     if why is not None:
         return "skipped", why, None
     ref_out = _attempt(f"reference backend {reference.name!r} failed on {case.op}", _compute, built.outputs,
-                       built.inputs, reference)
+                       built.inputs, reference, case.bindings)
     got = _attempt(f"backend {backend.name!r} failed on {case.op} ({case.case})", _compute, built.outputs,
-                   built.inputs, backend)
-    worst, problems = 0.0, []
-    for i, (r, g) in enumerate(zip(ref_out, got)):
+                   built.inputs, backend, case.bindings)
+    worst, worst_at, problems = 0.0, "", []
+    for (label, r), (_, g) in zip(ref_out, got):
         err, problem = compare(r, g)
-        worst = max(worst, err)
+        if err > worst or not worst_at:
+            worst, worst_at = max(worst, err), label
         if problem:
-            problems.append(f"output {i}: {problem}" if len(ref_out) > 1 else problem)
+            problems.append(f"{label}: {problem}" if len(ref_out) > 1 else problem)
     if problems:
         return "failed", f"backend {backend.name!r}: {case.op} ({case.case}): " + "; ".join(problems), worst
     if worst > case.max_nmse:
+        at = f" at {worst_at}" if len(ref_out) > 1 else ""
         return "failed", (f"backend {backend.name!r}: {case.op} ({case.case}) [{case.types}]: NMSE {worst:.3e} > "
-                          f"{case.max_nmse:.1e}"), worst
+                          f"{case.max_nmse:.1e}{at}"), worst
     return "passed", "", worst
 
 
