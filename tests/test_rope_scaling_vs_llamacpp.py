@@ -17,6 +17,7 @@ from arch_factory import write_tiny
 from gguf import GGMLQuantizationType as QT
 
 from ggml_py import load_model
+from ggml_py.commands.info import describe
 
 import llamacpp_peer
 from conftest import available_backends
@@ -113,15 +114,17 @@ def test_quantized_copies_match_llama_cpp(name, wtype, tmp_path):
 
 
 def test_the_scalings_reach_the_rope_nodes(tmp_path):
-    """What the loader makes of the files: llama 3's factors as one weight shared by every layer's q and k rope;
-    YaRN's parameters as llama.cpp derives them (attn_factor: its gain 1 + 0.1 ln 4 divided by the same gain, which
-    the kernel applies itself, so 1 in float32)."""
-    with load_model(_write(tmp_path, "llama3-factor-8", QT.F32), backends=["numpy"], n_ctx=N_CTX, progress=False) as m:
+    """What the loader makes of the files (and `ggml-py info` shows): llama 3's factors as one weight shared by every
+    layer's q and k rope; YaRN's parameters as llama.cpp derives them (attn_factor: its gain 1 + 0.1 ln 4 divided by
+    the same gain, which the kernel applies itself, so 1 in float32)."""
+    llama3, yarn = _write(tmp_path, "llama3-factor-8", QT.F32), _write(tmp_path, "qwen2-yarn-4", QT.F32)
+    assert describe(llama3)["rope_freqs"] and describe(yarn)["hparams"]["rope_yarn"]["n_ctx_orig"] == N_CTX_ORIG
+    with load_model(llama3, backends=["numpy"], n_ctx=N_CTX, progress=False) as m:
         ff = m.weights.rope_freqs
         assert ff is not None and ff.shape == (HEAD_DIM // 2,)
         np.testing.assert_array_equal(np.asarray(ff.data), llama3_factors(8.0, N_CTX_ORIG))
         assert m.hparams.rope_freq_scale == 1.0 and m.hparams.rope_yarn.ext_factor == 0.0
-    with load_model(_write(tmp_path, "qwen2-yarn-4", QT.F32), backends=["numpy"], n_ctx=N_CTX, progress=False) as m:
+    with load_model(yarn, backends=["numpy"], n_ctx=N_CTX, progress=False) as m:
         assert m.weights.rope_freqs is None and m.hparams.rope_freq_scale == 0.25
         y = m.hparams.rope_yarn
         assert (y.ext_factor, y.attn_factor, y.beta_fast, y.beta_slow, y.n_ctx_orig) == (1.0, 1.0, 32.0, 1.0, 64)
