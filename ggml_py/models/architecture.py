@@ -15,7 +15,7 @@ from ggml_py.ir.symbolic import Dim
 from ggml_py.models.blocks import LayerFn, StepGraph, build_step
 from ggml_py.models.hparams import HParams
 from ggml_py.models.kv_cache import KVCache
-from ggml_py.models.weights import Layer, TensorReader, Weights, model_tensors, rope_freqs
+from ggml_py.models.weights import Layer, TensorReader, Weights, model_tensors, rope_freqs_tensor
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Architecture:
         r.refuse(self.unsupported)
         layers = [self.layer_tensors(r, hp, i) for i in range(hp.n_layer)]
         w = model_tensors(r, hp, layers)
-        w.rope_freqs = rope_freqs(r, hp) if self.rope_freqs else None
+        w.rope_freqs = rope_freqs_tensor(r, hp) if self.rope_freqs else None
         return w
 
     def build_step(self, hp: HParams, w: Weights, cache: KVCache, n_tokens: Dim, n_kv: Dim,

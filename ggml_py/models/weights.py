@@ -141,7 +141,7 @@ def ffn_tensors(r: TensorReader, hp: HParams, i: int, *, fused_gate_up: bool = F
     return t
 
 
-def rope_freqs(r: TensorReader, hp: HParams) -> Tensor | None:
+def rope_freqs_tensor(r: TensorReader, hp: HParams) -> Tensor | None:
     """`rope_freqs.weight` (n_rot/2,) F32, optional: llama 3's rope scaling, each rotated pair's angle divided by its
     factor. llama.cpp creates it for layer 0 and shares it with every other layer; so does ggml_py."""
     return r.get("rope_freqs.weight", (hp.n_rot // 2,), F32_ONLY, required=False)
