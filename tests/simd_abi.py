@@ -156,6 +156,11 @@ class Plan:
                 nc.params.f[slot] = fp.pop(0)
             elif not p.is_float and ip:
                 nc.params.i[slot] = ip.pop(0)
+            elif p.neutral is not None:  # added by a later ABI minor and not given: what the op computed before
+                if p.is_float:
+                    nc.params.f[slot] = p.neutral
+                else:
+                    nc.params.i[slot] = int(p.neutral)
 
     def compute(self, syms: list[int] | tuple = ()) -> None:
         f = native.ffi()

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from ggml_py_numpy import NumpyBackend, NumpyRegistration
 
 import ggml_py as gp
 from ggml_py.commands import cli
+from ggml_py.ir import schema
 from ggml_py.runtime.backend import Backend, BackendRegistration, Device
 from ggml_py.testing import ALL_OPS, cases, compare, nmse, run_backend
 from ggml_py.testing.case import CONVERT_MAX_NMSE, WEIGHT_TYPES
@@ -288,6 +290,35 @@ def test_backend_exception_fails_the_case_naming_backend_and_op():
     assert rep.failed == len(cases(op="ROPE"))
     for r in rep.failures:
         assert "rope_raises" in r.message and "ROPE" in r.message and "kernel exploded" in r.message
+
+
+# A rope kernel that drops one of the scalings: what it computes with instead (node params, or no freq_factors), and
+# the text of the kit's ROPE cases that must then fail (all others pass)
+_ROPE_SHORTCUTS: dict[str, tuple[Callable[[dict], dict], bool, str]] = {
+    "no-freq-factors": (lambda p: p, True, ",freq_factors"),
+    "no-ext-factor": (lambda p: {**p, "ext_factor": 0.0}, False, ",ext_factor="),
+    "no-attn-factor": (lambda p: {**p, "attn_factor": 1.0}, False, ",attn_factor="),
+    "default-betas": (lambda p: {**p, "beta_fast": 32.0, "beta_slow": 1.0}, False, ",beta_fast="),
+    "other-n-ctx-orig": (lambda p: {**p, "n_ctx_orig": 2 * p["n_ctx_orig"]}, False, ",n_ctx_orig="),
+}
+
+
+@pytest.mark.parametrize("shortcut", list(_ROPE_SHORTCUTS))
+def test_rope_kernel_dropping_a_scaling_is_caught(shortcut):
+    """The kit's ROPE cases catch a kernel that ignores the frequency factors, YaRN's ext_factor, the attn_factor, or
+    computes the correction dims from other betas or another original context, and only the cases that use it."""
+    params, drop_factors, marker = _ROPE_SHORTCUTS[shortcut]
+
+    def wrap(op, k):  # type: ignore[no-untyped-def]
+        if op != "ROPE":
+            return k
+        return lambda n, s, o: k(SimpleNamespace(params=params(dict(n.params))),
+                                 [s[0], s[1], None if drop_factors else s[2]], o)
+
+    sel = cases(op="ROPE")
+    rep = run_backend(_Tweaked(shortcut, wrap=wrap), sel)
+    assert {r.case for r in rep.failures} == {c.case for c in sel if marker in c.case} != set()
+    assert min(r.nmse for r in rep.failures) > 1e3 * schema.OPS["ROPE"].max_nmse
 
 
 def test_subset_backend_is_skipped_for_the_rest():

@@ -20,10 +20,15 @@ V = len(tiny_vocab()[0])  # the tiny tokenizer's tokens (284)
 
 # name -> (architecture, write_tiny options, the error's message (regex), does llama.cpp refuse it too)
 REFUSED = {
-    "rope-scaling-yarn": ("llama", dict(rope_scaling=("yarn", 4.0)), r"rope scaling type 'yarn' is not supported",
-                          False),
     "rope-scaling-longrope": ("phi3", dict(rope_scaling=("longrope", 4.0)),
                               r"rope scaling type 'longrope' is not supported", None),
+    "rope-scaling-unknown": ("qwen2", dict(metadata={"rope.scaling.type": "ntk"}),
+                             r"rope scaling type 'ntk' is not supported", None),
+    # llama 3's frequency factors: one per rotated pair (32 here), F32 (ggml's rope asserts F32 when it computes)
+    "rope-freqs-wrong-length": ("llama", dict(extra_tensors={"rope_freqs.weight": np.ones(D, np.float32)}),
+                                r"tensor 'rope_freqs.weight' has shape \[64\], expected \[32\]", True),
+    "rope-freqs-f16": ("llama", dict(extra_tensors={"rope_freqs.weight": np.ones(D // 2, np.float16)}),
+                       r"tensor 'rope_freqs.weight' has type F16", None),
     "rope-dims-odd": ("llama", dict(n_rot=31), r"rope.dimension_count 31 must be even and at most the head size 64",
                       True),
     "rope-dims-over-head": ("phi3", dict(n_rot=96), r"rope.dimension_count 96 must be even", None),
@@ -97,8 +102,9 @@ def test_refused_with_the_reason(files, name):
 
 @pytest.mark.skipif(not llamacpp_peer.available(), reason=llamacpp_peer.NOT_AVAILABLE)
 def test_llama_cpp_refuses_the_same_files(files):
-    """Where llama.cpp's loader checks the same thing it refuses the file too (True); yarn it runs (we refuse a
-    scaling we would compute wrongly: False); None: not compared (llama.cpp asserts or its phi3 loader differs)."""
+    """Where llama.cpp's loader checks the same thing it refuses the file too (True); a tiny factor it runs (we refuse
+    what we cannot divide by: False); None: not compared (llama.cpp asserts, at load or when it computes, or its phi3
+    loader differs)."""
     names = [n for n, (_, _, _, peer) in REFUSED.items() if peer is not None]
     refused = llamacpp_peer.run(_WORKER, [files[n] for n in names])
     assert dict(zip(names, refused)) == {n: REFUSED[n][3] for n in names}
@@ -129,7 +135,8 @@ ARRAYS = {
 ARCH_KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
              "attention.head_count_kv", "attention.key_length", "attention.value_length",
              "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count", "rope.scaling.type",
-             "rope.scaling.factor", "rope.scale_linear", "attention.sliding_window",
+             "rope.scaling.factor", "rope.scale_linear", "rope.scaling.original_context_length",
+             "rope.scaling.attn_factor", "attention.sliding_window",
              "attention.sliding_window_pattern", "rope.freq_base_swa", "final_logit_softcapping")
 TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.scores",
                   "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",

@@ -320,6 +320,26 @@ def test_plugin_built_against_an_older_minor_loads(libdir: Path, rng: np.random.
     assert stat(lib, 5) == 0  # the weight was copied into the plugin's memory, not wrapped
 
 
+def test_an_older_minor_is_offered_only_nodes_it_knows(libdir: Path) -> None:
+    """ABI 2.2 added ROPE's YaRN parameters and frequency factors (src[2]): a 2.1 plugin, here one that accepts any
+    node, is offered only ROPE nodes that use neither, so it never computes a rope with them silently dropped; the
+    scheduler gives the others to the next backend. A 2.2 plugin is offered all of them."""
+    major, _ = native.abi_version()
+    old = native.load(plug(libdir, "anyop21", "-DPLUG_ANY_OP", f"-DPLUG_ABI={(major << 16) | 1}")).create()
+    new = native.load(plug(libdir, "anyop", "-DPLUG_ANY_OP")).create()
+    x, pos = gp.input((3, 2, 64), name="x"), gp.input((3,), dtypes.I32, name="pos")
+    plain = ops.rope(x, pos, 64, freq_scale=0.5)
+    idle = ops.rope(x, pos, 64, beta_fast=4.0, n_ctx_orig=99)  # without ext_factor these do nothing: stored neutral
+    scaled = {"freq_factors": ops.rope(x, pos, 64, freq_factors=gp.input((32,), name="ff")),
+              "yarn": ops.rope(x, pos, 64, freq_scale=0.25, ext_factor=1.0, n_ctx_orig=64),
+              "attn_factor": ops.rope(x, pos, 64, attn_factor=0.5)}
+    assert old.supports_op(plain) and old.supports_op(idle)
+    assert [k for k, n in scaled.items() if old.supports_op(n)] == []
+    assert all(new.supports_op(n) for n in (plain, idle, *scaled.values()))
+    plan = gp.prepare([plain.set_output(), scaled["yarn"].set_output()], backends=[old, "numpy"])
+    assert [a["backend"] for a in plan.assignment() if a["op"] == "ROPE"] == ["anyop21", "numpy"]
+
+
 def test_weights_wrapped_without_a_copy(libdir: Path, rng: np.random.Generator, tmp_path: Path) -> None:
     """ABI 2.1 buffer_from_host_ptr: a weight mapped from a file is computed on where it is."""
     lib = plug(libdir, "wraps")

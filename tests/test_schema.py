@@ -63,6 +63,23 @@ def test_header_is_generated_from_the_schema() -> None:
             assert native.const(f"GGML_PY_P_{o.name}_{p.name.upper()}") == o.slot(p.name)
 
 
+def test_what_a_minor_version_added_is_marked_with_its_neutral_value() -> None:
+    """A parameter or optional source added by a later ABI minor says which (at most the header's) and, for a
+    parameter, the value that computes what the op did before; the builders' defaults are those values, so a node
+    that uses none of the additions is offered to every 2.x plugin (runtime/native/backend.py)."""
+    minor = native.abi_version()[1]
+    for o in schema.OPS_LIST:
+        for p in o.params:
+            assert (p.since == 0) == (p.neutral is None) and p.since <= minor, (o.name, p)
+        optional = {r.rstrip("?") for r in o.srcs if r.endswith("?")}
+        assert set(o.srcs_since) <= optional and all(v <= minor for v in o.srcs_since.values()), o.name
+    x, pos = ggml_py.input((2, 1, 8)), ggml_py.input((2,), ggml_py.I32)
+    rope = schema.OPS["ROPE"]
+    assert rope.abi_minor(ops.rope(x, pos, 8).params, [True, True, False]) == 0
+    assert rope.abi_minor(ops.rope(x, pos, 8, ext_factor=1.0).params, [True, True, False]) == 2
+    assert rope.abi_minor(ops.rope(x, pos, 8).params, [True, True, True]) == 2
+
+
 def header_lists(text: str) -> dict[str, list[str]]:
     """The X-macro lists of the header, GGML_PY_OPS_<LIST>(X), parsed from its C text: {LIST: [op, ...]}."""
     text = text.replace("\\\n", " ")  # join continued lines

@@ -163,17 +163,47 @@ def diag_mask_inf(n: Tensor, s: list, o: tuple[int, ...]) -> Arr:
     return x
 
 
-def rope(n: Tensor, s: list, o: tuple[int, ...]) -> Arr:
-    x, pos = s[0].astype(np.float64), s[1]
+def yarn_corr_dims(n_dims: int, n_ctx_orig: int, base: float, beta_fast: float,
+                   beta_slow: float) -> tuple[float, float]:
+    """The pairs between which YaRN's ramp falls from extrapolation to interpolation (ggml_rope_yarn_corr_dims): the
+    pair whose wavelength fits `beta` times into the original context, for beta_fast (floored, at least 0) and for
+    beta_slow (ceiled, at most n_dims - 1). A 0 context gives log(0) = -inf, as in ggml's float math."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        betas = np.array([beta_fast, beta_slow], dtype=np.float64)
+        d = n_dims * np.log(np.float64(n_ctx_orig) / (betas * 2.0 * np.pi)) / (2.0 * np.log(np.float64(base)))
+    return max(0.0, float(np.floor(d[0]))), min(n_dims - 1.0, float(np.ceil(d[1])))
+
+
+def rope_angles(n: Tensor, pos: Arr, ff: Arr | None) -> tuple[Arr, float]:
+    """Each token's angle per rotated pair (T, n_dims/2) and the factor on cos and sin, as ggml's rope_yarn computes
+    them (in float64): theta_extrap = pos * base^(-2i/n_dims) / ff[i], theta_interp = freq_scale * theta_extrap; with
+    ext_factor, a ramp over the correction dims mixes them and the magnitude grows by 1 + 0.1 ln(1/freq_scale)."""
     p = n.params
     nd = p["n_dims"]
+    i = np.arange(nd // 2, dtype=np.float64)
+    extrap = pos.astype(np.float64)[:, None] * (np.float64(p["freq_base"]) ** (-2.0 * i / nd))[None, :]
+    if ff is not None:
+        extrap = extrap / ff.astype(np.float64)[None, :]
+    theta = extrap * p["freq_scale"]
+    mscale = float(p["attn_factor"])
+    if p["ext_factor"] != 0.0:
+        low, high = yarn_corr_dims(nd, p["n_ctx_orig"], p["freq_base"], p["beta_fast"], p["beta_slow"])
+        mix = (1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)) * p["ext_factor"]
+        theta = theta * (1.0 - mix) + extrap * mix
+        with np.errstate(divide="ignore"):
+            mscale *= 1.0 + 0.1 * float(-np.log(np.float64(p["freq_scale"])))
+    return theta, mscale
+
+
+def rope(n: Tensor, s: list, o: tuple[int, ...]) -> Arr:
+    x, pos, ff = s[0].astype(np.float64), s[1], s[2]
+    nd = n.params["n_dims"]
     half = nd // 2
-    inv = p["freq_base"] ** (-2.0 * np.arange(half) / nd)
-    theta = (pos.astype(np.float64) * p["freq_scale"])[:, None] * inv[None, :]  # (T, half)
-    cos = np.cos(theta)[:, None, :]  # broadcast over heads
-    sin = np.sin(theta)[:, None, :]
+    theta, mscale = rope_angles(n, pos, ff)  # (T, half)
+    cos = (np.cos(theta) * mscale)[:, None, :]  # broadcast over heads
+    sin = (np.sin(theta) * mscale)[:, None, :]
     out = x.copy()
-    if p["mode"] == 2:  # neox: rotate first half against second half
+    if n.params["mode"] == 2:  # neox: rotate first half against second half
         x0, x1 = x[..., :half], x[..., half:nd]
         out[..., :half] = x0 * cos - x1 * sin
         out[..., half:nd] = x0 * sin + x1 * cos

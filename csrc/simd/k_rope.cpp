@@ -1,6 +1,8 @@
-// ROPE (normal and neox), ggml layout: src/dst ne = [head_dim, n_head, n_tokens, batch], positions I32 [n_tokens].
-// theta_i = pos * freq_scale * freq_base^(-2i/n_dims) (ext_factor 0, attn_factor 1). ip: n_dims, mode;
-// fp: freq_base, freq_scale. Angles are computed in double, once per token and thread.
+// ROPE (normal and neox), ggml layout: src/dst ne = [head_dim, n_head, n_tokens, batch], positions I32 [n_tokens],
+// optional frequency factors F32 [n_dims/2] (src[2]). As ggml's rope_yarn: pair i's extrapolated angle is
+// pos * freq_base^(-2i/n_dims) / factor[i], the interpolated one freq_scale times that; with ext_factor != 0 a ramp
+// between YaRN's correction dims (from beta_fast, beta_slow, n_ctx_orig) mixes the two and cos, sin grow by
+// 1 + 0.1 ln(1/freq_scale); attn_factor scales cos and sin. Angles are computed in double, once per token and thread.
 #include "isa.h"
 
 namespace gp {
@@ -21,6 +23,18 @@ void k_rope(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     const double base = n.params.f[GGML_PY_P_ROPE_FREQ_BASE];
     const double fscale = n.params.f[GGML_PY_P_ROPE_FREQ_SCALE];
     const double theta_scale = pow(base, -2.0 / (double)n_dims);
+    const double ext = n.params.f[GGML_PY_P_ROPE_EXT_FACTOR];
+    double mscale = n.params.f[GGML_PY_P_ROPE_ATTN_FACTOR];
+    double low = 0.0, high = 0.0;  // YaRN's correction dims (ggml_rope_yarn_corr_dims), used when ext != 0
+    if (ext != 0.0) {
+        const double n_orig = (double)n.params.i[GGML_PY_P_ROPE_N_CTX_ORIG];
+        const double two_pi = 6.283185307179586476925;
+        auto corr_dim = [&](double beta) { return n_dims * log(n_orig / (beta * two_pi)) / (2.0 * log(base)); };
+        low = fmax(0.0, floor(corr_dim(n.params.f[GGML_PY_P_ROPE_BETA_FAST])));
+        high = fmin(n_dims - 1.0, ceil(corr_dim(n.params.f[GGML_PY_P_ROPE_BETA_SLOW])));
+        mscale *= 1.0 + 0.1 * log(1.0 / fscale);
+    }
+    const Tensor* ff = n.has[2] ? &n.src[2] : nullptr;
     // cache: normal mode: cos and signed sin duplicated per pair (n_dims each); neox: cos, sin (half each)
     float* cc = (float*)ctx.thread_scratch(ith);
     float* ss = cc + n_dims;
@@ -29,12 +43,17 @@ void k_rope(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
     for (int64_t r = r0; r < r1; ++r) {
         const int64_t i1 = r % a.ne[1], i2 = (r / a.ne[1]) % a.ne[2], i3 = r / (a.ne[1] * a.ne[2]);
         if (i2 != cached_t) {
-            const int32_t p = *(const int32_t*)(pos.data + i2 * pos.nb[0]);
-            const double pt = (double)p * fscale;
+            const double p = (double)*(const int32_t*)(pos.data + i2 * pos.nb[0]);
             double inv = 1.0;
             for (int i = 0; i < half; ++i) {
-                const double th = pt * inv;
-                const float c = (float)cos(th), s = (float)sin(th);
+                double extrap = p * inv;
+                if (ff) extrap /= (double)*(const float*)(ff->data + i * ff->nb[0]);
+                double th = extrap * fscale;
+                if (ext != 0.0) {
+                    const double mix = (1.0 - fmin(1.0, fmax(0.0, (i - low) / fmax(0.001, high - low)))) * ext;
+                    th = th * (1.0 - mix) + extrap * mix;
+                }
+                const float c = (float)(cos(th) * mscale), s = (float)(sin(th) * mscale);
                 if (neox) {
                     cc[i] = c;
                     ss[i] = s;

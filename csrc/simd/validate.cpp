@@ -146,6 +146,11 @@ std::string validate_node(const Node& n) {
             const int32_t n_dims = n.params.i[GGML_PY_P_ROPE_N_DIMS], mode = n.params.i[GGML_PY_P_ROPE_MODE];
             if (n_dims <= 0 || n_dims % 2 || n_dims > a.ne[0]) return fail("bad n_dims");
             if (mode != 0 && mode != 2) return fail("only modes 0 (normal) and 2 (neox)");
+            if (n.has[2]) {
+                const Tensor& ff = n.src[2];
+                if (!f32(ff) || ff.ne[0] != n_dims / 2 || ff.ne[1] != 1 || ff.ne[2] != 1 || ff.ne[3] != 1)
+                    return fail("freq_factors must be F32 [n_dims/2], got " + shape_str(ff));
+            }
         }
             return "";
         case GGML_PY_OP_FLASH_ATTN_EXT: {

@@ -1,5 +1,5 @@
 /*
- * cexample: a minimal ggml_py native backend in plain C11 (ABI 2.1).
+ * cexample: a minimal ggml_py native backend in plain C11 (ABI 2.2; it uses nothing newer than 2.1).
  *
  * It computes ADD, MUL and MUL_MAT on F32 tensors of any layout (strides are honoured, ggml broadcasting included)
  * and declines everything else, which the scheduler then gives to another backend (numpy). Its memory is ordinary

@@ -16,8 +16,8 @@ with a larger vocabulary (Llama-3.2-1B's 128256) gets SmolLM2's tokens followed 
 (`<|unused_N|>`): no text ever tokenizes to them, but the embedding and output matrices have the real model's size.
 Llama 3's own tokenizer is not on PyPI in a form usable offline, so text tokenizes as SmolLM2 would tokenize it.
 
-Left out of the real models: Llama 3.2's rope frequency factors (`rope_freqs.weight`, llama 3.1 style scaling,
-which ggml_py does not load yet); the file has plain RoPE at the model's base frequency (about the same work per token).
+Left out of the real models: Llama 3.2's rope frequency factors (`rope_freqs.weight`, llama 3.1 style scaling); the
+file has plain RoPE at the model's base frequency (the same work per token: the factors change only the angles).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Any
 
@@ -40,7 +41,8 @@ def describe(path: str) -> dict[str, Any]:
             emb = gf.tensors.get("token_embd.weight")
             try:
                 hp = get_architecture(arch).hparams(meta, path, emb.shape[0] if emb else 0)
-                out["hparams"] = {k: getattr(hp, k) for k in hp.__dataclass_fields__}
+                out["hparams"] = dataclasses.asdict(hp)  # nested ones (rope_yarn) as objects in --json
+                out["rope_freqs"] = "rope_freqs.weight" in gf.tensors
                 out["tied_output"] = "output.weight" not in gf.tensors
                 kv_per_token = 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * 2
                 out["kv_cache_bytes_per_token_f16"] = kv_per_token
@@ -54,6 +56,14 @@ def describe(path: str) -> dict[str, Any]:
         except GgmlPyError as e:
             out["tokenizer"] = {"error": str(e)}
     return out
+
+
+def _rope_scaling(hp: dict[str, Any], rope_freqs: bool) -> str:
+    """The rope scaling in words: ", YaRN x4 of context 4096", ", linear x8", ", llama3 frequency factors"."""
+    y, factor = hp["rope_yarn"], 1.0 / hp["rope_freq_scale"]
+    kind = (f" YaRN x{factor:g} of context {y['n_ctx_orig']}" if y["ext_factor"]
+            else f" linear x{factor:g}" if factor != 1.0 else "")
+    return ("," + kind if kind else "") + (", llama3 frequency factors" if rope_freqs else "")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -71,8 +81,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if hp:
             print(f"  layers {hp['n_layer']}, embd {hp['n_embd']}, ff {hp['n_ff']}, heads {hp['n_head']}/"
                   f"{hp['n_head_kv']} kv, head dim {hp['head_dim']}, rope {hp['n_rot']} dims base "
-                  f"{hp['rope_freq_base']:g}, context {hp['n_ctx_train']}, vocab {hp['n_vocab']}, "
-                  f"output {'tied' if info['tied_output'] else 'separate'}")
+                  f"{hp['rope_freq_base']:g}{_rope_scaling(hp, info['rope_freqs'])}, context {hp['n_ctx_train']}, "
+                  f"vocab {hp['n_vocab']}, output {'tied' if info['tied_output'] else 'separate'}")
         t = info["tokenizer"]
         if "error" in t:
             print(f"  tokenizer     error: {t['error']}")

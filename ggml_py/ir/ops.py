@@ -225,10 +225,16 @@ def diag_mask_inf(a: Tensor, n_past: int) -> Tensor:
 
 
 def rope(a: Tensor, pos: Tensor, n_dims: int, mode: int = ROPE_NORMAL, freq_base: float = 10000.0,
-         freq_scale: float = 1.0) -> Tensor:
-    """Rotary position embedding of a (..., T, H, D) with positions pos (T,) I32.
+         freq_scale: float = 1.0, freq_factors: Tensor | None = None, ext_factor: float = 0.0,
+         attn_factor: float = 1.0, beta_fast: float = 32.0, beta_slow: float = 1.0, n_ctx_orig: int = 0) -> Tensor:
+    """Rotary position embedding of a (..., T, H, D) with positions pos (T,) I32 (ggml's rope_ext).
 
     mode 0 rotates adjacent pairs, mode 2 (neox) rotates the halves of the first n_dims; the rest passes through.
+    freq_factors (n_dims/2,) F32 divides each pair's angle (llama 3 rope scaling). YaRN: with ext_factor != 0 each
+    pair mixes the interpolated angle (scaled by freq_scale) and the extrapolated one by a ramp between the correction
+    dims that beta_fast, beta_slow and n_ctx_orig give; attn_factor scales cos and sin (docs/ops.md). Without
+    ext_factor, beta_fast, beta_slow and n_ctx_orig do nothing and the node keeps their defaults, so a graph's key does
+    not depend on them and a plugin of ABI 2.0/2.1 may compute it.
     """
     _need_type("ROPE", a, (F32,))
     _need_type("ROPE", pos, (I32,), "positions")
@@ -239,8 +245,16 @@ def rope(a: Tensor, pos: Tensor, n_dims: int, mode: int = ROPE_NORMAL, freq_base
         raise _fail("ROPE", f"mode {mode} is not supported (0 normal, 2 neox)", a)
     if not isinstance(d, int) or n_dims <= 0 or n_dims % 2 or n_dims > d:
         raise _fail("ROPE", f"n_dims {n_dims} must be even and at most the head size {d}", a)
-    return _node("ROPE", a.shape, F32, (a, pos), n_dims=int(n_dims), mode=int(mode), freq_base=float(freq_base),
-                 freq_scale=float(freq_scale))
+    if freq_factors is not None:
+        _need_type("ROPE", freq_factors, (F32,), "freq_factors")
+        if freq_factors.shape != (n_dims // 2,):
+            raise _fail("ROPE", f"freq_factors must be ({n_dims // 2},): one per rotated pair", a, freq_factors)
+    if not ext_factor:
+        beta_fast, beta_slow, n_ctx_orig = 32.0, 1.0, 0
+    return _node("ROPE", a.shape, F32, (a, pos, freq_factors), n_dims=int(n_dims), mode=int(mode),
+                 freq_base=float(freq_base), freq_scale=float(freq_scale), ext_factor=float(ext_factor),
+                 attn_factor=float(attn_factor), beta_fast=float(beta_fast), beta_slow=float(beta_slow),
+                 n_ctx_orig=int(n_ctx_orig))
 
 
 def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float = 1.0,

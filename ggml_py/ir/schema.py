@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ggml_py.ir import dtypes
@@ -49,6 +49,10 @@ NMSE_EXACT = 0.0
 class Param:
     name: str
     kind: str  # F32, I32, AXIS or DIMS
+    # The ABI minor version that added it (0: in 2.0). A plugin of an earlier minor never learnt its slot, so it is
+    # offered only nodes where the parameter holds `neutral`, the value that computes what the op did before.
+    since: int = 0
+    neutral: float | None = None
 
     @property
     def n_slots(self) -> int:
@@ -74,6 +78,9 @@ class OpDef:
     # evaluates exp, log, tanh, erf, sin or cos per element: a backend's work estimate weighs its elements heavier
     transcendental: bool = False
     doc: str = ""  # what it computes, for the docs (the unary family's builders take it as their docstring)
+    # optional sources added by a later ABI minor (role without "?" -> minor): a plugin of an earlier minor would
+    # ignore them, so it is offered only nodes without them
+    srcs_since: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -87,6 +94,13 @@ class OpDef:
                 return s
             s += p.n_slots
         raise KeyError(f"{self.name} has no parameter {name!r}")
+
+    def abi_minor(self, params: Mapping[str, object], present: Sequence[bool]) -> int:
+        """The ABI minor version a plugin must speak to compute a node of this op with these parameters and sources
+        (`present[j]`: source j is not None); 0 when every 2.x plugin computes it as meant."""
+        need = [p.since for p in self.params if p.since and params[p.name] != p.neutral]
+        need += [self.srcs_since.get(role.rstrip("?"), 0) for role, here in zip(self.srcs, present) if here]
+        return max(need, default=0)
 
     def encode(self, params: Mapping[str, object], ndim: int) -> list[tuple[int, bool, int | float]]:
         """(slot, is_float, value) of every ABI slot this op's parameters fill; `ndim` is the node's rank."""
@@ -157,9 +171,14 @@ OPS_LIST: tuple[OpDef, ...] = (
     OpDef("SOFT_MAX", 26, ("a", "mask?"), _f("scale", "max_bias"), "`a.shape`", inplace=True,
           max_nmse=NMSE_SOFT_MAX, transcendental=True),
     OpDef("DIAG_MASK_INF", 27, ("a",), (Param("n_past", I32),), "`a.shape`", inplace=True),
-    OpDef("ROPE", 28, ("a", "pos"),
-          (Param("n_dims", I32), Param("mode", I32), Param("freq_base", F32), Param("freq_scale", F32)),
-          "`a (..., T, H, D)`, `pos (T,)` -> `a.shape`", transcendental=True),
+    # ABI 2.2 added YaRN (ggml's ext_factor, attn_factor, beta_fast, beta_slow, n_ctx_orig) and the frequency
+    # factors (llama 3 rope scaling); their neutral values are the rope every 2.x plugin computes
+    OpDef("ROPE", 28, ("a", "pos", "freq_factors?"),
+          (Param("n_dims", I32), Param("mode", I32), Param("freq_base", F32), Param("freq_scale", F32),
+           Param("ext_factor", F32, 2, 0.0), Param("attn_factor", F32, 2, 1.0), Param("beta_fast", F32, 2, 32.0),
+           Param("beta_slow", F32, 2, 1.0), Param("n_ctx_orig", I32, 2, 0)),
+          "`a (..., T, H, D)`, `pos (T,)`, `freq_factors (n_dims/2,)` -> `a.shape`", transcendental=True,
+          srcs_since={"freq_factors": 2}),
     OpDef("FLASH_ATTN_EXT", 29, ("q", "k", "v", "mask?"), _f("scale", "max_bias", "softcap"),
           "`q (B, H, Nq, D)`, `k (B, Hk, Nkv, D)`, `v (B, Hk, Nkv, Dv)` -> `(B, Nq, H, Dv)`",
           max_nmse=NMSE_MUL_MAT),
@@ -240,6 +259,9 @@ def render_abi_schema() -> str:
     out += ["", "/* Op ids: only ever appended to. Sources (src[0], src[1], ...; '?' = optional, NULL when absent):"]
     out += [f" *   {o.name:<15} {', '.join(o.srcs)}" + (f"  (dst aliases src[{o.aliases}])" if o.aliases is not None
                                                           else "") for o in ops]
+    added = [f"{o.name} {role} (ABI 2.{v})" for o in ops for role, v in o.srcs_since.items()]
+    if added:
+        out.append(" * Sources added by a later minor version: " + "; ".join(added) + ".")
     out += [" */"]
     out += _c_enum("ggml_py_op", [("GGML_PY_OP_NONE", 0), *((f"GGML_PY_OP_{o.name}", o.abi_id or 0) for o in ops),
                                   ("GGML_PY_OP_COUNT", max(o.abi_id or 0 for o in ops) + 1)])
@@ -249,6 +271,8 @@ def render_abi_schema() -> str:
     for o in ops:
         for p in o.params:
             kind = {F32: "f", I32: "i", AXIS: "i, ggml dim", DIMS: "i, MAX_DIMS slots"}[p.kind]
+            if p.since:
+                kind += f"; ABI 2.{p.since}, neutral {p.neutral:g}"
             out.append(f"#define GGML_PY_P_{o.name}_{p.name.upper()} {o.slot(p.name)} /* {kind} */")
     return "\n".join(out)
 

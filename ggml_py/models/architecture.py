@@ -15,7 +15,7 @@ from ggml_py.ir.symbolic import Dim
 from ggml_py.models.blocks import LayerFn, StepGraph, build_step
 from ggml_py.models.hparams import HParams
 from ggml_py.models.kv_cache import KVCache
-from ggml_py.models.weights import Layer, TensorReader, Weights, model_tensors
+from ggml_py.models.weights import Layer, TensorReader, Weights, model_tensors, rope_freqs_tensor
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,8 @@ class Architecture:
     """name: the GGUF `general.architecture`. hparams(meta, path, n_vocab) reads the `<name>.*` keys.
     layer_tensors(reader, hp, i) loads block i's weights. layer: the graph of one block. unsupported: tensor names
     the graph does not implement, refused at load (name -> what it is). chat_template: used when the file has
-    none (Jinja, rendered in the tokenizer's sandbox)."""
+    none (Jinja, rendered in the tokenizer's sandbox). rope_freqs: the family reads llama 3's optional rope
+    frequency factors (`rope_freqs.weight`)."""
 
     name: str
     hparams: Callable[[dict[str, Any], str, int], HParams]
@@ -31,6 +32,7 @@ class Architecture:
     layer: LayerFn
     unsupported: dict[str, str] = field(default_factory=dict)
     chat_template: str | None = None
+    rope_freqs: bool = False
 
     def load_weights(self, gf: Any, hp: HParams) -> Weights:
         """Wrap the GGUF tensors as ggml_py weights (zero-copy views of the memory map), checking names, shapes
@@ -38,7 +40,9 @@ class Architecture:
         r = TensorReader(gf)
         r.refuse(self.unsupported)
         layers = [self.layer_tensors(r, hp, i) for i in range(hp.n_layer)]
-        return model_tensors(r, hp, layers)
+        w = model_tensors(r, hp, layers)
+        w.rope_freqs = rope_freqs_tensor(r, hp) if self.rope_freqs else None
+        return w
 
     def build_step(self, hp: HParams, w: Weights, cache: KVCache, n_tokens: Dim, n_kv: Dim,
                    last_only: bool = False, n_out: Dim | None = None, layers: range | None = None,

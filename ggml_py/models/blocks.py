@@ -125,7 +125,8 @@ class StepBuilder:
     def attention(self, ly: Layer, il: int, h: Tensor) -> Tensor:
         """Self-attention of layer il on the normed input h, before the output projection: (T, H*Dv).
 
-        q/k: per-head RMS norm (when the layer has one), then RoPE (the layer's base and scale); k and v are
+        q/k: per-head RMS norm (when the layer has one), then RoPE (the layer's base and scale, the model's
+        frequency factors and YaRN parameters, as llama.cpp's ggml_rope_ext calls); k and v are
         written into the cache rows kv_idx, and attention reads a view of the written cache (so the write is
         ordered before the read by the graph itself) of its first n_kv rows as (Hk, n_kv, D): heads are slices of
         a row. flash_attn_ext reads the F16 cache directly and groups heads without copies.
@@ -138,8 +139,8 @@ class StepBuilder:
         if ly.k_norm is not None:
             k = self.norm(k, ly.k_norm)
         base, fscale = hp.rope(il)
-        q = ops.rope(q, self.pos, hp.n_rot, hp.rope_mode, base, fscale)
-        k = ops.rope(k, self.pos, hp.n_rot, hp.rope_mode, base, fscale)
+        q, k = (ops.rope(t, self.pos, hp.n_rot, hp.rope_mode, base, fscale, self.w.rope_freqs,
+                         **hp.rope_yarn.rope_args()) for t in (q, k))
         es = self.cache.dtype.type_size
         k_all = ops.set_rows(self.cache.k[il], ops.reshape(k, (T, Hk * D)), self.kv_idx)
         v_all = ops.set_rows(self.cache.v[il], v, self.kv_idx)

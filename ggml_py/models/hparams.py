@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ggml_py.errors import ModelError
+from ggml_py.models.rope_scaling import Yarn, scaling_type, yarn
 
 
 def describe_value(v: Any) -> str:
@@ -127,6 +128,7 @@ class HParams:
     rope_freq_base: float
     rope_freq_scale: float
     attn_scale: float  # multiplies q·k before the softmax
+    rope_yarn: Yarn = Yarn()  # every layer's YaRN parameters (and rope.scaling.attn_factor): rope_scaling.py
     n_swa: int = 0  # sliding window: a query at p sees keys at p - n_swa < j <= p on the sliding layers; 0 = none
     swa_layers: tuple[bool, ...] = ()  # per layer: does it use the sliding window
     rope_freq_base_swa: float = 10000.0  # the sliding layers' own rope (gemma3: local layers 10k, global 1M)
@@ -166,7 +168,7 @@ def swa_pattern(m: Meta, n_layer: int, default_period: int) -> tuple[bool, ...]:
 def read_hparams(meta: dict[str, Any], arch: str, path: str, n_vocab: int, *, rope_mode: int,
                  **arch_specific: Any) -> HParams:
     """The core keys every architecture has, plus the architecture's own values in `arch_specific` (HParams
-    fields). rope scaling: none or linear."""
+    fields). rope scaling: none, linear or YaRN (rope_scaling.py)."""
     m = Meta(meta, arch, path)
     n_layer = m.int_key("block_count")
     if n_layer > MAX_LAYERS:  # before any per-layer table is built: 2^32 - 1 layers would exhaust memory here
@@ -184,23 +186,24 @@ def read_hparams(meta: dict[str, Any], arch: str, path: str, n_vocab: int, *, ro
     if n_rot % 2 or n_rot > head_dim:
         raise ModelError(f"{path}: rope.dimension_count {n_rot} must be even and at most the head size {head_dim}")
     scale = 1.0
-    stype = m.get("rope.scaling.type")
+    stype = scaling_type(m.get("rope.scaling.type"), path)
     factor = m.get("rope.scaling.factor", m.get("rope.scale_linear"))
-    if not isinstance(stype, str | None) or stype not in (None, "none", "linear"):
-        raise ModelError(f"{path}: rope scaling type {stype!r} is not supported (supported: none, linear)")
     if factor is not None and (not isinstance(factor, int | float) or isinstance(factor, bool)
                                or not math.isfinite(factor) or factor < 0):
         raise ModelError(f"{path}: rope scaling factor must be a finite number >= 0 (0: none), got {factor!r}")
-    if factor and stype in (None, "linear") and float(factor) != 1.0:
+    if factor and stype != "none" and float(factor) != 1.0:
         scale = reciprocal(float(factor), "rope scaling factor", path)
+    n_ctx_train = m.int_key("context_length")
+    rope_yarn = yarn(stype, scale, m.float_key("rope.scaling.attn_factor", 1.0),
+                     m.optional_int("rope.scaling.original_context_length") or n_ctx_train, path)
     values: dict[str, Any] = dict(
-        arch=arch, n_vocab=n_vocab, n_ctx_train=m.int_key("context_length"), n_embd=n_embd,
+        arch=arch, n_vocab=n_vocab, n_ctx_train=n_ctx_train, n_embd=n_embd,
         n_layer=n_layer, n_ff=m.int_key("feed_forward_length"), n_head=n_head, n_head_kv=n_head_kv,
         head_dim=head_dim, head_dim_v=head_dim_v, n_rot=n_rot,
         # an eps of 1 already swamps a unit-variance activation; 1e300 would make every norm output 0 in float32
         rms_eps=m.float_key("attention.layer_norm_rms_epsilon", 1e-5, hi=1.0), rope_mode=rope_mode,
         rope_freq_base=m.float_key("rope.freq_base", 10000.0, hi=1e30), rope_freq_scale=scale,
-        attn_scale=1.0 / math.sqrt(head_dim),
+        attn_scale=1.0 / math.sqrt(head_dim), rope_yarn=rope_yarn,
     )
     values.update(arch_specific)
     return HParams(**values)

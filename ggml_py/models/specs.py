@@ -2,7 +2,8 @@
 what they declare here. A family with graph code of its own (gemma3) has a module instead.
 
 Each spec is checked against llama.cpp's src/models/<name>.cpp and src/llama-arch.cpp (rope type per architecture):
-- llama (SmolLM2, TinyLlama, Llama 2/3, Mistral-style files): q/k/v (+ optional biases), rope NORM, SiLU gated FFN.
+- llama (SmolLM2, TinyLlama, Llama 2/3/3.x, Mistral-style files): q/k/v (+ optional biases), rope NORM, SiLU gated
+  FFN; Llama 3.1-3.3's rope scaling is the optional `rope_freqs.weight` (llama.cpp's LLM_TENSOR_ROPE_FREQS).
   HF checkpoints rotate halves, but `convert_hf_to_gguf.py` permutes Q and K per head so that ggml's adjacent-pair
   rotation gives the same result: a GGUF llama must run with NORM rope (tests/model_factory.py reproduces that).
   With `llama.attention.sliding_window` (Mistral v0.1 style) every layer attends to the last `sliding_window`
@@ -39,7 +40,8 @@ class DenseSpec:
     name: the GGUF `general.architecture`; aliases: other GGUF names of the same graph (their keys are read under
     their own prefix). rope_mode: ops.ROPE_NORMAL or ops.ROPE_NEOX. qk_norm: per-head RMS norms of q and k.
     fused_gate_up: ffn_up holds [gate; up]. sliding_window: `<name>.attention.sliding_window`, when present and
-    non-zero, makes every layer attend to that many positions. unsupported: tensor names refused at load."""
+    non-zero, makes every layer attend to that many positions. rope_freqs: reads llama 3's rope frequency factors
+    (`rope_freqs.weight`). unsupported: tensor names refused at load."""
 
     name: str
     rope_mode: int
@@ -47,6 +49,7 @@ class DenseSpec:
     fused_gate_up: bool = False
     activation: str = "silu"
     sliding_window: bool = False
+    rope_freqs: bool = False
     unsupported: Mapping[str, str] = field(default_factory=dict)
     aliases: tuple[str, ...] = ()
 
@@ -69,12 +72,12 @@ class DenseSpec:
                          **ffn_tensors(r, hp, i, fused_gate_up=self.fused_gate_up))
 
         return Architecture(name=arch, hparams=hparams, layer_tensors=layer_tensors,
-                            layer=pre_norm_layer(self.activation), unsupported=dict(self.unsupported))
+                            layer=pre_norm_layer(self.activation), unsupported=dict(self.unsupported),
+                            rope_freqs=self.rope_freqs)
 
 
 DENSE: tuple[DenseSpec, ...] = (
-    DenseSpec("llama", ops.ROPE_NORMAL, sliding_window=True, aliases=("xverse",),
-              unsupported={"rope_freqs.weight": "rope frequency factors (llama 3.1 style rope scaling)"}),
+    DenseSpec("llama", ops.ROPE_NORMAL, sliding_window=True, aliases=("xverse",), rope_freqs=True),
     DenseSpec("qwen2", ops.ROPE_NEOX, unsupported=_OUTPUT_BIAS),
     DenseSpec("qwen3", ops.ROPE_NEOX, qk_norm=True),
     DenseSpec("phi3", ops.ROPE_NEOX, fused_gate_up=True,

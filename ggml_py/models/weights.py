@@ -49,9 +49,11 @@ class Weights:
     layers: list[Layer]
     tied: bool
     type_counts: dict[str, int] = field(default_factory=dict)
+    rope_freqs: Tensor | None = None  # llama 3's rope frequency factors (n_rot/2,), shared by every layer
 
     def all(self) -> list[Tensor]:
         out = [self.tok_embd, self.output_norm] + ([] if self.tied else [self.output])
+        out += [] if self.rope_freqs is None else [self.rope_freqs]
         for ly in self.layers:
             out += [t for t in vars(ly).values() if t is not None]
         return out
@@ -137,6 +139,12 @@ def ffn_tensors(r: TensorReader, hp: HParams, i: int, *, fused_gate_up: bool = F
         t["gate"] = r.need(p + "ffn_gate.weight", (F, E))
         t["up"] = r.need(p + "ffn_up.weight", (F, E))
     return t
+
+
+def rope_freqs_tensor(r: TensorReader, hp: HParams) -> Tensor | None:
+    """`rope_freqs.weight` (n_rot/2,) F32, optional: llama 3's rope scaling, each rotated pair's angle divided by its
+    factor. llama.cpp creates it for layer 0 and shares it with every other layer; so does ggml_py."""
+    return r.get("rope_freqs.weight", (hp.n_rot // 2,), F32_ONLY, required=False)
 
 
 def model_tensors(r: TensorReader, hp: HParams, layers: list[Layer]) -> Weights:

@@ -276,25 +276,46 @@ def _softmax_cases() -> list[Case]:
     return out
 
 
+# Rope scalings (ggml_rope_ext's extra parameters), each chosen so that a kernel ignoring it fails by far: frequency
+# factors of 1..32 (llama 3), YaRN's ramp falling across pairs 0..13 (n_ctx_orig 256) or 15..21 (betas 8 and 2 at
+# n_ctx_orig 4096: correction dims other than the default betas'), a fractional ext_factor, an attn_factor alone.
+_ROPE_SCALINGS: list[dict[str, float | int | bool]] = [
+    dict(freq_factors=True),
+    dict(ext_factor=1.0, n_ctx_orig=256),
+    dict(ext_factor=1.0, beta_fast=8.0, beta_slow=2.0, n_ctx_orig=4096),
+    dict(ext_factor=0.5, attn_factor=0.9, n_ctx_orig=1024, freq_factors=True),
+    dict(attn_factor=0.7),
+]
+
+
 def _rope_cases() -> list[Case]:
     out = []
+    plain: list[dict[str, float | int | bool]] = [{}]
     for mode in (ops.ROPE_NORMAL, ops.ROPE_NEOX):
-        for shape, n_dims, base, fscale, how in [
-            ((1, 4, 64), 64, 10000.0, 1.0, "cont"),  # one token (decode)
-            ((7, 4, 64), 64, 10000.0, 1.0, "cont"),
-            ((7, 3, 128), 64, 500000.0, 0.25, "cont"),  # partial rotation, scaled positions
-            ((5, 2, 66), 32, 10000.0, 1.0, "cont"),  # odd head size, the tail passes through
-            ((2, 7, 2, 64), 64, 10000.0, 1.0, "cont"),  # batch dim
-            ((7, 4, 64), 64, 10000.0, 1.0, "perm_outer"),  # (H, T, D) memory seen as (T, H, D)
+        for shape, n_dims, base, fscale, how, scalings in [
+            ((1, 4, 64), 64, 10000.0, 1.0, "cont", plain),  # one token (decode)
+            ((7, 4, 64), 64, 10000.0, 1.0, "cont", plain),
+            ((7, 3, 128), 64, 500000.0, 0.25, "cont", plain),  # partial rotation, scaled positions
+            ((5, 2, 66), 32, 10000.0, 1.0, "cont", plain),  # odd head size, the tail passes through
+            ((2, 7, 2, 64), 64, 10000.0, 1.0, "cont", plain),  # batch dim
+            ((7, 4, 64), 64, 10000.0, 1.0, "perm_outer", plain),  # (H, T, D) memory seen as (T, H, D)
+            ((7, 4, 64), 64, 10000.0, 0.25, "cont", _ROPE_SCALINGS),
+            ((5, 2, 96), 64, 500000.0, 0.125, "perm_outer", _ROPE_SCALINGS[:4]),  # partial rotation too
         ]:
-            def make(c: Ctx, shape=shape, n_dims=n_dims, base=base, fscale=fscale, how=how, mode=mode) -> Tensor:
-                x = c.layout(shape, how)
-                pos = c.input(c.rng.integers(0, 512, shape[-3]).astype(np.int32), I32)
-                return ops.rope(x, pos, n_dims, mode=mode, freq_base=base, freq_scale=fscale)
+            for extra in scalings:
+                def make(c: Ctx, shape=shape, n_dims=n_dims, base=base, fscale=fscale, how=how, mode=mode,
+                         extra=extra) -> Tensor:
+                    x = c.layout(shape, how)
+                    pos = c.input(c.rng.integers(0, 512, shape[-3]).astype(np.int32), I32)
+                    kw = {k: v for k, v in extra.items() if k != "freq_factors"}
+                    ff = c.rand((n_dims // 2,), lo=1.0, hi=32.0) if extra.get("freq_factors") else None
+                    return ops.rope(x, pos, n_dims, mode=mode, freq_base=base, freq_scale=fscale, freq_factors=ff,
+                                    **kw)  # type: ignore[arg-type]
 
-            desc = (f"shape={shape_text(shape)},n_dims={n_dims},mode={mode},freq_base={base:g},freq_scale={fscale}"
-                    + layout_text(how))
-            out.append(Case("ROPE", desc, "F32,I32", make))
+                desc = (f"shape={shape_text(shape)},n_dims={n_dims},mode={mode},freq_base={base:g},freq_scale={fscale}"
+                        + "".join(f",{k}={v:g}" if k != "freq_factors" else ",freq_factors" for k, v in extra.items())
+                        + layout_text(how))
+                out.append(Case("ROPE", desc, "F32,I32,F32" if extra.get("freq_factors") else "F32,I32", make))
     return out
 
 

@@ -13,6 +13,8 @@
  *   -DPLUG_SLOW=MS          every node spins MS milliseconds, polling the abort callback every millisecond
  *   -DPLUG_ABI_2_0          built as against ABI 2.0: minor 0, and the 2.1 fields outside its struct_size (they hold
  *                           garbage that the loader must never read)
+ *   -DPLUG_ANY_OP           supports_op accepts every node (careless: only ggml_py keeps from it the nodes whose
+ *                           parameters or sources its ABI version does not know)
  *
  * testplug_stat(k) returns counters: 0 plans created, 1 computes, 2 plans freed, 3 live buffers, 4 backends alive,
  * 5 host pointers wrapped, 6 computes aborted.
@@ -116,6 +118,9 @@ static void be_free(void *backend) {
 
 static int32_t be_supports(void *backend, const ggml_py_node *node) {
     (void)backend;
+#ifdef PLUG_ANY_OP
+    return 1;
+#endif
     return node->op == GGML_PY_OP_ADD && node->dst->type == GGML_PY_TYPE_F32 &&
            node->src[0]->type == GGML_PY_TYPE_F32 && node->src[1]->type == GGML_PY_TYPE_F32;
 }

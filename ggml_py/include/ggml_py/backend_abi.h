@@ -1,5 +1,5 @@
 /*
- * ggml_py native backend ABI, version 2.1.
+ * ggml_py native backend ABI, version 2.2.
  *
  * A native backend is a shared library (.so / .dylib / .dll) exporting two plain C functions:
  *
@@ -17,6 +17,10 @@
  * against this header (`ggml_py.get_include()`).
  *   2.0  everything below unless marked otherwise
  *   2.1  ggml_py_plugin.buffer_from_host_ptr (wrap host memory, e.g. mmap'd weights, without copying)
+ *   2.2  ROPE: YaRN parameters (GGML_PY_P_ROPE_EXT_FACTOR ... _N_CTX_ORIG) and an optional src[2], the frequency
+ *        factors (F32, n_dims/2 values dividing each pair's angle). ggml_py offers a plugin of an earlier minor only
+ *        ROPE nodes without src[2] whose new parameters are neutral (ext_factor 0, attn_factor 1, beta_fast 32,
+ *        beta_slow 1, n_ctx_orig 0): the rope it computes already.
  *
  * Conventions (ggml's):
  *   - type ids are ggml's (F32 = 0, F16 = 1, Q4_0 = 2, ...), enum ggml_py_type;
@@ -64,8 +68,8 @@ extern "C" {
 /* GGML_PY_CDEF_BEGIN */
 
 #define GGML_PY_ABI_MAJOR 2
-#define GGML_PY_ABI_MINOR 1
-#define GGML_PY_ABI_VERSION 131073 /* (GGML_PY_ABI_MAJOR << 16) | GGML_PY_ABI_MINOR */
+#define GGML_PY_ABI_MINOR 2
+#define GGML_PY_ABI_VERSION 131074 /* (GGML_PY_ABI_MAJOR << 16) | GGML_PY_ABI_MINOR */
 #define GGML_PY_MAX_DIMS 4
 #define GGML_PY_MAX_SRC 4
 #define GGML_PY_MAX_OP_PARAMS 16
@@ -135,7 +139,7 @@ enum ggml_py_type {
  *   MUL_MAT         a, b
  *   SOFT_MAX        a, mask?
  *   DIAG_MASK_INF   a
- *   ROPE            a, pos
+ *   ROPE            a, pos, freq_factors?
  *   FLASH_ATTN_EXT  q, k, v, mask?
  *   GET_ROWS        a, idx
  *   SET_ROWS        dst, rows, idx  (dst aliases src[0])
@@ -146,6 +150,7 @@ enum ggml_py_type {
  *   PAD             a
  *   TOP_K           a
  *   GELU_ERF        a
+ * Sources added by a later minor version: ROPE freq_factors (ABI 2.2).
  */
 enum ggml_py_op {
     GGML_PY_OP_NONE = 0,
@@ -206,6 +211,11 @@ enum ggml_py_op {
 #define GGML_PY_P_ROPE_MODE 1 /* i */
 #define GGML_PY_P_ROPE_FREQ_BASE 2 /* f */
 #define GGML_PY_P_ROPE_FREQ_SCALE 3 /* f */
+#define GGML_PY_P_ROPE_EXT_FACTOR 4 /* f; ABI 2.2, neutral 0 */
+#define GGML_PY_P_ROPE_ATTN_FACTOR 5 /* f; ABI 2.2, neutral 1 */
+#define GGML_PY_P_ROPE_BETA_FAST 6 /* f; ABI 2.2, neutral 32 */
+#define GGML_PY_P_ROPE_BETA_SLOW 7 /* f; ABI 2.2, neutral 1 */
+#define GGML_PY_P_ROPE_N_CTX_ORIG 8 /* i; ABI 2.2, neutral 0 */
 #define GGML_PY_P_FLASH_ATTN_EXT_SCALE 0 /* f */
 #define GGML_PY_P_FLASH_ATTN_EXT_MAX_BIAS 1 /* f */
 #define GGML_PY_P_FLASH_ATTN_EXT_SOFTCAP 2 /* f */

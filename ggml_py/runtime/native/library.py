@@ -41,6 +41,7 @@ class NativeLibrary:
         self.version = self._string(plugin.version, "version", "0")
         self.description = self._string(plugin.description, "description", "")
         self.abi_version = version_str(int(plugin.abi_version))
+        self.abi_minor = int(plugin.abi_version) & 0xFFFF  # the op parameters and sources it knows (schema `since`)
         self.score = int(plugin.score)
         self.default_threads = max(1, int(plugin.n_threads))
         self.is_host = bool(plugin.buffer_type.is_host)
