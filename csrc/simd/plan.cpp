@@ -88,6 +88,14 @@ Scratch node_scratch(const Node& n) {
             }
             break;
         }
+        case GGML_PY_OP_MUL_MAT_ID: {  // the routing and grouped rows; a strided row's copy, a block's results
+            const int64_t K = a.ne[0];
+            s.shared = id_scratch(n).total;
+            s.per_thread = type_is_quant(a.type)
+                               ? pad64(std::max((size_t)K * 4 + 64, (size_t)ID_GEMV_ROWS * ID_CHUNK_MAX * 4))
+                               : id_gemm_scratch(K) + pad64((size_t)ID_GEMM_ROWS * ID_CHUNK_MAX * 4);
+            break;
+        }
         case GGML_PY_OP_FLASH_ATTN_EXT: {
             const int64_t D = a.ne[0], Dv = n.src[2].ne[0], H = a.ne[2];
             const size_t single = (size_t)(((Dv + 15) & ~15) + ((D + 15) & ~15) + Dv + 64) * 4;
@@ -136,6 +144,10 @@ bool node_is_small(const Node& n) {
                 work += g->src[0].ne[0] * g->src[0].ne[1] * g->src[1].ne[1] * g->src[1].ne[2] * g->src[1].ne[3];
             threshold = 96 * 1024;
             break;
+        case GGML_PY_OP_MUL_MAT_ID:  // K x M per routed row
+            work = a.ne[0] * a.ne[1] * n.src[2].ne[0] * n.src[2].ne[1];
+            threshold = 96 * 1024;
+            break;
         case GGML_PY_OP_FLASH_ATTN_EXT:
             work = a.ne[1] * a.ne[2] * a.ne[3] * n.src[1].ne[1] * (a.ne[0] + n.src[2].ne[0]);
             threshold = 64 * 1024;
@@ -164,6 +176,7 @@ int node_phases(const Node& n, bool n_rows_symbolic) {
     if (n.op == GGML_PY_OP_MUL_MAT && type_is_quant(n.src[0].type)) {
         if (n_rows_symbolic || n.src[1].ne[1] < gemm_min_rows(n.src[0].type)) return 2;
     }
+    if (n.op == GGML_PY_OP_MUL_MAT_ID) return 3;  // group by expert, gather the rows, the experts' products
     if (fa_splits_keys(n)) return 2;  // chunks of keys, then their merge
     return 1;
 }
@@ -374,12 +387,15 @@ void Plan::schedule_tasks() {
         const Task& t = tasks_[i];
         const Node& n = *t.node;
         // the activation quantization of a matrix-vector product is tiny: no need to spread it
-        const bool small_quantize = n.op == GGML_PY_OP_MUL_MAT && n.n_phases == 2 && t.phase == 0 &&
-                                    n.src[1].ne[0] * n.src[1].ne[1] * n.src[1].ne[2] * n.src[1].ne[3] < 32768;
+        const bool small_quantize = (n.op == GGML_PY_OP_MUL_MAT && n.n_phases == 2 && t.phase == 0 &&
+                                     n.src[1].ne[0] * n.src[1].ne[1] * n.src[1].ne[2] * n.src[1].ne[3] < 32768) ||
+                                    (n.op == GGML_PY_OP_MUL_MAT_ID && t.phase < 2 &&
+                                     (t.phase == 0 || n.src[1].ne[0] * nelements(n.src[2]) < 32768));
         const bool single = n_threads_ <= 1 || (!force_parallel_ && (node_is_small(n) || small_quantize));
         uint32_t units = 1;
         if (!single) {
-            const bool counter_based = t.node->op == GGML_PY_OP_MUL_MAT && t.phase == t.node->n_phases - 1;
+            const bool counter_based = (n.op == GGML_PY_OP_MUL_MAT || n.op == GGML_PY_OP_MUL_MAT_ID) &&
+                                       t.phase == n.n_phases - 1;
             units = (uint32_t)(counter_based ? n_threads_ : 4 * n_threads_);
             all_single_ = false;
         }
