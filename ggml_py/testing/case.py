@@ -45,6 +45,7 @@ from ggml_py.ir.dtypes import (
     Q8_0,
     DType,
 )  # fmt: skip
+from ggml_py.ir.symbolic import Dim
 from ggml_py.ir.tensor import Tensor
 from ggml_py.ir.tensor import input as _input
 from ggml_py.ir.tensor import weight as _weight
@@ -132,9 +133,10 @@ class Ctx:
         self._n += 1
         return f"{name or 'in'}{self._n}"
 
-    def input(self, values: np.ndarray, t: DType = F32, name: str = "") -> Tensor:
-        """An input of type t holding `values` (converted/quantized as needed)."""
-        x = _input(values.shape, t, name=self._name(name))
+    def input(self, values: np.ndarray, t: DType = F32, name: str = "", first: Dim | None = None) -> Tensor:
+        """An input of type t holding `values` (converted/quantized as needed). `first`: its first dimension, e.g.
+        a symbol whose bound exceeds len(values) (the compute binds it from the values written)."""
+        x = _input(values.shape if first is None else (first, *values.shape[1:]), t, name=self._name(name))
         self.inputs.append((x, encode(values, t).reshape(-1).view(np.uint8)
                             if t.is_quantized or t is BF16 else encode(values, t)))
         return x
