@@ -128,7 +128,8 @@ struct Node {
     int32_t index = 0;                      // position in the plan
     int32_t n_phases = 1;
     std::atomic<int64_t>* counter = nullptr; // work-stealing counter (reset before every compute)
-    // MUL_MAT: src0 (a constant weight) repacked, x8 or p16 by its type (common.h), or null
+    // MUL_MAT: src0 (a constant weight) repacked, x8 or p16 by its type (common.h), or null; MUL_MAT_ID: its
+    // quantized experts x8 as one matrix of E * M rows, or null
     const uint8_t* repack = nullptr;
     // MUL_MAT matrix-vector products of one input computed as one task (Plan::group_gemvs): the next product of
     // this node's group, and whether this node is a later member (it then has no task of its own)

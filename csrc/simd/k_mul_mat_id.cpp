@@ -6,8 +6,9 @@
 //   1. each grouped pair's activation row is written to the shared scratch in group order: quantized as MUL_MAT's
 //      integer path quantizes it (A32 / A256) for quantized weights, copied as F32 for float ones;
 //   2. units (an expert that has rows, a chunk of its weight rows), handed out by the node's counter: a chunk is
-//      read once, in cache for all the expert's rows (the integer dot products of MUL_MAT's GEMV, or the float GEMM),
-//      and its results are scattered to the pairs' dst rows.
+//      read once, in cache for all the expert's rows (the integer dot products of MUL_MAT's GEMV, from the x8
+//      records when the plan repacked the experts, or the float GEMM), and its results are scattered to the pairs'
+//      dst rows.
 // A row's result does not depend on which other tokens share the step: both paths compute each element the same way
 // whatever the row count (k_matmul.cpp), and the activation rows are quantized one by one.
 #include "isa.h"
@@ -118,7 +119,13 @@ static void expert_unit(const Node& n, int64_t e, int64_t m0, int64_t m1, int64_
             dt.data = (uint8_t*)out;
             gemm_rows(wt, xt, dt, 0, nr, (float*)scratch);
         } else {
-            gemv_rows(w.type, wbase, w.nb[1], nr, acts, sc.act_row, (int)na, K, out, (size_t)chunk * 4);
+#if GP_AVX2
+            if (n.repack)  // the plan repacked every expert's rows (groups of 8, M a multiple of 8): all of them x8
+                gemv_x8(w.type, n.repack + (e * w.ne[1] + m0) * repack_row_bytes(w.type, K), nr / 8, acts,
+                        sc.act_row, (int)na, K, out, (size_t)chunk * 4);
+            else
+#endif
+                gemv_rows(w.type, wbase, w.nb[1], nr, acts, sc.act_row, (int)na, K, out, (size_t)chunk * 4);
         }
         for (int64_t a = 0; a < na; ++a) {
             const int64_t r = pairs[j0 + a];

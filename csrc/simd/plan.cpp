@@ -299,6 +299,22 @@ Plan::Plan(const std::vector<NodeDesc>& descs, const std::vector<Range>& ranges,
                 repacks_.push_back(rp);
             }
         }
+        // constant quantized expert weights whose groups of 8 rows never straddle two experts: repacked x8 as one
+        // matrix of all the experts' rows (the integer path reads each expert's rows from there)
+        const Tensor& xw = n.src[0];
+        if (n.op == GGML_PY_OP_MUL_MAT_ID && kt_->uses_repack && descs[i].src[0].const_id != 0 &&
+            !node_symbolic_src0(descs[i]) && repack_supported(xw.type) && xw.ne[1] % 8 == 0 &&
+            xw.nb[2] == xw.nb[1] * xw.ne[1]) {
+            Tensor flat = xw;
+            flat.ne[1] = xw.ne[1] * xw.ne[2];
+            flat.ne[2] = 1;
+            flat.nb[2] = flat.nb[3] = flat.nb[1] * flat.ne[1];
+            auto rp = get_repacked(descs[i].src[0].const_id, flat);
+            if (rp) {
+                n.repack = rp->data;
+                repacks_.push_back(rp);
+            }
+        }
         n.n_phases = node_phases(n, rows_sym);
     }
     group_gemvs(node_symbolic);

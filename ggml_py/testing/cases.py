@@ -254,6 +254,8 @@ def _mul_mat_id_cases() -> list[Case]:
         add(t, 4, 24, np.tile(np.array([[2, 1]], np.int32), (40, 1)), 2)  # many tokens on two experts
         add(t, 4, 16, mixed, 2, how_b="view")  # b a strided window of a larger input
         add(t, 4, 16, mixed, 1, bound=9)  # a symbolic token count, 5 of at most 9
+    for t in (Q4_0, Q8_0, Q4_K):
+        add(t, 4, 20, mixed, 2)  # 20 rows per expert: groups of 8 would straddle experts (simd keeps them unpacked)
     return out
 
 
