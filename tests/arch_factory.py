@@ -17,7 +17,10 @@ from model_factory import _store as _store_as
 from model_factory import add_tiny_tokenizer, tiny_vocab
 
 # per architecture: what its tensors and keys look like (facts from llama.cpp's src/models/<arch>.cpp)
-QK_NORM = {"qwen3", "gemma3"}
+QK_NORM = {"qwen3", "gemma3", "qwen3moe", "olmoe"}
+QK_NORM_WHOLE = {"olmoe"}  # one norm over all heads of q (of k), not per head; llama.cpp sizes k's by n_embd: Hk = H
+# the experts (n_expert, n_expert_used, n_ff_exp) written by default for the architectures that have no dense FFN
+DEFAULT_EXPERTS = {"qwen3moe": (16, 4, 256), "olmoe": (8, 2, None)}
 QKV_BIAS = {"qwen2"}
 FUSED = {"phi3"}  # attn_qkv and ffn_up = [gate; up]
 POST_NORMS = {"gemma3"}
@@ -34,13 +37,21 @@ def write_tiny(path: str | os.PathLike[str], arch: str, *, seed: int = 0, n_embd
                final_softcap: float = 0.0, extra_tensors: dict[str, np.ndarray] | None = None,
                n_rot: int | None = None, rope_scaling: tuple[str, float] | None = None,
                attn_bias: bool = False, replace: dict[str, np.ndarray] | None = None,
-               metadata: dict[str, object] | None = None) -> str:
+               metadata: dict[str, object] | None = None, n_expert: int = 0, n_expert_used: int = 0,
+               n_ff_exp: int | None = None) -> str:
     """Write a random `arch` model to `path`; return the path. output_type None ties the head to the embedding.
     n_swa > 0 writes `attention.sliding_window` (gemma3: local layers; llama: every layer). extra_tensors are
     written as they are (to test refusals). n_rot < head size rotates only the first n_rot dims of each head
     (partial rotary); rope_scaling = (type, factor) writes `rope.scaling.type` and `.factor`; attn_bias adds biases
     to the q, k, v and output projections. `replace` writes the given arrays (as they are) in place of those tensors,
-    and `metadata` overrides keys (`{arch}.` is prefixed but to general.* and tokenizer.*), both to test refusals."""
+    and `metadata` overrides keys (`{arch}.` is prefixed but to general.* and tokenizer.*), both to test refusals.
+    n_expert > 0 writes a mixture-of-experts FFN (ffn_gate_inp, ffn_{gate,up,down}_exps of n_ff rows, or of n_ff_exp
+    rows written as `expert_feed_forward_length`) with `expert_count` and `expert_used_count` (DEFAULT_EXPERTS for
+    the architectures that need them)."""
+    if not n_expert and arch in DEFAULT_EXPERTS:
+        n_expert, n_expert_used, n_ff_exp = DEFAULT_EXPERTS[arch]
+    if arch in QK_NORM_WHOLE:
+        n_head_kv = n_head
     rng = np.random.default_rng(seed)
     tokens, types, merges = tiny_vocab()
     extra = EXTRA_SPECIALS.get(arch, [])
@@ -79,6 +90,11 @@ def write_tiny(path: str | os.PathLike[str], arch: str, *, seed: int = 0, n_embd
         w.add_float32(f"{arch}.rope.freq_base_swa", rope_base_swa)
     if final_softcap:
         w.add_final_logit_softcapping(final_softcap)
+    if n_expert:
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(n_expert_used)
+        if n_ff_exp is not None:
+            w.add_expert_feed_forward_length(n_ff_exp)
     w.add_vocab_size(V)
     w.add_name(f"tiny-{arch}")
     add_tiny_tokenizer(w, tokens, types, merges)
@@ -111,18 +127,25 @@ def write_tiny(path: str | os.PathLike[str], arch: str, *, seed: int = 0, n_embd
             for t, n in (("q", nq), ("k", nk), ("v", nk)):
                 _store(w, p + f"attn_{t}.bias", rnd(n, scale=0.5), QT.F32)
         if arch in QK_NORM:
-            norm(p + "attn_q_norm.weight", D)
-            norm(p + "attn_k_norm.weight", D)
+            norm(p + "attn_q_norm.weight", nq if arch in QK_NORM_WHOLE else D)
+            norm(p + "attn_k_norm.weight", nk if arch in QK_NORM_WHOLE else D)
         mat(p + "attn_output.weight", E, nq)
         if attn_bias:
             _store(w, p + "attn_output.bias", rnd(E, scale=0.5), QT.F32)
         norm(p + "ffn_norm.weight", E)
-        if arch in FUSED:
+        if n_expert:
+            Fx = n_ff_exp or F
+            mat(p + "ffn_gate_inp.weight", n_expert, E, QT.F32)  # the router: F32, as llama.cpp's converter keeps it
+            _store(w, p + "ffn_gate_exps.weight", rnd(n_expert, Fx, E), weight_type)
+            _store(w, p + "ffn_up_exps.weight", rnd(n_expert, Fx, E), weight_type)
+            _store(w, p + "ffn_down_exps.weight", rnd(n_expert, E, Fx), weight_type)
+        elif arch in FUSED:
             mat(p + "ffn_up.weight", 2 * F, E)
         else:
             mat(p + "ffn_gate.weight", F, E)
             mat(p + "ffn_up.weight", F, E)
-        mat(p + "ffn_down.weight", E, F)
+        if not n_expert:
+            mat(p + "ffn_down.weight", E, F)
         if arch in POST_NORMS:
             norm(p + "post_attention_norm.weight", E)
             norm(p + "post_ffw_norm.weight", E)

@@ -1,7 +1,8 @@
 """Row invariance on the simd backend (issue 26, deterministic generation): row r of an op's result must be
 bit-identical whatever other rows share the call (1..300 of them, x_r at any position among them), at 1 and 2
 threads, at each SIMD level (the levels may differ from each other). MUL_MAT for every weight type the backend
-reads, repacked (a constant weight) and not (the weight an input), plus the per-row ops of a decoder layer."""
+reads, repacked (a constant weight) and not (the weight an input), MUL_MAT_ID (the expert-routed product), plus the
+per-row ops of a decoder layer."""
 
 from __future__ import annotations
 
@@ -101,6 +102,50 @@ def test_mul_mat_rows_bit_identical(level, tname, constant):
         if d:
             bad.append(f"{n} rows (symbolic, 2 threads): {d} rows differ")
     assert not bad, f"{tname} at {level}, weight {'constant' if constant else 'input'}: " + "; ".join(bad)
+
+
+def _mul_mat_id_plan(backend, t: dtypes.DType, wdata: np.ndarray, shape, rows, k: int):
+    w = gp.weight(wdata, t, shape=shape, name="w")
+    x, ids = gp.input((rows, 1, shape[2]), name="x"), gp.input((rows, k), dtypes.I32, name="ids")
+    y = ops.mul_mat_id(w, x, ids).set_output()
+    return gp.prepare(y, backends=[backend]), y
+
+
+def _run_id(plan, y, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    plan.set_input("ids", ids)
+    return _run(plan, y, x[:, None, :])
+
+
+@pytest.mark.parametrize("tname", ["F32", "F16", "Q4_0", "Q8_0", "Q2_K", "Q4_K", "Q6_K", "IQ4_NL"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_mul_mat_id_rows_bit_identical(level, tname):
+    """MUL_MAT_ID: a token's rows are the same bits whatever other tokens share the step and whichever experts they
+    chose (the experts grouped differently each time), at 1 and 2 threads and through a symbolic token count."""
+    t = dtypes.get(tname)
+    E, M, K, k = 6, 48, _k(t), 2  # M a multiple of 8: the quantized x8 types' experts are repacked
+    rng = np.random.default_rng(29)
+    wdata = _raw(rng.standard_normal((E * M, K)).astype(np.float32), t)
+    pool = (rng.standard_normal((POOL, K)) + 0.2).astype(np.float32)
+    pool_ids = np.stack([rng.permutation(E)[:k] for _ in range(POOL)]).astype(np.int32)
+    ref_plan, ref_y = _mul_mat_id_plan(_backend(level, 1, False), t, wdata, (E, M, K), POOL, k)
+    ref = _run_id(ref_plan, ref_y, pool, pool_ids)
+    assert np.isfinite(ref).all() and np.abs(ref).max() > 0
+    bad = []
+    for nt, par in THREADS:
+        b = _backend(level, nt, par)
+        for n in ROWS:
+            plan, y = _mul_mat_id_plan(b, t, wdata, (E, M, K), n, k)
+            idx = _picks(n)
+            d = _diff_rows(_run_id(plan, y, pool[idx], pool_ids[idx]).reshape(n, -1), ref[idx].reshape(n, -1))
+            if d:
+                bad.append(f"{n} tokens at {nt} thread(s): {d} differ")
+    sym_plan, sym_y = _mul_mat_id_plan(_backend(level, 2, True), t, wdata, (E, M, K), gp.sym("T", POOL), k)
+    for n in ROWS:
+        idx = _picks(n)
+        d = _diff_rows(_run_id(sym_plan, sym_y, pool[idx], pool_ids[idx]).reshape(n, -1), ref[idx].reshape(n, -1))
+        if d:
+            bad.append(f"{n} tokens (symbolic, 2 threads): {d} differ")
+    assert not bad, f"{tname} at {level}: " + "; ".join(bad)
 
 
 @pytest.mark.parametrize("tname", ["F32", "F16", "BF16"])

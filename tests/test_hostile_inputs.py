@@ -319,6 +319,22 @@ def test_get_rows_out_of_range(backend: str, row: int) -> None:
     np.testing.assert_array_equal(plan.get_output("rows"), [[3, 4, 5], [9, 10, 11]])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("expert", [-1, 4, 2**31 - 1])
+def test_mul_mat_id_expert_out_of_range(backend: str, expert: int) -> None:
+    """An expert id outside 0..E-1 fails the compute naming it (ggml asserts); the plan computes afterwards."""
+    experts = gp.weight(np.arange(4 * 2 * 3, dtype=np.float32).reshape(4, 2, 3), name="experts")
+    x, ids = gp.input((2, 1, 3), name="x"), gp.input((2, 2), gp.dtypes.I32, name="ids")
+    plan = gp.prepare(ops.mul_mat_id(experts, x, ids).set_name("y"), backends=[backend])
+    plan.set_input("x", np.ones((2, 1, 3), np.float32))
+    plan.set_input("ids", np.array([[0, 1], [expert, 2]], dtype=np.int32))
+    with pytest.raises(BackendError, match=f"expert id {expert} out of range 0..3"):
+        plan.compute()
+    plan.set_input("ids", np.array([[0, 1], [3, 3]], dtype=np.int32))
+    plan.compute()
+    np.testing.assert_array_equal(plan.get_output("y"), [[[3, 12], [21, 30]], [[57, 66], [57, 66]]])
+
+
 # -- row 10 (plans): a closed plan refuses every call ----------------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_closed_plan_refuses_every_call(backend: str) -> None:

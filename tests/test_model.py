@@ -274,8 +274,8 @@ def test_bad_token_ids_and_arguments(tiny_path):
 
 def test_unsupported_architecture(tmp_path):
     tm = write_tiny_llama(tmp_path / "falcon.gguf", arch="falcon")
-    with pytest.raises(ModelError, match="architecture 'falcon' is not supported; supported: gemma3, llama, phi3, "
-                                         "qwen2, qwen3"):
+    with pytest.raises(ModelError, match="architecture 'falcon' is not supported; supported: gemma3, llama, olmoe, "
+                                         "phi3, qwen2, qwen3, qwen3moe"):
         load_model(tm.path, backends=["numpy"])
 
 

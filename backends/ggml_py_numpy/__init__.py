@@ -84,9 +84,19 @@ class _QuantizedRows:
         return [(r, min(n, r + step)) for r in range(0, n, step)]
 
 
+class _Experts:
+    """A large quantized expert tensor (E, M, K) indexed by expert: each one dequantized when the kernel asks."""
+
+    def __init__(self, w: _QuantizedRows) -> None:
+        self.w = w
+
+    def __getitem__(self, e: int) -> np.ndarray:
+        return _as_float(self.w.t, self.w.raw[e], self.w.shape[1:])
+
+
 def _run_streamed(kernel: Any, n: Tensor, srcs: list, shape: tuple[int, ...]) -> np.ndarray:
     """MUL_MAT by blocks of the weight's rows (= blocks of output columns); GET_ROWS of the requested rows only;
-    any other op on such a weight (none in the models) dequantizes it for this call."""
+    MUL_MAT_ID one expert at a time; any other op on such a weight (none in the models) dequantizes it for this call."""
     w = srcs[0]
     if n.op == "MUL_MAT" and isinstance(w, _QuantizedRows) and not any(isinstance(x, _QuantizedRows) for x in srcs[1:]):
         return np.concatenate([kernel(n, [w.rows(r0, r1), *srcs[1:]], shape) for r0, r1 in w.blocks()], axis=-1)
@@ -99,6 +109,8 @@ def _run_streamed(kernel: Any, n: Tensor, srcs: list, shape: tuple[int, ...]) ->
             kernel(n, [np.empty((rows, 0), np.float32), idx], shape)  # raises the kernel's out-of-range error
         got = _as_float(w.t, w.raw[uniq], (uniq.size, w.shape[1]))
         return got[inv].reshape((*idx.shape, w.shape[1]))
+    if n.op == "MUL_MAT_ID" and isinstance(w, _QuantizedRows):  # only the experts the ids name, one at a time
+        return kernel(n, [_Experts(w), *srcs[1:]], shape)
     whole = [x.rows(0, x.shape[-2]) if isinstance(x, _QuantizedRows) else x for x in srcs]
     return kernel(n, whole, shape)
 

@@ -122,6 +122,23 @@ def mul_mat(n: Tensor, s: list, o: tuple[int, ...]) -> Arr:
     return f32(np.matmul(b, np.swapaxes(a, -1, -2)))
 
 
+def mul_mat_id(n: Tensor, s: list, o: tuple[int, ...]) -> Arr:
+    """Each expert's product over the (token, slot) pairs routed to it. s[0] is indexed by expert only (an array, or
+    the backend's per-expert view of a large quantized weight)."""
+    experts, b, ids = s
+    n_expert = n.src[0].shape[0]  # type: ignore[union-attr]
+    if ids.size and (ids.min() < 0 or ids.max() >= n_expert):
+        from ggml_py.errors import BackendError
+
+        bad = int(ids[(ids < 0) | (ids >= n_expert)].flat[0])
+        raise BackendError(f"MUL_MAT_ID: expert id {bad} out of range 0..{n_expert - 1}")
+    out = np.zeros(o, np.float32)
+    for e in np.unique(ids):
+        t, i = np.nonzero(ids == e)
+        out[t, i] = np.matmul(b[t, i % b.shape[1]], np.swapaxes(experts[int(e)], -1, -2))
+    return out
+
+
 def alibi_slopes(n_head: int, max_bias: float) -> Arr:
     if max_bias <= 0:
         return np.ones(n_head)
@@ -307,6 +324,7 @@ KERNELS: dict[str, Kernel] = {
     "ARGMAX": argmax,
     "TOP_K": top_k,
     "MUL_MAT": mul_mat,
+    "MUL_MAT_ID": mul_mat_id,
     "SOFT_MAX": soft_max,
     "DIAG_MASK_INF": diag_mask_inf,
     "ROPE": rope,

@@ -128,7 +128,8 @@ struct Node {
     int32_t index = 0;                      // position in the plan
     int32_t n_phases = 1;
     std::atomic<int64_t>* counter = nullptr; // work-stealing counter (reset before every compute)
-    // MUL_MAT: src0 (a constant weight) repacked, x8 or p16 by its type (common.h), or null
+    // MUL_MAT: src0 (a constant weight) repacked, x8 or p16 by its type (common.h), or null; MUL_MAT_ID: its
+    // quantized experts x8 as one matrix of E * M rows, or null
     const uint8_t* repack = nullptr;
     // MUL_MAT matrix-vector products of one input computed as one task (Plan::group_gemvs): the next product of
     // this node's group, and whether this node is a later member (it then has no task of its own)
@@ -270,6 +271,31 @@ static inline size_t gemm_thread_scratch() {
 // at most GEMM_MR activation rows: one weight panel (and its dequantized rows) at a time, the rows packed over all K
 static inline size_t gemm_small_thread_scratch(int64_t k) {
     return ((size_t)32 * GEMM_KC + (size_t)GEMM_MR * (size_t)k + 64) * 4 + 256;
+}
+
+// MUL_MAT_ID (k_mul_mat_id.cpp): src0 the experts' weights [K, M, E], src1 the activations [K, S, T], src2 the
+// ids [k, T]. Its shared scratch: per expert the first of its grouped rows (E + 1 int64), a cursor per expert (E
+// int64), the grouped (token, slot) pairs as dst rows t * k + i (k * T int32), then the grouped activation rows
+// (quantized as MUL_MAT's integer path quantizes them, or F32), act_row bytes apart.
+enum { ID_CHUNK_MAX = 1024, ID_GEMV_ROWS = 8, ID_GEMM_ROWS = 120 };
+struct IdScratch {
+    size_t cursors, pairs, acts, act_row, total;
+};
+// a float phase-2 unit's thread scratch: the GEMM's, then ID_GEMM_ROWS x ID_CHUNK_MAX results
+static inline size_t id_gemm_scratch(int64_t k) {
+    const size_t big = gemm_thread_scratch(), small = gemm_small_thread_scratch(k);
+    return align64(big > small ? big : small);
+}
+static inline IdScratch id_scratch(const Node& n) {
+    const int64_t K = n.src[0].ne[0], E = n.src[0].ne[2], R = n.src[2].ne[0] * n.src[2].ne[1];
+    const int t = n.src[0].type;
+    IdScratch s;
+    s.cursors = (size_t)(E + 1) * 8;
+    s.pairs = s.cursors + (size_t)E * 8;
+    s.acts = align64(s.pairs + (size_t)R * 4);
+    s.act_row = !type_is_quant(t) ? align64((size_t)K * 4) : weight_uses_a256(t) ? a256_row_size(K) : a32_row_size(K);
+    s.total = s.acts + (size_t)R * s.act_row;
+    return s;
 }
 
 }  // namespace gp

@@ -287,6 +287,7 @@ void k_glu(Node&, int, int, int, const ExecCtx&);
 void k_norm(Node&, int, int, int, const ExecCtx&);
 void k_rms_norm(Node&, int, int, int, const ExecCtx&);
 void k_mul_mat(Node&, int, int, int, const ExecCtx&);
+void k_mul_mat_id(Node&, int, int, int, const ExecCtx&);
 void k_soft_max(Node&, int, int, int, const ExecCtx&);
 void k_rope(Node&, int, int, int, const ExecCtx&);
 void k_diag_mask_inf(Node&, int, int, int, const ExecCtx&);
@@ -318,6 +319,8 @@ void gemv_rows(int type, const uint8_t* w, int64_t wstride, int64_t nr, const ui
 void gemv_x8(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int nrows, int64_t k,
              float* out, size_t ostride);
 #endif
+// k_matmul.cpp: the F32 GEMM of x's rows by weight rows [m0, m1) of a 2-D weight into d (scratch: as MUL_MAT's)
+void gemm_rows(const Tensor& w, const Tensor& x, const Tensor& d, int64_t m0, int64_t m1, float* scratch);
 // k_dot.cpp
 double stream_read(const uint8_t* p, size_t n);
 

@@ -427,6 +427,18 @@ static void gemm_unit(const Node& n, int64_t b2, int64_t b3, int64_t m0, int64_t
     }
 }
 
+// The GEMM of the F32 rows of x by weight rows [m0, m1) of the 2-D weight w into d (as MUL_MAT: d's row stride
+// nb[1], column m at m * 4): MUL_MAT_ID runs each expert's block of rows through it, with its result per element
+// the same as MUL_MAT's for any row count.
+void gemm_rows(const Tensor& w, const Tensor& x, const Tensor& d, int64_t m0, int64_t m1, float* scratch) {
+    Node n;
+    n.op = GGML_PY_OP_MUL_MAT;
+    n.src[0] = w;
+    n.src[1] = x;
+    n.dst = d;
+    gemm_unit(n, 0, 0, m0, m1, scratch);
+}
+
 // A quantized matrix-vector product (few activation rows, quantized in phase 0 into ctx.wdata) is cut into chunks of
 // weight rows (multiples of 8 when the weight is repacked); with several activation rows, a chunk small enough to
 // stay in L2 for all of them. A unit is one chunk of one batch entry.

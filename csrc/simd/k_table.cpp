@@ -7,8 +7,8 @@ namespace GP_NS {
 // The kernels of this level, once: an id each (for compile-time checks: a function's address is not a constant
 // expression under UBSan when the function is defined in another file) and the function itself.
 #define GP_KERNELS(X)                                                                                              \
-    X(binary) X(unary) X(glu) X(get_rows) X(set_rows) X(norm) X(rms_norm) X(mul_mat) X(soft_max) X(rope)          \
-    X(diag_mask_inf) X(flash_attn_ext) X(cpy) X(concat) X(sum_rows) X(argmax) X(top_k) X(repeat) X(pad)
+    X(binary) X(unary) X(glu) X(get_rows) X(set_rows) X(norm) X(rms_norm) X(mul_mat) X(mul_mat_id) X(soft_max)  \
+    X(rope) X(diag_mask_inf) X(flash_attn_ext) X(cpy) X(concat) X(sum_rows) X(argmax) X(top_k) X(repeat) X(pad)
 enum KernelId {
     K_none,
 #define GP_KERNEL_ID(NAME) K_##NAME,
@@ -35,6 +35,7 @@ static constexpr KernelId kernel_of(int op) {
         case GGML_PY_OP_NORM: return K_norm;
         case GGML_PY_OP_RMS_NORM: return K_rms_norm;
         case GGML_PY_OP_MUL_MAT: return K_mul_mat;
+        case GGML_PY_OP_MUL_MAT_ID: return K_mul_mat_id;
         case GGML_PY_OP_SOFT_MAX: return K_soft_max;
         case GGML_PY_OP_ROPE: return K_rope;
         case GGML_PY_OP_DIAG_MASK_INF: return K_diag_mask_inf;

@@ -88,6 +88,14 @@ Scratch node_scratch(const Node& n) {
             }
             break;
         }
+        case GGML_PY_OP_MUL_MAT_ID: {  // the routing and grouped rows; a strided row's copy, a block's results
+            const int64_t K = a.ne[0];
+            s.shared = id_scratch(n).total;
+            s.per_thread = type_is_quant(a.type)
+                               ? pad64(std::max((size_t)K * 4 + 64, (size_t)ID_GEMV_ROWS * ID_CHUNK_MAX * 4))
+                               : id_gemm_scratch(K) + pad64((size_t)ID_GEMM_ROWS * ID_CHUNK_MAX * 4);
+            break;
+        }
         case GGML_PY_OP_FLASH_ATTN_EXT: {
             const int64_t D = a.ne[0], Dv = n.src[2].ne[0], H = a.ne[2];
             const size_t single = (size_t)(((Dv + 15) & ~15) + ((D + 15) & ~15) + Dv + 64) * 4;
@@ -136,6 +144,10 @@ bool node_is_small(const Node& n) {
                 work += g->src[0].ne[0] * g->src[0].ne[1] * g->src[1].ne[1] * g->src[1].ne[2] * g->src[1].ne[3];
             threshold = 96 * 1024;
             break;
+        case GGML_PY_OP_MUL_MAT_ID:  // K x M per routed row
+            work = a.ne[0] * a.ne[1] * n.src[2].ne[0] * n.src[2].ne[1];
+            threshold = 96 * 1024;
+            break;
         case GGML_PY_OP_FLASH_ATTN_EXT:
             work = a.ne[1] * a.ne[2] * a.ne[3] * n.src[1].ne[1] * (a.ne[0] + n.src[2].ne[0]);
             threshold = 64 * 1024;
@@ -164,6 +176,7 @@ int node_phases(const Node& n, bool n_rows_symbolic) {
     if (n.op == GGML_PY_OP_MUL_MAT && type_is_quant(n.src[0].type)) {
         if (n_rows_symbolic || n.src[1].ne[1] < gemm_min_rows(n.src[0].type)) return 2;
     }
+    if (n.op == GGML_PY_OP_MUL_MAT_ID) return 3;  // group by expert, gather the rows, the experts' products
     if (fa_splits_keys(n)) return 2;  // chunks of keys, then their merge
     return 1;
 }
@@ -286,6 +299,22 @@ Plan::Plan(const std::vector<NodeDesc>& descs, const std::vector<Range>& ranges,
                 repacks_.push_back(rp);
             }
         }
+        // constant quantized expert weights whose groups of 8 rows never straddle two experts: repacked x8 as one
+        // matrix of all the experts' rows (the integer path reads each expert's rows from there)
+        const Tensor& xw = n.src[0];
+        if (n.op == GGML_PY_OP_MUL_MAT_ID && kt_->uses_repack && descs[i].src[0].const_id != 0 &&
+            !node_symbolic_src0(descs[i]) && repack_supported(xw.type) && xw.ne[1] % 8 == 0 &&
+            xw.nb[2] == xw.nb[1] * xw.ne[1]) {
+            Tensor flat = xw;
+            flat.ne[1] = xw.ne[1] * xw.ne[2];
+            flat.ne[2] = 1;
+            flat.nb[2] = flat.nb[3] = flat.nb[1] * flat.ne[1];
+            auto rp = get_repacked(descs[i].src[0].const_id, flat);
+            if (rp) {
+                n.repack = rp->data;
+                repacks_.push_back(rp);
+            }
+        }
         n.n_phases = node_phases(n, rows_sym);
     }
     group_gemvs(node_symbolic);
@@ -374,12 +403,15 @@ void Plan::schedule_tasks() {
         const Task& t = tasks_[i];
         const Node& n = *t.node;
         // the activation quantization of a matrix-vector product is tiny: no need to spread it
-        const bool small_quantize = n.op == GGML_PY_OP_MUL_MAT && n.n_phases == 2 && t.phase == 0 &&
-                                    n.src[1].ne[0] * n.src[1].ne[1] * n.src[1].ne[2] * n.src[1].ne[3] < 32768;
+        const bool small_quantize = (n.op == GGML_PY_OP_MUL_MAT && n.n_phases == 2 && t.phase == 0 &&
+                                     n.src[1].ne[0] * n.src[1].ne[1] * n.src[1].ne[2] * n.src[1].ne[3] < 32768) ||
+                                    (n.op == GGML_PY_OP_MUL_MAT_ID && t.phase < 2 &&
+                                     (t.phase == 0 || n.src[1].ne[0] * nelements(n.src[2]) < 32768));
         const bool single = n_threads_ <= 1 || (!force_parallel_ && (node_is_small(n) || small_quantize));
         uint32_t units = 1;
         if (!single) {
-            const bool counter_based = t.node->op == GGML_PY_OP_MUL_MAT && t.phase == t.node->n_phases - 1;
+            const bool counter_based = (n.op == GGML_PY_OP_MUL_MAT || n.op == GGML_PY_OP_MUL_MAT_ID) &&
+                                       t.phase == n.n_phases - 1;
             units = (uint32_t)(counter_based ? n_threads_ : 4 * n_threads_);
             all_single_ = false;
         }

@@ -126,6 +126,23 @@ std::string validate_node(const Node& n) {
             if (a.ne[2] == 0 || a.ne[3] == 0 || b.ne[2] % a.ne[2] || b.ne[3] % a.ne[3])
                 return fail("weight batch dims must divide the activation batch dims");
             return "";
+        case GGML_PY_OP_MUL_MAT_ID: {
+            if (!need(3)) return fail("needs 3 sources (expert weights, activations, ids)");
+            const Tensor& ids = n.src[2];
+            if (!is_weight_type(a.type)) return fail("unsupported weight type");
+            if (!f32(b) || !f32(d)) return fail("activations and dst must be F32");
+            if (ids.type != T_I32) return fail("ids must be I32");
+            if (a.nb[0] != type_size(a.type)) return fail("weight rows must be contiguous");
+            if (d.nb[0] != 4) return fail("dst rows must be contiguous");
+            if (a.ne[0] != b.ne[0]) return fail("inner dimensions differ");
+            if (a.ne[2] < 1 || a.ne[3] != 1 || b.ne[3] != 1 || ids.ne[2] != 1 || ids.ne[3] != 1)
+                return fail("expects weights [K, M, E], activations [K, S, T] and ids [k, T]");
+            if (ids.ne[1] != b.ne[2]) return fail("ids need one row per token of the activations");
+            if (b.ne[1] == 0 || ids.ne[0] % b.ne[1]) return fail("activation rows per token must divide ids' k");
+            if (d.ne[0] != a.ne[1] || d.ne[1] != ids.ne[0] || d.ne[2] != b.ne[2] || d.ne[3] != 1)
+                return fail("dst " + shape_str(d) + " does not fit " + shape_str(a) + " x " + shape_str(b));
+            return "";
+        }
         case GGML_PY_OP_SOFT_MAX:
             if (!need(1)) return fail("needs a source");
             if (!f32(a) || !f32(d)) return fail("only F32");

@@ -16,6 +16,12 @@ with a larger vocabulary (Llama-3.2-1B's 128256) gets SmolLM2's tokens followed 
 (`<|unused_N|>`): no text ever tokenizes to them, but the embedding and output matrices have the real model's size.
 Llama 3's own tokenizer is not on PyPI in a form usable offline, so text tokenizes as SmolLM2 would tokenize it.
 
+`qwen3moe-1b` is a mixture-of-experts model for the benchmarks of the expert-routed product (MUL_MAT_ID): Qwen3-30B-A3B
+scaled down to about 1B parameters (8 of its 48 layers, 1024 wide instead of 2048, 32 of its 128 experts with top-4
+of 8, its 768-row experts, 16 query heads and 4 KV heads of 128, q/k norms, its 151936-token vocabulary and untied
+head). `feed_forward_length` is written as the expert's size too (llama.cpp reads it for every architecture; the
+real file has the dense-equivalent 6144, used by nothing).
+
 Left out of the real models: Llama 3.2's rope frequency factors (`rope_freqs.weight`, llama 3.1 style scaling); the
 file has plain RoPE at the model's base frequency (the same work per token: the factors change only the angles).
 """
@@ -46,7 +52,8 @@ from ggml_py.ir.dtypes import F32, DType
 
 @dataclass(frozen=True)
 class Shape:
-    """A model's shape: what the GGUF's hyperparameters and tensor shapes are (llama architecture)."""
+    """A model's shape: what the GGUF's hyperparameters and tensor shapes are (llama architecture, or qwen3moe with
+    n_expert experts of n_ff rows, n_expert_used per token)."""
 
     name: str
     like: str  # the model it is shaped like (its Hugging Face id)
@@ -62,6 +69,8 @@ class Shape:
     rms_eps: float
     tied: bool  # the output head is the token embedding (no output.weight)
     arch: str = "llama"
+    n_expert: int = 0
+    n_expert_used: int = 0
 
 
 # The shapes, one line each (from each model's config.json).
@@ -72,7 +81,10 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
           True),
     Shape("llama3.2-1b", "meta-llama/Llama-3.2-1B", 2048, 16, 32, 8, 64, 8192, 128256, 131072, 500000.0, 1e-5,
           True),
+    Shape("qwen3moe-1b", "Qwen/Qwen3-30B-A3B", 1024, 8, 16, 4, 128, 768, 151936, 40960, 1000000.0, 1e-6, False,
+          arch="qwen3moe", n_expert=32, n_expert_used=4),
 )}  # fmt: skip
+QK_NORM_ARCHS = ("qwen3moe",)  # per-head RMS norms of q and k (attn_q_norm, attn_k_norm)
 
 WEIGHT_STD = 0.02  # standard deviation of the random matrices (uniform on +-std*sqrt(3))
 LOGIT_STD = 4.0  # the token embedding / output head: standard deviation of the logits of a normalized hidden state
@@ -91,15 +103,21 @@ def get_shape(name: str) -> Shape:
 
 def tensor_shapes(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     """Every tensor of the shape as (GGUF name, numpy-order shape), in the order they are written."""
-    e, d = shape.n_embd, shape.head_dim
+    e, d, f, x = shape.n_embd, shape.head_dim, shape.n_ff, shape.n_expert
     out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (shape.n_vocab, e))]
     for i in range(shape.n_layer):
         b = f"blk.{i}."
         out += [(b + "attn_norm.weight", (e,)), (b + "attn_q.weight", (shape.n_head * d, e)),
                 (b + "attn_k.weight", (shape.n_head_kv * d, e)), (b + "attn_v.weight", (shape.n_head_kv * d, e)),
-                (b + "attn_output.weight", (e, shape.n_head * d)), (b + "ffn_norm.weight", (e,)),
-                (b + "ffn_gate.weight", (shape.n_ff, e)), (b + "ffn_up.weight", (shape.n_ff, e)),
-                (b + "ffn_down.weight", (e, shape.n_ff))]
+                (b + "attn_output.weight", (e, shape.n_head * d))]
+        if shape.arch in QK_NORM_ARCHS:
+            out += [(b + "attn_q_norm.weight", (d,)), (b + "attn_k_norm.weight", (d,))]
+        out.append((b + "ffn_norm.weight", (e,)))
+        if x:
+            out += [(b + "ffn_gate_inp.weight", (x, e)), (b + "ffn_gate_exps.weight", (x, f, e)),
+                    (b + "ffn_up_exps.weight", (x, f, e)), (b + "ffn_down_exps.weight", (x, e, f))]
+        else:
+            out += [(b + "ffn_gate.weight", (f, e)), (b + "ffn_up.weight", (f, e)), (b + "ffn_down.weight", (e, f))]
     out.append(("output_norm.weight", (e,)))
     if not shape.tied:
         out.append(("output.weight", (shape.n_vocab, e)))
@@ -116,7 +134,7 @@ def weight_std(shape: Shape, name: str) -> float:
 def tensor_plan(shape: Shape, type_name: str) -> list[TensorPlan]:
     """Every tensor of the shape with the type it gets in file type `type_name` (llama.cpp's rules for that file
     type, as `ggml-py quantize` applies them to an F32 model), in the order they are written."""
-    facts = ModelFacts(shape.arch, shape.n_layer, shape.n_head, shape.n_head_kv)
+    facts = ModelFacts(shape.arch, shape.n_layer, shape.n_head, shape.n_head_kv, shape.n_expert)
     return choose_types([(n, s, F32) for n, s in tensor_shapes(shape)], file_type(type_name), facts)
 
 
@@ -131,6 +149,9 @@ def hparam_entries(shape: Shape, ft: FileType, seed: int, n_filler: int) -> list
            ("attention.head_count_kv", shape.n_head_kv), ("attention.key_length", shape.head_dim),
            ("attention.value_length", shape.head_dim), ("rope.dimension_count", shape.head_dim),
            ("vocab_size", shape.n_vocab)]
+    if shape.n_expert:
+        u32 += [("expert_count", shape.n_expert), ("expert_used_count", shape.n_expert_used),
+                ("expert_feed_forward_length", shape.n_ff)]
     return [
         ("general.type", "model", T_STRING, None),
         ("general.name", f"{shape.name} (random weights)", T_STRING, None),

@@ -195,6 +195,28 @@ def mul_mat(a: Tensor, b: Tensor) -> Tensor:
     return _node("MUL_MAT", (*b.shape[:-2], b.shape[-2], a.shape[-2]), F32, (a, b))
 
 
+def mul_mat_id(as_: Tensor, b: Tensor, ids: Tensor) -> Tensor:
+    """ggml's mul_mat_id, the expert-routed product: as_ (E, M, K) one weight matrix per expert (any weight type),
+    b (T, S, K) F32, ids (T, k) I32 (each token's k experts, 0..E-1; S divides k: slot i reads b[t, i % S], so
+    S = 1 hands every expert the same row) -> (T, k, M) F32 with row (t, i) = b[t, i % S] @ as_[ids[t, i]]ᵀ.
+    An id may repeat within a token (that slot simply computes the same product again); ids outside 0..E-1 are
+    an error at compute time."""
+    op = "MUL_MAT_ID"
+    _need_type(op, as_, dtypes.WEIGHT_TYPES, "first operand (expert weights)")
+    _need_type(op, b, (F32,), "second operand")
+    _need_type(op, ids, (I32,), "ids")
+    if as_.ndim != 3 or b.ndim != 3 or ids.ndim != 2:
+        raise _fail(op, "expected as (E, M, K), b (T, S, K) and ids (T, k)", as_, b, ids)
+    if as_.shape[-1] != b.shape[-1]:
+        raise _fail(op, f"inner dimensions differ: {as_.shape[-1]} vs {b.shape[-1]}", as_, b)
+    if b.shape[0] != ids.shape[0]:
+        raise _fail(op, "b and ids must have one row per token (dim 0)", b, ids)
+    s, k = b.shape[1], ids.shape[1]
+    if not (isinstance(s, int) and isinstance(k, int) and s > 0 and k % s == 0):
+        raise _fail(op, f"b's rows per token ({s}) must divide the experts per token ({k})", b, ids)
+    return _node(op, (b.shape[0], k, as_.shape[1]), F32, (as_, b, ids))
+
+
 # -- attention pieces ---------------------------------------------------------------------------------------
 def soft_max(a: Tensor, mask: Tensor | None = None, scale: float = 1.0, max_bias: float = 0.0) -> Tensor:
     """softmax(a * scale + slope * mask) over the last dim; mask (rows >= a's rows, same cols) F32 or F16.

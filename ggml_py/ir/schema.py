@@ -195,6 +195,11 @@ OPS_LIST: tuple[OpDef, ...] = (
     OpDef("TOP_K", 37, ("a",), (Param("k", I32),),
           "`a (..., n)` -> `(..., k)` I32: indices of the k largest, largest first, the lower index first on ties, "
           "NaN above everything (as ARGMAX)", max_nmse=NMSE_EXACT),
+    # the expert-routed product of mixture-of-experts layers (ggml's MUL_MAT_ID): every token's k chosen experts
+    OpDef("MUL_MAT_ID", 39, ("as", "b", "ids"),
+          rule="`as (E, M, K)`, `b (T, S, K)` with `S` dividing `k`, `ids (T, k)` I32 in `0..E-1` -> `(T, k, M)`; "
+               "row `(t, i)` is `b[t, i % S] @ as[ids[t, i]].T`, an expert may repeat within a token",
+          max_nmse=NMSE_MUL_MAT, max_nmse_float=NMSE_MUL_MAT_FLOAT),
     # views: no kernel, no ABI id; backends see their results as layouts (ne, nb, data)
     OpDef("VIEW", None, ("a",), rule="given shape, strides and offset", family="view"),
     OpDef("RESHAPE", None, ("a",), rule="given shape, same element count", family="view"),

@@ -24,6 +24,7 @@ from ggml_py.ir.symbolic import Dim
 from ggml_py.ir.tensor import Tensor, input
 from ggml_py.models.hparams import HParams
 from ggml_py.models.kv_cache import KVCache, causal_mask
+from ggml_py.models.moe import moe_ffn
 from ggml_py.models.weights import Layer, Weights
 
 # How many candidates a one-token step hands to the sampler without the whole logits (llama.cpp's default top_k is 40)
@@ -102,6 +103,14 @@ class StepBuilder:
     def norm(self, x: Tensor, w: Tensor) -> Tensor:
         return ops.mul(ops.rms_norm(x, self.hp.rms_eps), w)
 
+    def qk_norm(self, x: Tensor, w: Tensor) -> Tensor:
+        """The RMS norm of q or k (T, H, D): per head (w has D values), or over all heads at once (w has H * D:
+        olmoe)."""
+        if w.shape[-1] == x.shape[-1]:
+            return self.norm(x, w)
+        shape = x.shape
+        return ops.reshape(self.norm(ops.reshape(x, (shape[0], w.shape[-1])), w), shape)
+
     def linear(self, w: Tensor, x: Tensor, b: Tensor | None = None) -> Tensor:
         return _bias(ops.mul_mat(w, x), b)
 
@@ -135,9 +144,9 @@ class StepBuilder:
         Hk, D, Dv = hp.n_head_kv, hp.head_dim, hp.head_dim_v
         q, k, v = self.qkv(ly, h)
         if ly.q_norm is not None:
-            q = self.norm(q, ly.q_norm)
+            q = self.qk_norm(q, ly.q_norm)
         if ly.k_norm is not None:
-            k = self.norm(k, ly.k_norm)
+            k = self.qk_norm(k, ly.k_norm)
         base, fscale = hp.rope(il)
         q, k = (ops.rope(t, self.pos, hp.n_rot, hp.rope_mode, base, fscale, self.w.rope_freqs,
                          **hp.rope_yarn.rope_args()) for t in (q, k))
@@ -165,7 +174,11 @@ class StepBuilder:
 
     def ffn(self, ly: Layer, h: Tensor, act: str = "silu") -> Tensor:
         """down(act(gate(h)) * up(h)); act is "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation). Without a
-        separate gate, `up` holds [gate; up] and the first half of its output gates the second."""
+        separate gate, `up` holds [gate; up] and the first half of its output gates the second. A layer with
+        experts routes each token through its chosen experts' SwiGLU FFNs instead (moe.py)."""
+        if ly.gate_inp is not None:
+            return moe_ffn(self.hp, ly, h)
+        assert ly.up is not None and ly.down is not None
         glu = ops.swiglu if act == "silu" else ops.geglu
         if ly.gate is None:
             ff = glu(ops.mul_mat(ly.up, h))

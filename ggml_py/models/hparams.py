@@ -135,6 +135,12 @@ class HParams:
     rope_freq_scale_swa: float = 1.0
     embd_scale: float = 1.0  # the token embeddings are multiplied by this (gemma: sqrt(n_embd))
     final_softcap: float = 0.0  # logits = c * tanh(logits / c) when > 0
+    # mixture of experts (moe.py); n_expert 0: a dense FFN
+    n_expert: int = 0
+    n_expert_used: int = 0  # k, the experts each token goes through
+    n_ff_exp: int = 0  # rows of one expert's gate and up matrices
+    expert_weights_norm: bool = False  # the k chosen weights divided by their sum
+    expert_gating: str = "softmax"  # the router's scores: "softmax" or "sigmoid" of its logits
 
     def is_swa(self, il: int) -> bool:
         return self.n_swa > 0 and bool(self.swa_layers) and self.swa_layers[il]
@@ -144,6 +150,22 @@ class HParams:
         if self.is_swa(il):
             return self.rope_freq_base_swa, self.rope_freq_scale_swa
         return self.rope_freq_base, self.rope_freq_scale
+
+
+def read_experts(m: Meta, hp: HParams, *, required: bool, norm: bool, ff_key: bool) -> dict[str, Any]:
+    """The HParams fields of a mixture-of-experts file (empty when it has no experts and they are optional), from
+    `expert_count`, `expert_used_count` and, with `ff_key`, `expert_feed_forward_length` (absent: n_ff /
+    expert_used_count, as llama.cpp's qwen3moe); without it an expert has n_ff rows. `norm`: the family normalises
+    the chosen weights. llama.cpp fixes that per architecture and reads neither `expert_weights_norm` nor
+    `expert_weights_scale` for the families that use this (a file with a scale of 2.5 gives llama.cpp the logits of
+    the file without it), so neither is read here."""
+    n_expert, n_used = m.optional_int("expert_count"), m.optional_int("expert_used_count")
+    if not n_expert and not required:
+        return {}
+    if not 0 < n_used <= n_expert:
+        raise ModelError(f"{m.path}: expert_used_count {n_used} must be in 1..expert_count ({n_expert})")
+    n_ff_exp = (m.optional_int("expert_feed_forward_length") or hp.n_ff // n_used) if ff_key else hp.n_ff
+    return dict(n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp, expert_weights_norm=norm)
 
 
 def swa_pattern(m: Meta, n_layer: int, default_period: int) -> tuple[bool, ...]:

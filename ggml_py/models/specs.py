@@ -15,6 +15,12 @@ Each spec is checked against llama.cpp's src/models/<name>.cpp and src/llama-arc
 - phi3 (Phi-3, 3.5, Phi-4 mini): fused q/k/v (attn_qkv: rows [q; k; v], accepted for any family), fused gate/up
   (ffn_up: rows [gate; up], 2 * n_ff), NEOX rope. `phi3.attention.sliding_window` is ignored, as llama.cpp does; the
   128k-context files' LongRoPE factors are refused.
+- mixture of experts (moe.py, llama.cpp's build_moe_ffn with a softmax router): llama with `expert_count` > 0
+  (Mixtral: ffn_gate_inp and ffn_{gate,up,down}_exps of feed_forward_length rows, the top-k weights normalised);
+  qwen3moe (qwen3's attention, experts of `expert_feed_forward_length` rows, normalised); olmoe (NEOX rope, RMS norms
+  of q and k over all heads at once, experts of feed_forward_length rows, the top-k weights NOT normalised).
+  llama.cpp fixes the normalisation per architecture and reads neither `expert_weights_norm` nor
+  `expert_weights_scale` for these three (hparams.read_experts).
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ from typing import Any
 from ggml_py.ir import ops
 from ggml_py.models.architecture import Architecture
 from ggml_py.models.blocks import pre_norm_layer
-from ggml_py.models.hparams import HParams, Meta, read_hparams
-from ggml_py.models.weights import Layer, TensorReader, attention_tensors, ffn_tensors
+from ggml_py.models.hparams import HParams, Meta, read_experts, read_hparams
+from ggml_py.models.weights import Layer, TensorReader, attention_tensors, expert_tensors, ffn_tensors
 
 _OUTPUT_BIAS = {"output.bias": "a bias on the output head"}
 _LONGROPE = "LongRoPE frequency factors (128k-context Phi-3)"
@@ -41,11 +47,18 @@ class DenseSpec:
     their own prefix). rope_mode: ops.ROPE_NORMAL or ops.ROPE_NEOX. qk_norm: per-head RMS norms of q and k.
     fused_gate_up: ffn_up holds [gate; up]. sliding_window: `<name>.attention.sliding_window`, when present and
     non-zero, makes every layer attend to that many positions. rope_freqs: reads llama 3's rope frequency factors
-    (`rope_freqs.weight`). unsupported: tensor names refused at load."""
+    (`rope_freqs.weight`). unsupported: tensor names refused at load.
+    experts: "" (a dense FFN), "optional" (experts when `expert_count` > 0: llama's Mixtral files) or "required";
+    expert_norm: the chosen experts' weights normalised to sum 1; expert_ff_key: an expert's size is
+    `expert_feed_forward_length` (else feed_forward_length); qk_norm_whole: the q/k norms span all heads (olmoe)."""
 
     name: str
     rope_mode: int
     qk_norm: bool = False
+    qk_norm_whole: bool = False
+    experts: str = ""
+    expert_norm: bool = True
+    expert_ff_key: bool = False
     fused_gate_up: bool = False
     activation: str = "silu"
     sliding_window: bool = False
@@ -65,11 +78,15 @@ class DenseSpec:
                 # every layer slides, with the model's one rope
                 hp = replace(hp, n_swa=n_swa, swa_layers=(True,) * hp.n_layer,
                              rope_freq_base_swa=hp.rope_freq_base, rope_freq_scale_swa=hp.rope_freq_scale)
+            if self.experts:
+                hp = replace(hp, **read_experts(m, hp, required=self.experts == "required", norm=self.expert_norm,
+                                                ff_key=self.expert_ff_key))
             return hp
 
         def layer_tensors(r: TensorReader, hp: HParams, i: int) -> Layer:
-            return Layer(**attention_tensors(r, hp, i, qk_norm=self.qk_norm),  # type: ignore[arg-type]
-                         **ffn_tensors(r, hp, i, fused_gate_up=self.fused_gate_up))
+            ffn = expert_tensors(r, hp, i) if hp.n_expert else ffn_tensors(r, hp, i, fused_gate_up=self.fused_gate_up)
+            return Layer(**attention_tensors(r, hp, i, qk_norm=self.qk_norm,  # type: ignore[arg-type]
+                                             qk_norm_whole=self.qk_norm_whole), **ffn)
 
         return Architecture(name=arch, hparams=hparams, layer_tensors=layer_tensors,
                             layer=pre_norm_layer(self.activation), unsupported=dict(self.unsupported),
@@ -77,9 +94,12 @@ class DenseSpec:
 
 
 DENSE: tuple[DenseSpec, ...] = (
-    DenseSpec("llama", ops.ROPE_NORMAL, sliding_window=True, aliases=("xverse",), rope_freqs=True),
+    DenseSpec("llama", ops.ROPE_NORMAL, sliding_window=True, aliases=("xverse",), rope_freqs=True,
+              experts="optional"),
     DenseSpec("qwen2", ops.ROPE_NEOX, unsupported=_OUTPUT_BIAS),
     DenseSpec("qwen3", ops.ROPE_NEOX, qk_norm=True),
+    DenseSpec("qwen3moe", ops.ROPE_NEOX, qk_norm=True, experts="required", expert_ff_key=True),
+    DenseSpec("olmoe", ops.ROPE_NEOX, qk_norm=True, qk_norm_whole=True, experts="required", expert_norm=False),
     DenseSpec("phi3", ops.ROPE_NEOX, fused_gate_up=True,
               unsupported={"rope_factors_long.weight": _LONGROPE, "rope_factors_short.weight": _LONGROPE,
                            **_OUTPUT_BIAS}),

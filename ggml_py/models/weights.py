@@ -18,13 +18,14 @@ F32_ONLY = (dtypes.F32,)  # norms and biases
 @dataclass
 class Layer:
     """One transformer block. q/k/v come either separately (wq, wk, wv) or fused (wqkv); gate/up either separately
-    (gate, up) or fused in `up` (gate = None, `up` then has 2 * n_ff rows: gate first, as llama.cpp's phi3)."""
+    (gate, up) or fused in `up` (gate = None, `up` then has 2 * n_ff rows: gate first, as llama.cpp's phi3), or
+    experts (gate_inp and the *_exps)."""
 
     attn_norm: Tensor
     wo: Tensor
     ffn_norm: Tensor
-    up: Tensor
-    down: Tensor
+    up: Tensor | None = None  # None in a mixture-of-experts layer
+    down: Tensor | None = None
     wq: Tensor | None = None
     wk: Tensor | None = None
     wv: Tensor | None = None
@@ -39,6 +40,12 @@ class Layer:
     attn_post_norm: Tensor | None = None  # norms of the attention and FFN outputs before the residual (gemma3)
     ffn_post_norm: Tensor | None = None
     gate: Tensor | None = None
+    # mixture of experts (moe.py): the router (n_expert, E) and each expert's gate, up (n_expert, F, E) and down
+    # (n_expert, E, F), in place of gate, up and down
+    gate_inp: Tensor | None = None
+    gate_exps: Tensor | None = None
+    up_exps: Tensor | None = None
+    down_exps: Tensor | None = None
 
 
 @dataclass
@@ -102,9 +109,11 @@ class TensorReader:
 
 
 # -- the blocks' tensors, as llama.cpp names them ------------------------------------------------------------------
-def attention_tensors(r: TensorReader, hp: HParams, i: int, *, qk_norm: bool = False) -> dict[str, Tensor | None]:
+def attention_tensors(r: TensorReader, hp: HParams, i: int, *, qk_norm: bool = False,
+                      qk_norm_whole: bool = False) -> dict[str, Tensor | None]:
     """attn_norm, q/k/v (separate, or fused attn_qkv when the file has it, as llama.cpp accepts for any
-    architecture) with optional biases, attn_output (+ optional bias), and the per-head q/k norms when `qk_norm`."""
+    architecture) with optional biases, attn_output (+ optional bias), and the per-head q/k norms when `qk_norm`
+    (over all heads of q and of k at once with `qk_norm_whole`, as olmoe)."""
     p = f"blk.{i}."
     E, H, Hk, D, Dv = hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v
     nq, nk, nv = H * D, Hk * D, Hk * Dv
@@ -122,8 +131,8 @@ def attention_tensors(r: TensorReader, hp: HParams, i: int, *, qk_norm: bool = F
         t["bk"] = r.norm(p + "attn_k.bias", nk, required=False)
         t["bv"] = r.norm(p + "attn_v.bias", nv, required=False)
     if qk_norm:
-        t["q_norm"] = r.norm(p + "attn_q_norm.weight", D)
-        t["k_norm"] = r.norm(p + "attn_k_norm.weight", D)
+        t["q_norm"] = r.norm(p + "attn_q_norm.weight", nq if qk_norm_whole else D)
+        t["k_norm"] = r.norm(p + "attn_k_norm.weight", nk if qk_norm_whole else D)
     return t
 
 
@@ -145,6 +154,17 @@ def rope_freqs_tensor(r: TensorReader, hp: HParams) -> Tensor | None:
     """`rope_freqs.weight` (n_rot/2,) F32, optional: llama 3's rope scaling, each rotated pair's angle divided by its
     factor. llama.cpp creates it for layer 0 and shares it with every other layer; so does ggml_py."""
     return r.get("rope_freqs.weight", (hp.n_rot // 2,), F32_ONLY, required=False)
+
+
+def expert_tensors(r: TensorReader, hp: HParams, i: int) -> dict[str, Tensor | None]:
+    """ffn_norm, the router ffn_gate_inp and the experts' ffn_gate_exps, ffn_up_exps, ffn_down_exps (llama.cpp's
+    names; one 3-D tensor each, experts outermost)."""
+    p = f"blk.{i}."
+    E, F, X = hp.n_embd, hp.n_ff_exp, hp.n_expert
+    return {"ffn_norm": r.norm(p + "ffn_norm.weight", E), "gate_inp": r.need(p + "ffn_gate_inp.weight", (X, E)),
+            "gate_exps": r.need(p + "ffn_gate_exps.weight", (X, F, E)),
+            "up_exps": r.need(p + "ffn_up_exps.weight", (X, F, E)),
+            "down_exps": r.need(p + "ffn_down_exps.weight", (X, E, F))}
 
 
 def model_tensors(r: TensorReader, hp: HParams, layers: list[Layer]) -> Weights:

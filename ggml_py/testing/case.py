@@ -138,7 +138,8 @@ class Ctx:
 
     def input(self, values: np.ndarray, t: DType = F32, name: str = "", shape: Sequence[Dim] | None = None) -> Tensor:
         """An input of type t holding `values` (converted/quantized as needed). `shape` may have symbolic dims
-        (F32/F16/I32 only): `values` then hold the input at the symbols' upper bounds."""
+        (F32/F16/I32 only): `values` then hold the input at the symbols' upper bounds in a case with bindings, or at
+        the size a compute binds them to (a symbol bound below its maximum by the values written)."""
         x = _input(values.shape if shape is None else tuple(shape), t, name=self._name(name))
         self.inputs.append((x, encode(values, t).reshape(-1).view(np.uint8)
                             if t.is_quantized or t is BF16 else encode(values, t)))
@@ -196,7 +197,7 @@ class Ctx:
 
 def bound_values(t: Tensor, values: np.ndarray, binding: Mapping[str, int]) -> np.ndarray:
     """An input's values for one binding of a symbolic case: the leading part of the upper-bound values."""
-    if not t.is_symbolic:
+    if not binding or not t.is_symbolic:  # no bindings: the values bind the symbols themselves
         return values
     return np.ascontiguousarray(values[tuple(slice(0, evaluate(d, binding)) for d in t.shape)])
 

@@ -22,6 +22,7 @@ from ggml_py.ir.dtypes import (
     Q8_0,
     DType,
 )  # fmt: skip
+from ggml_py.ir.symbolic import sym
 from ggml_py.ir.tensor import Tensor
 from ggml_py.testing.case import (
     ALL_OPS,
@@ -216,6 +217,46 @@ def _mul_mat_cases() -> list[Case]:
         add(t, (1, 64), (7, 64))  # a single weight row
     add(F32, (3, 64), (2, 3, 64), how_b="reshape")
     add(Q8_0, (1, 64), (7, 64))
+    return out
+
+
+def _mul_mat_id_cases() -> list[Case]:
+    """The expert-routed product: every weight type, b shared by the k slots (S = 1) or one row per slot, an expert
+    twice in one token (ggml allows it), experts no token chose, many tokens on one expert, a strided b, a symbolic
+    token count bound below its maximum."""
+    out = []
+
+    def add(t: DType, E: int, M: int, ids: np.ndarray, S: int, how_b: str = "cont", bound: int = 0) -> None:
+        T, k = ids.shape
+        K = 256
+
+        def make(c: Ctx, t=t, E=E, M=M, ids=ids, S=S, how_b=how_b, bound=bound) -> Tensor:
+            w = c.weight((E, M, K), t)
+            if bound:
+                n_tok = sym(f"n_tok{len(c.inputs)}", bound)
+                b = c.input(c.uniform((T, S, K)), shape=(n_tok, S, K))
+                return ops.mul_mat_id(w, b, c.input(ids, I32, shape=(n_tok, k)))
+            return ops.mul_mat_id(w, c.layout((T, S, K), how_b), c.input(ids, I32))
+
+        rows = sorted({"".join(map(str, r)) for r in ids}) if T > 8 else ["".join(map(str, r)) for r in ids]
+        what = f"E={E},M={M},T={T},ids={'/'.join(rows)},S={S}"
+        what += layout_text(how_b) + (f",T<={bound}" if bound else "")
+        thr = MUL_MAT_FLOAT_MAX_NMSE if t in (F32, F16, BF16) else MUL_MAT_MAX_NMSE
+        out.append(Case("MUL_MAT_ID", what, f"{t.name},F32,I32", make, max_nmse=thr))
+
+    mixed = np.array([[0, 3], [3, 1], [2, 0], [1, 3], [3, 2]], np.int32)
+    for t in WEIGHT_TYPES:
+        add(t, 4, 16, mixed, 1)  # the gate/up form: each token's one row for its k experts
+        add(t, 4, 16, mixed, 2)  # the down form: one row per slot
+        add(t, 4, 40, mixed[:1], 2)  # one token (decode); M not a multiple of 16
+    for t in (F32, F16, Q8_0, Q4_K):
+        add(t, 4, 16, np.array([[1, 1], [2, 2], [1, 0]], np.int32), 2)  # an expert twice within a token
+        add(t, 8, 16, np.array([[5, 0], [0, 5], [5, 0]], np.int32), 1)  # 6 of 8 experts unused
+        add(t, 4, 24, np.tile(np.array([[2, 1]], np.int32), (40, 1)), 2)  # many tokens on two experts
+        add(t, 4, 16, mixed, 2, how_b="view")  # b a strided window of a larger input
+        add(t, 4, 16, mixed, 1, bound=9)  # a symbolic token count, 5 of at most 9
+    for t in (Q4_0, Q8_0, Q4_K):
+        add(t, 4, 20, mixed, 2)  # 20 rows per expert: groups of 8 would straddle experts (simd keeps them unpacked)
     return out
 
 
@@ -496,8 +537,8 @@ def _copy_cases() -> list[Case]:
 
 
 _FAMILIES: tuple[Callable[[], list[Case]], ...] = (
-    _rows_cases, _binary_cases, _unary_cases, _glu_cases, _norm_cases, _mul_mat_cases, _softmax_cases, _rope_cases,
-    _flash_attn_cases, _copy_cases, edge_cases,
+    _rows_cases, _binary_cases, _unary_cases, _glu_cases, _norm_cases, _mul_mat_cases, _mul_mat_id_cases,
+    _softmax_cases, _rope_cases, _flash_attn_cases, _copy_cases, edge_cases,
 )
 _ALL: list[Case] | None = None
 
