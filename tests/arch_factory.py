@@ -18,9 +18,16 @@ from model_factory import add_tiny_tokenizer, tiny_vocab
 
 # per architecture: what its tensors and keys look like (facts from llama.cpp's src/models/<arch>.cpp)
 QK_NORM = {"qwen3", "gemma3"}
+QK_NORM_FULL = {"olmo2"}  # attn_q_norm / attn_k_norm over the whole projection, not per head
 QKV_BIAS = {"qwen2"}
 FUSED = {"phi3"}  # attn_qkv and ffn_up = [gate; up]
-POST_NORMS = {"gemma3"}
+POST_NORMS = {"gemma3", "olmo2"}
+NO_PRE_NORMS = {"olmo2"}  # no attn_norm / ffn_norm
+UNTIED = {"olmo2"}  # llama.cpp requires output.weight
+# keys a family's files carry, with values far from 1 so that a graph ignoring one fails (granite: llama.cpp
+# requires logit_scale); `metadata` overrides them
+ARCH_KEYS: dict[str, dict[str, object]] = {
+    "granite": {"embedding_scale": 3.0, "residual_scale": 0.4, "attention.scale": 0.3, "logit_scale": 0.5}}
 # control tokens llama.cpp's vocabulary loader needs for an architecture (phi3: without these it stops with
 # "unordered_map::at"; found by trial, the exact one was not isolated)
 EXTRA_SPECIALS = {"phi3": ["<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<s>", "</s>", "<unk>"]}
@@ -95,12 +102,13 @@ def write_tiny(path: str | os.PathLike[str], arch: str, *, seed: int = 0, n_embd
 
     _store(w, "token_embd.weight", rnd(V, E, scale=1.0), embd_type)
     norm("output_norm.weight", E)
-    if output_type is not None:
-        mat("output.weight", V, E, output_type)
+    if output_type is not None or arch in UNTIED:
+        mat("output.weight", V, E, weight_type if output_type is None else output_type)
     nq, nk = H * D, Hk * D
     for i in range(n_layer):
         p = f"blk.{i}."
-        norm(p + "attn_norm.weight", E)
+        if arch not in NO_PRE_NORMS:
+            norm(p + "attn_norm.weight", E)
         if arch in FUSED:
             mat(p + "attn_qkv.weight", nq + 2 * nk, E)
         else:
@@ -110,13 +118,14 @@ def write_tiny(path: str | os.PathLike[str], arch: str, *, seed: int = 0, n_embd
         if arch in QKV_BIAS or attn_bias:
             for t, n in (("q", nq), ("k", nk), ("v", nk)):
                 _store(w, p + f"attn_{t}.bias", rnd(n, scale=0.5), QT.F32)
-        if arch in QK_NORM:
-            norm(p + "attn_q_norm.weight", D)
-            norm(p + "attn_k_norm.weight", D)
+        if arch in QK_NORM or arch in QK_NORM_FULL:
+            norm(p + "attn_q_norm.weight", nq if arch in QK_NORM_FULL else D)
+            norm(p + "attn_k_norm.weight", nk if arch in QK_NORM_FULL else D)
         mat(p + "attn_output.weight", E, nq)
         if attn_bias:
             _store(w, p + "attn_output.bias", rnd(E, scale=0.5), QT.F32)
-        norm(p + "ffn_norm.weight", E)
+        if arch not in NO_PRE_NORMS:
+            norm(p + "ffn_norm.weight", E)
         if arch in FUSED:
             mat(p + "ffn_up.weight", 2 * F, E)
         else:
@@ -128,10 +137,12 @@ def write_tiny(path: str | os.PathLike[str], arch: str, *, seed: int = 0, n_embd
             norm(p + "post_ffw_norm.weight", E)
     for name, data in (extra_tensors or {}).items():
         w.add_tensor(name, data)
-    for key, value in (metadata or {}).items():  # GGUFWriter keeps the last value written for a key
+    for key, value in {**ARCH_KEYS.get(arch, {}), **(metadata or {})}.items():  # GGUFWriter keeps the last value
         key = key if key.startswith(("general.", "tokenizer.")) else f"{arch}.{key}"
         if isinstance(value, str):
             w.add_string(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
         elif isinstance(value, list | tuple):  # an array of the elements' type (bool, int, float, str)
             w.add_array(key, list(value))
         elif isinstance(value, float):

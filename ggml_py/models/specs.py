@@ -14,6 +14,20 @@ Each spec is checked against llama.cpp's src/models/<name>.cpp and src/llama-arc
 - phi3 (Phi-3, 3.5, Phi-4 mini): fused q/k/v (attn_qkv: rows [q; k; v], accepted for any family), fused gate/up
   (ffn_up: rows [gate; up], 2 * n_ff), NEOX rope. `phi3.attention.sliding_window` is ignored, as llama.cpp does; the
   128k-context files' LongRoPE factors are refused.
+- granite (IBM Granite 3.x dense): the llama block with muP multipliers (llama.cpp's src/models/granite.cpp):
+  `embedding_scale` on the embeddings, `residual_scale` on the attention and FFN outputs before their residual adds,
+  `attention.scale` as the softmax scale (0 or absent: 1/sqrt(head size); the others absent or 0: no scaling), and
+  the logits divided by `logit_scale` (required, as llama.cpp requires it). NORM rope. llama.cpp reads
+  `rope.scaling.finetuned` (default true) as a switch: false, and no layer rotates q, k; such a file is refused here
+  (no step would read its positions).
+- olmo2 (OLMo 2, and Olmo 3's files under the same name): no pre-norms; RMS norms of the attention and FFN outputs
+  (post_attention_norm, post_ffw_norm) before their residual adds, and of q and k over the whole projection width
+  (attn_q_norm: n_head * head size values, attn_k_norm: n_head_kv * head size) before NEOX rope; untied head.
+  With `attention.sliding_window` (Olmo 3), layers slide except the last of each group of
+  `attention.sliding_window_pattern` (default 4), and the sliding layers rope without the file's rope scaling and
+  with the main `rope.freq_base` (llama.cpp's olmo2 graph reads no other base there).
+- smollm3 (SmolLM3): the llama block where every 4th layer (il + 1 divisible by 4) applies no rope. llama.cpp
+  hard-codes that step (`n_no_rope_layer_step = 4` in src/llama-model.cpp): no GGUF key carries it.
 """
 
 from __future__ import annotations
@@ -22,62 +36,102 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ggml_py.errors import ModelError
 from ggml_py.ir import ops
 from ggml_py.models.architecture import Architecture
-from ggml_py.models.blocks import pre_norm_layer
-from ggml_py.models.hparams import HParams, Meta, read_hparams
-from ggml_py.models.weights import Layer, TensorReader, attention_tensors, ffn_tensors
+from ggml_py.models.blocks import dense_layer
+from ggml_py.models.hparams import HParams, Meta, read_hparams, reciprocal, swa_pattern
+from ggml_py.models.weights import Layer, QKNorm, TensorReader, attention_tensors, ffn_tensors, post_norm_tensors
 
 _OUTPUT_BIAS = {"output.bias": "a bias on the output head"}
 _LONGROPE = "LongRoPE frequency factors (128k-context Phi-3)"
+_ROPE_FREQS = {"rope_freqs.weight": "rope frequency factors (llama 3.1 style rope scaling)"}
+_FFN_BIAS = {f"ffn_{t}.bias": "FFN biases" for t in ("gate", "up", "down")}
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """How a family reads `<name>.attention.sliding_window` (present and non-zero: layers attend to that many
+    positions): period, the default of `attention.sliding_window_pattern` (0: every layer slides; N: all but the
+    last of each group of N); scaled_rope: do the sliding layers keep the file's rope scaling."""
+
+    period: int = 0
+    scaled_rope: bool = True
 
 
 @dataclass(frozen=True)
 class DenseSpec:
-    """A pre-norm decoder (x += attn(norm(x)); x += ffn(norm(x))) described by data.
+    """A decoder (x += attn(norm(x)); x += ffn(norm(x)), blocks.dense_layer) described by data.
 
     name: the GGUF `general.architecture`; aliases: other GGUF names of the same graph (their keys are read under
-    their own prefix). rope_mode: ops.ROPE_NORMAL or ops.ROPE_NEOX. qk_norm: per-head RMS norms of q and k.
-    fused_gate_up: ffn_up holds [gate; up]. sliding_window: `<name>.attention.sliding_window`, when present and
-    non-zero, makes every layer attend to that many positions. unsupported: tensor names refused at load."""
+    their own prefix). rope_mode: ops.ROPE_NORMAL or ops.ROPE_NEOX. qk_norm: RMS norms of q and k, per head
+    ("head") or over the whole projection ("full"). fused_gate_up: ffn_up holds [gate; up]. pre_norms /
+    post_norms: the blocks normalise their inputs (attn_norm, ffn_norm) / their outputs (post_attention_norm,
+    post_ffw_norm). sliding_window: how the family reads the window keys (None: it has none). mup_scales: granite's
+    embedding_scale, residual_scale, attention.scale and logit_scale keys. rope_switch: `rope.scaling.finetuned`
+    false would turn rope off in every layer (granite): refused. no_rope_step: every no_rope_step-th layer has no
+    rope (smollm3). unsupported: tensor names refused at load."""
 
     name: str
     rope_mode: int
-    qk_norm: bool = False
+    qk_norm: QKNorm | None = None
     fused_gate_up: bool = False
     activation: str = "silu"
-    sliding_window: bool = False
+    pre_norms: bool = True
+    post_norms: bool = False
+    sliding_window: SlidingWindow | None = None
+    mup_scales: bool = False
+    rope_switch: bool = False
+    no_rope_step: int = 0
     unsupported: Mapping[str, str] = field(default_factory=dict)
     aliases: tuple[str, ...] = ()
+
+    def read_hparams(self, meta: dict[str, Any], arch: str, path: str, n_vocab: int) -> HParams:
+        """The hyper-parameters of a file of this family whose keys are under `arch`."""
+        hp = read_hparams(meta, arch, path, n_vocab, rope_mode=self.rope_mode)
+        m = Meta(meta, arch, path)
+        sw = self.sliding_window
+        n_swa = m.optional_int("attention.sliding_window") if sw else 0
+        if sw and n_swa:  # absent or 0: no window
+            hp = replace(hp, n_swa=n_swa, swa_layers=swa_pattern(m, hp.n_layer, sw.period),
+                         rope_freq_base_swa=hp.rope_freq_base,
+                         rope_freq_scale_swa=hp.rope_freq_scale if sw.scaled_rope else 1.0)
+        if self.mup_scales:
+            hp = replace(hp, embd_scale=m.optional_float("embedding_scale") or 1.0,
+                         residual_scale=m.optional_float("residual_scale") or 1.0,
+                         attn_scale=m.optional_float("attention.scale") or hp.attn_scale,
+                         logit_scale=reciprocal(m.float_key("logit_scale"), f"{arch}.logit_scale", path))
+        if self.rope_switch and not m.bool_key("rope.scaling.finetuned", True):
+            # no layer would read the positions, and every step writes them: refused rather than built
+            raise ModelError(f"{path}: {arch}.rope.scaling.finetuned false (no rope in any layer) is not supported")
+        if self.no_rope_step:
+            hp = replace(hp, rope_layers=tuple((il + 1) % self.no_rope_step != 0 for il in range(hp.n_layer)))
+        return hp
+
+    def layer_tensors(self, r: TensorReader, hp: HParams, i: int) -> Layer:
+        t = {**attention_tensors(r, hp, i, qk_norm=self.qk_norm, pre_norm=self.pre_norms),
+             **ffn_tensors(r, hp, i, fused_gate_up=self.fused_gate_up, pre_norm=self.pre_norms),
+             **(post_norm_tensors(r, hp, i) if self.post_norms else {})}
+        return Layer(**t)  # type: ignore[arg-type]
 
     def architecture(self, name: str | None = None) -> Architecture:
         """The Architecture of this spec under GGUF name `name` (default: the spec's own)."""
         arch = name or self.name
-
-        def hparams(meta: dict[str, Any], path: str, n_vocab: int) -> HParams:
-            hp = read_hparams(meta, arch, path, n_vocab, rope_mode=self.rope_mode)
-            m = Meta(meta, arch, path)
-            n_swa = m.optional_int("attention.sliding_window") if self.sliding_window else 0
-            if n_swa:  # absent or 0: no window
-                # every layer slides, with the model's one rope
-                hp = replace(hp, n_swa=n_swa, swa_layers=(True,) * hp.n_layer,
-                             rope_freq_base_swa=hp.rope_freq_base, rope_freq_scale_swa=hp.rope_freq_scale)
-            return hp
-
-        def layer_tensors(r: TensorReader, hp: HParams, i: int) -> Layer:
-            return Layer(**attention_tensors(r, hp, i, qk_norm=self.qk_norm),  # type: ignore[arg-type]
-                         **ffn_tensors(r, hp, i, fused_gate_up=self.fused_gate_up))
-
-        return Architecture(name=arch, hparams=hparams, layer_tensors=layer_tensors,
-                            layer=pre_norm_layer(self.activation), unsupported=dict(self.unsupported))
+        return Architecture(name=arch, hparams=lambda meta, path, n_vocab: self.read_hparams(meta, arch, path, n_vocab),
+                            layer_tensors=self.layer_tensors, layer=dense_layer(self.activation),
+                            unsupported=dict(self.unsupported))
 
 
 DENSE: tuple[DenseSpec, ...] = (
-    DenseSpec("llama", ops.ROPE_NORMAL, sliding_window=True, aliases=("xverse",),
-              unsupported={"rope_freqs.weight": "rope frequency factors (llama 3.1 style rope scaling)"}),
+    DenseSpec("llama", ops.ROPE_NORMAL, sliding_window=SlidingWindow(), aliases=("xverse",), unsupported=_ROPE_FREQS),
     DenseSpec("qwen2", ops.ROPE_NEOX, unsupported=_OUTPUT_BIAS),
-    DenseSpec("qwen3", ops.ROPE_NEOX, qk_norm=True),
+    DenseSpec("qwen3", ops.ROPE_NEOX, qk_norm="head"),
     DenseSpec("phi3", ops.ROPE_NEOX, fused_gate_up=True,
               unsupported={"rope_factors_long.weight": _LONGROPE, "rope_factors_short.weight": _LONGROPE,
                            **_OUTPUT_BIAS}),
+    DenseSpec("granite", ops.ROPE_NORMAL, mup_scales=True, rope_switch=True,
+              unsupported={**_ROPE_FREQS, **_FFN_BIAS}),
+    DenseSpec("olmo2", ops.ROPE_NEOX, qk_norm="full", pre_norms=False, post_norms=True,
+              sliding_window=SlidingWindow(period=4, scaled_rope=False)),
+    DenseSpec("smollm3", ops.ROPE_NORMAL, no_rope_step=4),
 )
