@@ -28,8 +28,10 @@ UNTIED = {"olmo2"}  # llama.cpp requires output.weight
 # requires logit_scale); `metadata` overrides them
 ARCH_KEYS: dict[str, dict[str, object]] = {
     "granite": {"embedding_scale": 3.0, "residual_scale": 0.4, "attention.scale": 0.3, "logit_scale": 0.5}}
-# control tokens llama.cpp's vocabulary loader needs for an architecture (phi3: without these it stops with
-# "unordered_map::at"; found by trial, the exact one was not isolated)
+# control tokens of a family's vocabulary. phi3: llama.cpp's vocabulary loader (src/llama-vocab.cpp) keys a rule on
+# general.name, whatever the architecture: a name containing "phi3" or "phi-3" (write_tiny names the file
+# "tiny-phi3") makes it look up <s>, </s>, <unk> and <|endoftext|> by text, and it fails ("unordered_map::at")
+# without one of them; Phi's turn tokens make the vocabulary Phi-like but llama.cpp does not need them
 EXTRA_SPECIALS = {"phi3": ["<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<s>", "</s>", "<unk>"]}
 
 
