@@ -44,7 +44,7 @@ def _ours(path: str, backend: str, ids: list[int] | None = None) -> tuple[np.nda
         return m.eval(ids), ids
 
 
-NEW = ("qwen2", "qwen3", "phi3", "gemma3", "granite", "olmo2", "smollm3")
+NEW = ("qwen2", "qwen3", "phi3", "gemma3", "granite", "olmo2", "smollm3", "minicpm")
 
 
 def test_registry_lists_every_architecture():

@@ -23,7 +23,7 @@ from ggml_py.ir import ops
 from ggml_py.ir.tensor import Tensor
 from ggml_py.models.blocks import StepBuilder
 from ggml_py.models.families import architectures
-from ggml_py.models.specs import DENSE
+from ggml_py.models.specs import DENSE, MupScales
 
 import llamacpp_peer
 from conftest import available_backends
@@ -57,16 +57,22 @@ def _per_head_qk_norms(mp: pytest.MonkeyPatch, arch: str) -> None:
     mp.setattr(StepBuilder, "qk_norm", qk_norm)
 
 
+_MUP = {"embedding_scale": 3.0, "residual_scale": 0.4, "logit_scale": 0.5}
 # name -> (architecture, write_tiny's arguments, what switches the exercised option off)
 CASES = {
     # embedding_scale 3, residual_scale 0.4, attention.scale 0.3, logit_scale 0.5 (arch_factory.ARCH_KEYS)
-    "granite": ("granite", dict(n_layer=4), _spec_without(mup_scales=False)),
+    "granite": ("granite", dict(n_layer=4), _spec_without(mup=None)),
     "olmo2": ("olmo2", dict(n_layer=4), _per_head_qk_norms),
     # Olmo 3 style: layers 0-2 slide over 48 positions, 3 is global; linear rope scaling 2 on the global layer only
     "olmo2-window": ("olmo2", dict(n_layer=4, n_swa=48, rope_scaling=("linear", 2.0)),
                      _spec_without(sliding_window=None)),
     # layer 3 without rope (llama.cpp's fixed step of 4)
     "smollm3": ("smollm3", dict(n_layer=4), _spec_without(no_rope_step=0)),
+    # granite's graph; an attention.scale in the file is not minicpm's (llama.cpp reads none)
+    "minicpm": ("minicpm", dict(n_layer=4, metadata=_MUP | {"attention.scale": 0.3}), _spec_without(mup=MupScales())),
+    # no keys: llama.cpp's defaults, embedding 12, residual 1.4/sqrt(4), logits divided by 256/512
+    "minicpm-defaults": ("minicpm", dict(n_layer=4, n_embd=512),
+                         _spec_without(mup=MupScales(attention_scale=False, defaults=lambda hp: (1.0, 1.0, 1.0)))),
 }
 WTYPES = (QT.F32, QT.Q4_K, QT.Q8_0)
 
@@ -142,6 +148,10 @@ def test_hyper_parameters_as_read(llama_cpp):
     assert (g.embd_scale, g.residual_scale, g.attn_scale, g.logit_scale) == pytest.approx((3.0, 0.4, 0.3, 2.0))
     assert all(g.uses_rope(i) for i in range(4))
     assert [hp("smollm3").uses_rope(i) for i in range(4)] == [True, True, True, False]
+    m = hp("minicpm")
+    assert (m.embd_scale, m.residual_scale, m.attn_scale, m.logit_scale) == pytest.approx((3.0, 0.4, 0.125, 2.0))
+    d = hp("minicpm-defaults")
+    assert (d.embd_scale, d.residual_scale, d.logit_scale) == pytest.approx((12.0, 0.7, 2.0))
     w = hp("olmo2-window")
     assert [w.is_swa(i) for i in range(4)] == [True, True, True, False] and w.n_swa == 48
     assert [w.rope(i) for i in (0, 3)] == [(10000.0, 1.0), (10000.0, 0.5)]

@@ -20,6 +20,9 @@ Each spec is checked against llama.cpp's src/models/<name>.cpp and src/llama-arc
   the logits divided by `logit_scale` (required, as llama.cpp requires it). NORM rope. llama.cpp reads
   `rope.scaling.finetuned` (default true) as a switch: false, and no layer rotates q, k; such a file is refused here
   (no step would read its positions).
+- minicpm (MiniCPM 1/2, dense): granite's graph, as llama.cpp runs it (no graph of its own there): the same
+  multipliers, each absent key taking llama.cpp's default (embedding 12, residual 1.4/sqrt(n_layer), logit
+  256/n_embd); no attention.scale is read, and rope is always on.
 - olmo2 (OLMo 2, and Olmo 3's files under the same name): no pre-norms; RMS norms of the attention and FFN outputs
   (post_attention_norm, post_ffw_norm) before their residual adds, and of q and k over the whole projection width
   (attn_q_norm: n_head * head size values, attn_k_norm: n_head_kv * head size) before NEOX rope; untied head.
@@ -32,7 +35,8 @@ Each spec is checked against llama.cpp's src/models/<name>.cpp and src/llama-arc
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,6 +49,7 @@ from ggml_py.models.weights import Layer, QKNorm, TensorReader, attention_tensor
 
 _OUTPUT_BIAS = {"output.bias": "a bias on the output head"}
 _LONGROPE = "LongRoPE frequency factors (128k-context Phi-3)"
+_LONGROPE_MINICPM = "LongRoPE frequency factors (MiniCPM 3/4 long context)"
 _ROPE_FREQS = {"rope_freqs.weight": "rope frequency factors (llama 3.1 style rope scaling)"}
 _FFN_BIAS = {f"ffn_{t}.bias": "FFN biases" for t in ("gate", "up", "down")}
 
@@ -60,6 +65,34 @@ class SlidingWindow:
 
 
 @dataclass(frozen=True)
+class MupScales:
+    """muP multipliers read from `embedding_scale` (the embeddings), `residual_scale` (the attention and FFN outputs
+    before their residual adds) and `logit_scale` (the logits are divided by it): attention_scale also reads
+    `attention.scale` (the softmax scale; absent or 0: 1/sqrt(head size)). defaults(hp) gives (embedding,
+    residual, logit) for absent keys; without it `logit_scale` is required and the others default to no scaling."""
+
+    attention_scale: bool = True
+    defaults: Callable[[HParams], tuple[float, float, float]] | None = None
+
+    def apply(self, hp: HParams, m: Meta) -> HParams:
+        embd, resid, logit = self.defaults(hp) if self.defaults else (1.0, 1.0, None)
+
+        def multiplier(key: str, default: float) -> float:  # written as 0: no scaling, as llama.cpp's graph reads it
+            return m.optional_float(key) or 1.0 if m.has(key) else default
+
+        attn = m.optional_float("attention.scale") if self.attention_scale else 0.0
+        return replace(hp, embd_scale=multiplier("embedding_scale", embd),
+                       residual_scale=multiplier("residual_scale", resid), attn_scale=attn or hp.attn_scale,
+                       logit_scale=reciprocal(m.float_key("logit_scale", logit), f"{m.arch}.logit_scale", m.path))
+
+
+def _minicpm_defaults(hp: HParams) -> tuple[float, float, float]:
+    """llama.cpp's values for MiniCPM files without the keys (older conversions): muP's scale_emb 12, scale_depth
+    1.4 over sqrt(n_layer), dim_model_base 256 over n_embd."""
+    return 12.0, 1.4 / math.sqrt(hp.n_layer), 256.0 / hp.n_embd
+
+
+@dataclass(frozen=True)
 class DenseSpec:
     """A decoder (x += attn(norm(x)); x += ffn(norm(x)), blocks.dense_layer) described by data.
 
@@ -67,8 +100,8 @@ class DenseSpec:
     their own prefix). rope_mode: ops.ROPE_NORMAL or ops.ROPE_NEOX. qk_norm: RMS norms of q and k, per head
     ("head") or over the whole projection ("full"). fused_gate_up: ffn_up holds [gate; up]. pre_norms /
     post_norms: the blocks normalise their inputs (attn_norm, ffn_norm) / their outputs (post_attention_norm,
-    post_ffw_norm). sliding_window: how the family reads the window keys (None: it has none). mup_scales: granite's
-    embedding_scale, residual_scale, attention.scale and logit_scale keys. rope_switch: `rope.scaling.finetuned`
+    post_ffw_norm). sliding_window: how the family reads the window keys (None: it has none). mup: the muP
+    multipliers it reads (granite, minicpm). rope_switch: `rope.scaling.finetuned`
     false would turn rope off in every layer (granite): refused. no_rope_step: every no_rope_step-th layer has no
     rope (smollm3). unsupported: tensor names refused at load."""
 
@@ -80,7 +113,7 @@ class DenseSpec:
     pre_norms: bool = True
     post_norms: bool = False
     sliding_window: SlidingWindow | None = None
-    mup_scales: bool = False
+    mup: MupScales | None = None
     rope_switch: bool = False
     no_rope_step: int = 0
     unsupported: Mapping[str, str] = field(default_factory=dict)
@@ -96,11 +129,8 @@ class DenseSpec:
             hp = replace(hp, n_swa=n_swa, swa_layers=swa_pattern(m, hp.n_layer, sw.period),
                          rope_freq_base_swa=hp.rope_freq_base,
                          rope_freq_scale_swa=hp.rope_freq_scale if sw.scaled_rope else 1.0)
-        if self.mup_scales:
-            hp = replace(hp, embd_scale=m.optional_float("embedding_scale") or 1.0,
-                         residual_scale=m.optional_float("residual_scale") or 1.0,
-                         attn_scale=m.optional_float("attention.scale") or hp.attn_scale,
-                         logit_scale=reciprocal(m.float_key("logit_scale"), f"{arch}.logit_scale", path))
+        if self.mup:
+            hp = self.mup.apply(hp, m)
         if self.rope_switch and not m.bool_key("rope.scaling.finetuned", True):
             # no layer would read the positions, and every step writes them: refused rather than built
             raise ModelError(f"{path}: {arch}.rope.scaling.finetuned false (no rope in any layer) is not supported")
@@ -129,8 +159,11 @@ DENSE: tuple[DenseSpec, ...] = (
     DenseSpec("phi3", ops.ROPE_NEOX, fused_gate_up=True,
               unsupported={"rope_factors_long.weight": _LONGROPE, "rope_factors_short.weight": _LONGROPE,
                            **_OUTPUT_BIAS}),
-    DenseSpec("granite", ops.ROPE_NORMAL, mup_scales=True, rope_switch=True,
-              unsupported={**_ROPE_FREQS, **_FFN_BIAS}),
+    DenseSpec("granite", ops.ROPE_NORMAL, mup=MupScales(), rope_switch=True, unsupported={**_ROPE_FREQS, **_FFN_BIAS}),
+    # llama.cpp's minicpm runs granite's graph; it reads no attention.scale and always ropes
+    DenseSpec("minicpm", ops.ROPE_NORMAL, mup=MupScales(attention_scale=False, defaults=_minicpm_defaults),
+              unsupported={**_ROPE_FREQS, "rope_factors_long.weight": _LONGROPE_MINICPM,
+                           "rope_factors_short.weight": _LONGROPE_MINICPM}),
     DenseSpec("olmo2", ops.ROPE_NEOX, qk_norm="full", pre_norms=False, post_norms=True,
               sliding_window=SlidingWindow(period=4, scaled_rope=False)),
     DenseSpec("smollm3", ops.ROPE_NORMAL, no_rope_step=4),
