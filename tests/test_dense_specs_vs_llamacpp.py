@@ -120,6 +120,19 @@ def test_logits_match_llama_cpp(case, backend, wtype, llama_cpp):
         assert nmse(ours, ref) <= QUANT_NMSE and agree >= QUANT_TOP1 * clear, what
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ["internlm2", "ernie4_5", "exaone"])
+def test_families_that_are_another_specs_graph(arch, backend, tmp_path):
+    """internlm2 and ernie4_5 (llama's graph) and exaone (qwen2's) under their own names, F32 untied."""
+    path = write_tiny(tmp_path / f"{arch}.gguf", arch, seed=11, n_layer=4, output_type=QT.F32, n_ctx_train=N_CTX)
+    ids = np.random.default_rng(1).integers(3, 280, N_POS).tolist()
+    ref = llamacpp_peer.prompt_logits(path, ids, tmp_path / "ref.npy", n_ctx=N_CTX)
+    mean_kl, max_kl, agree, clear = llamacpp_peer.kl_top1(_ours(path, backend, ids), ref)
+    what = f"{arch} on {backend}: mean KL {mean_kl:.2e} (max {max_kl:.2e}), top-1 {agree}/{clear}"
+    print(what)
+    assert mean_kl <= MAX_KL and agree == clear and clear >= N_POS // 4, what
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_the_option_matters(case, llama_cpp, monkeypatch):
     """The case's option switched off puts the logits far from llama.cpp's: the test above can fail."""

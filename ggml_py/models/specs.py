@@ -7,8 +7,11 @@ Each spec is checked against llama.cpp's src/models/<name>.cpp and src/llama-arc
   rotation gives the same result: a GGUF llama must run with NORM rope (tests/model_factory.py reproduces that).
   With `llama.attention.sliding_window` (Mistral v0.1 style) every layer attends to the last `sliding_window`
   positions; llama.cpp ignores that key for this architecture, so on prompts longer than the window the two differ:
-  ggml_py follows the model's own configuration. `xverse` is the same graph under another GGUF name (llama.cpp's
-  src/models/xverse.cpp: RMS norms, q/k/v, NORM rope, SiLU gated FFN, untied head).
+  ggml_py follows the model's own configuration. `xverse`, `internlm2` (InternLM 2/2.5) and `ernie4_5` (ERNIE 4.5
+  dense) are the same graph under other GGUF names (llama.cpp's src/models/xverse.cpp, internlm2.cpp, ernie4-5.cpp:
+  RMS norms, q/k/v with optional biases, NORM rope, SiLU gated FFN).
+- exaone (EXAONE 3.x): the llama block with NEOX rope and optional q/k/v/output biases (src/models/exaone.cpp), i.e.
+  qwen2's graph; llama.cpp's exaone also applies `rope_freqs` factors, refused here.
 - qwen2 (Qwen 2, 2.5): the llama block with q/k/v biases and NEOX rope (the converter keeps HF's halves).
 - qwen3: no biases, a per-head RMS norm of q and of k (attn_q_norm, attn_k_norm) before NEOX rope.
 - phi3 (Phi-3, 3.5, Phi-4 mini): fused q/k/v (attn_qkv: rows [q; k; v], accepted for any family), fused gate/up
@@ -153,9 +156,12 @@ class DenseSpec:
 
 
 DENSE: tuple[DenseSpec, ...] = (
-    DenseSpec("llama", ops.ROPE_NORMAL, sliding_window=SlidingWindow(), aliases=("xverse",), unsupported=_ROPE_FREQS),
+    DenseSpec("llama", ops.ROPE_NORMAL, sliding_window=SlidingWindow(), aliases=("xverse", "internlm2", "ernie4_5"),
+              unsupported=_ROPE_FREQS),
     DenseSpec("qwen2", ops.ROPE_NEOX, unsupported=_OUTPUT_BIAS),
     DenseSpec("qwen3", ops.ROPE_NEOX, qk_norm="head"),
+    # qwen2's graph, but its rope_freqs (llama 3 style factors, which llama.cpp's exaone applies) are refused
+    DenseSpec("exaone", ops.ROPE_NEOX, unsupported=_ROPE_FREQS),
     DenseSpec("phi3", ops.ROPE_NEOX, fused_gate_up=True,
               unsupported={"rope_factors_long.weight": _LONGROPE, "rope_factors_short.weight": _LONGROPE,
                            **_OUTPUT_BIAS}),
