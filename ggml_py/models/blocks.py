@@ -142,11 +142,10 @@ class StepBuilder:
     def attention(self, ly: Layer, il: int, h: Tensor) -> Tensor:
         """Self-attention of layer il on the normed input h, before the output projection: (T, H*Dv).
 
-        q/k: RMS norm (when the layer has one), then RoPE (the layer's base and scale; none on a layer without
-        rope); k and v are
-        written into the cache rows kv_idx, and attention reads a view of the written cache (so the write is
-        ordered before the read by the graph itself) of its first n_kv rows as (Hk, n_kv, D): heads are slices of
-        a row. flash_attn_ext reads the F16 cache directly and groups heads without copies.
+        q/k: RMS norm (when the layer has one), then RoPE (the layer's base and scale; none on a rope-less layer);
+        k and v are written into the cache rows kv_idx, and attention reads a view of the written cache (so the
+        write is ordered before the read by the graph itself) of its first n_kv rows as (Hk, n_kv, D): heads are
+        slices of a row. flash_attn_ext reads the F16 cache directly and groups heads without copies.
         """
         hp, T, n_kv = self.hp, self.T, self.n_kv
         Hk, D, Dv = hp.n_head_kv, hp.head_dim, hp.head_dim_v

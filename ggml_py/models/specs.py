@@ -1,5 +1,5 @@
-"""The architectures that are data: pre-norm decoders built from the shared blocks (blocks.py) that differ only in
-what they declare here. A family with graph code of its own (gemma3) has a module instead.
+"""The architectures that are data: decoders built from the shared blocks (blocks.py) that differ only in what they
+declare here. A family with graph code of its own (gemma3) has a module instead.
 
 Each spec is checked against llama.cpp's src/models/<name>.cpp and src/llama-arch.cpp (rope type per architecture):
 - llama (SmolLM2, TinyLlama, Llama 2/3, Mistral-style files): q/k/v (+ optional biases), rope NORM, SiLU gated FFN.
@@ -81,7 +81,7 @@ class MupScales:
         embd, resid, logit = self.defaults(hp) if self.defaults else (1.0, 1.0, None)
 
         def multiplier(key: str, default: float) -> float:  # written as 0: no scaling, as llama.cpp's graph reads it
-            return m.optional_float(key) or 1.0 if m.has(key) else default
+            return (m.optional_float(key) or 1.0) if m.has(key) else default
 
         attn = m.optional_float("attention.scale") if self.attention_scale else 0.0
         return replace(hp, embd_scale=multiplier("embedding_scale", embd),
@@ -104,9 +104,9 @@ class DenseSpec:
     ("head") or over the whole projection ("full"). fused_gate_up: ffn_up holds [gate; up]. pre_norms /
     post_norms: the blocks normalise their inputs (attn_norm, ffn_norm) / their outputs (post_attention_norm,
     post_ffw_norm). sliding_window: how the family reads the window keys (None: it has none). mup: the muP
-    multipliers it reads (granite, minicpm). rope_switch: `rope.scaling.finetuned`
-    false would turn rope off in every layer (granite): refused. no_rope_step: every no_rope_step-th layer has no
-    rope (smollm3). unsupported: tensor names refused at load."""
+    multipliers it reads (granite, minicpm). rope_switch: `rope.scaling.finetuned` false would turn rope off in
+    every layer (granite): refused. no_rope_step: every no_rope_step-th layer has no rope (smollm3). unsupported:
+    tensor names refused at load."""
 
     name: str
     rope_mode: int
