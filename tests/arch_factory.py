@@ -17,15 +17,24 @@ from model_factory import _store as _store_as
 from model_factory import add_tiny_tokenizer, tiny_vocab
 
 # per architecture: what its tensors and keys look like (facts from llama.cpp's src/models/<arch>.cpp)
-QK_NORM = {"qwen3", "gemma3", "qwen3moe", "olmoe"}
-QK_NORM_WHOLE = {"olmoe"}  # one norm over all heads of q (of k), not per head; llama.cpp sizes k's by n_embd: Hk = H
+QK_NORM = {"qwen3", "gemma3", "qwen3moe"}
+# attn_q_norm / attn_k_norm over the whole projection, not per head (olmoe: llama.cpp sizes k's by n_embd: Hk = H)
+QK_NORM_FULL = {"olmo2", "olmoe"}
 # the experts (n_expert, n_expert_used, n_ff_exp) written by default for the architectures that have no dense FFN
 DEFAULT_EXPERTS = {"qwen3moe": (16, 4, 256), "olmoe": (8, 2, None)}
 QKV_BIAS = {"qwen2"}
 FUSED = {"phi3"}  # attn_qkv and ffn_up = [gate; up]
-POST_NORMS = {"gemma3"}
-# control tokens llama.cpp's vocabulary loader needs for an architecture (phi3: without these it stops with
-# "unordered_map::at"; found by trial, the exact one was not isolated)
+POST_NORMS = {"gemma3", "olmo2"}
+NO_PRE_NORMS = {"olmo2"}  # no attn_norm / ffn_norm
+UNTIED = {"olmo2"}  # llama.cpp requires output.weight
+# keys a family's files carry, with values far from 1 so that a graph ignoring one fails (granite: llama.cpp
+# requires logit_scale); `metadata` overrides them
+ARCH_KEYS: dict[str, dict[str, object]] = {
+    "granite": {"embedding_scale": 3.0, "residual_scale": 0.4, "attention.scale": 0.3, "logit_scale": 0.5}}
+# control tokens of a family's vocabulary. phi3: llama.cpp's vocabulary loader (src/llama-vocab.cpp) keys a rule on
+# general.name, whatever the architecture: a name containing "phi3" or "phi-3" (write_tiny names the file
+# "tiny-phi3") makes it look up <s>, </s>, <unk> and <|endoftext|> by text, and it fails ("unordered_map::at")
+# without one of them; Phi's turn tokens make the vocabulary Phi-like but llama.cpp does not need them
 EXTRA_SPECIALS = {"phi3": ["<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<s>", "</s>", "<unk>"]}
 
 
@@ -50,7 +59,7 @@ def write_tiny(path: str | os.PathLike[str], arch: str, *, seed: int = 0, n_embd
     the architectures that need them)."""
     if not n_expert and arch in DEFAULT_EXPERTS:
         n_expert, n_expert_used, n_ff_exp = DEFAULT_EXPERTS[arch]
-    if arch in QK_NORM_WHOLE:
+    if arch == "olmoe":  # llama.cpp sizes its k norm by n_embd: as many k heads as q heads
         n_head_kv = n_head
     rng = np.random.default_rng(seed)
     tokens, types, merges = tiny_vocab()
@@ -111,12 +120,13 @@ def write_tiny(path: str | os.PathLike[str], arch: str, *, seed: int = 0, n_embd
 
     _store(w, "token_embd.weight", rnd(V, E, scale=1.0), embd_type)
     norm("output_norm.weight", E)
-    if output_type is not None:
-        mat("output.weight", V, E, output_type)
+    if output_type is not None or arch in UNTIED:
+        mat("output.weight", V, E, weight_type if output_type is None else output_type)
     nq, nk = H * D, Hk * D
     for i in range(n_layer):
         p = f"blk.{i}."
-        norm(p + "attn_norm.weight", E)
+        if arch not in NO_PRE_NORMS:
+            norm(p + "attn_norm.weight", E)
         if arch in FUSED:
             mat(p + "attn_qkv.weight", nq + 2 * nk, E)
         else:
@@ -126,13 +136,14 @@ def write_tiny(path: str | os.PathLike[str], arch: str, *, seed: int = 0, n_embd
         if arch in QKV_BIAS or attn_bias:
             for t, n in (("q", nq), ("k", nk), ("v", nk)):
                 _store(w, p + f"attn_{t}.bias", rnd(n, scale=0.5), QT.F32)
-        if arch in QK_NORM:
-            norm(p + "attn_q_norm.weight", nq if arch in QK_NORM_WHOLE else D)
-            norm(p + "attn_k_norm.weight", nk if arch in QK_NORM_WHOLE else D)
+        if arch in QK_NORM or arch in QK_NORM_FULL:
+            norm(p + "attn_q_norm.weight", nq if arch in QK_NORM_FULL else D)
+            norm(p + "attn_k_norm.weight", nk if arch in QK_NORM_FULL else D)
         mat(p + "attn_output.weight", E, nq)
         if attn_bias:
             _store(w, p + "attn_output.bias", rnd(E, scale=0.5), QT.F32)
-        norm(p + "ffn_norm.weight", E)
+        if arch not in NO_PRE_NORMS:
+            norm(p + "ffn_norm.weight", E)
         if n_expert:
             Fx = n_ff_exp or F
             mat(p + "ffn_gate_inp.weight", n_expert, E, QT.F32)  # the router: F32, as llama.cpp's converter keeps it
@@ -151,10 +162,12 @@ def write_tiny(path: str | os.PathLike[str], arch: str, *, seed: int = 0, n_embd
             norm(p + "post_ffw_norm.weight", E)
     for name, data in (extra_tensors or {}).items():
         w.add_tensor(name, data)
-    for key, value in (metadata or {}).items():  # GGUFWriter keeps the last value written for a key
+    for key, value in {**ARCH_KEYS.get(arch, {}), **(metadata or {})}.items():  # GGUFWriter keeps the last value
         key = key if key.startswith(("general.", "tokenizer.")) else f"{arch}.{key}"
         if isinstance(value, str):
             w.add_string(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
         elif isinstance(value, list | tuple):  # an array of the elements' type (bool, int, float, str)
             w.add_array(key, list(value))
         elif isinstance(value, float):

@@ -44,11 +44,12 @@ def _ours(path: str, backend: str, ids: list[int] | None = None) -> tuple[np.nda
         return m.eval(ids), ids
 
 
-NEW = ("qwen2", "qwen3", "phi3", "gemma3")
+NEW = ("qwen2", "qwen3", "phi3", "gemma3", "granite", "olmo2", "smollm3", "minicpm", "exaone")
+LLAMA_ALIASES = ("xverse", "internlm2", "ernie4_5")
 
 
 def test_registry_lists_every_architecture():
-    assert set(NEW) | {"llama", "xverse"} <= set(SUPPORTED_ARCHITECTURES)
+    assert set(NEW) | {"llama", *LLAMA_ALIASES} <= set(SUPPORTED_ARCHITECTURES)
 
 
 @pytest.mark.skipif(not llamacpp_peer.available(), reason=llamacpp_peer.NOT_AVAILABLE)
@@ -67,17 +68,18 @@ def test_tiny_logits_match_llama_cpp(arch, wtype, tmp_path):
 
 
 @pytest.mark.skipif(not llamacpp_peer.available(), reason=llamacpp_peer.NOT_AVAILABLE)
-def test_an_alias_runs_its_specs_graph_under_its_own_name(tmp_path):
-    """xverse is the llama spec's graph under another GGUF name (its keys under `xverse.`): the same weights give
-    the same logits as the llama file, and llama.cpp's on the xverse file."""
-    x = write_tiny(tmp_path / "x.gguf", "xverse", seed=5, output_type=QT.F32)
+@pytest.mark.parametrize("alias", LLAMA_ALIASES)
+def test_an_alias_runs_its_specs_graph_under_its_own_name(alias, tmp_path):
+    """xverse, internlm2 and ernie4_5 are the llama spec's graph under other GGUF names (their keys under their own
+    prefix): the same weights give the same logits as the llama file, and llama.cpp's on the alias's file."""
+    x = write_tiny(tmp_path / "x.gguf", alias, seed=5, output_type=QT.F32)
     ll = write_tiny(tmp_path / "l.gguf", "llama", seed=5, output_type=QT.F32)
     ours, ids = _ours(x, "numpy")
     assert np.array_equal(ours, _ours(ll, "numpy", ids)[0])
     ref = _llama_cpp_logits(x, ids, tmp_path)
     for b in BACKENDS:
         err = nmse(_ours(x, b, ids)[0], ref)
-        assert err <= WEIGHTS[QT.F32], f"xverse on {b}: NMSE {err:.2e} against llama.cpp"
+        assert err <= WEIGHTS[QT.F32], f"{alias} on {b}: NMSE {err:.2e} against llama.cpp"
 
 
 @pytest.mark.skipif(not llamacpp_peer.available(), reason=llamacpp_peer.NOT_AVAILABLE)

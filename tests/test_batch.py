@@ -18,8 +18,8 @@ from conftest import available_backends
 from model_factory import nmse
 
 BACKENDS = available_backends()
-# gemma3 with a window of 4 (shorter than the prompts) on layer 0
-SHAPES = {"gemma3": dict(n_swa=4, swa_pattern=2)}
+# gemma3 with a window of 4 (shorter than the prompts) on layer 0; smollm3 with a rope-less layer (3)
+SHAPES = {"gemma3": dict(n_swa=4, swa_pattern=2), "smollm3": dict(n_layer=4)}
 
 
 @pytest.fixture(scope="module", params=SUPPORTED_ARCHITECTURES)

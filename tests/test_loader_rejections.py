@@ -86,7 +86,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     return {name: write_tiny(d / f"{name}.gguf", arch, seed=1, **opts) for name, (arch, opts, _, _) in REFUSED.items()}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "granite", "olmo2", "smollm3", "minicpm"])
 def test_the_unmodified_tiny_model_loads(arch, tmp_path):
     with load_model(write_tiny(tmp_path / "ok.gguf", arch, seed=1), backends=["numpy"], n_ctx=16) as m:
         assert m.eval(m.tokenize("the cat")).shape[1] == m.n_vocab

@@ -104,12 +104,21 @@ class StepBuilder:
         return ops.mul(ops.rms_norm(x, self.hp.rms_eps), w)
 
     def qk_norm(self, x: Tensor, w: Tensor) -> Tensor:
-        """The RMS norm of q or k (T, H, D): per head (w has D values), or over all heads at once (w has H * D:
-        olmoe)."""
-        if w.shape[-1] == x.shape[-1]:
+        """RMS norm of q or k (T, heads, D): per head when the weight has D values, else over the whole projection
+        (olmo2's norms span all heads)."""
+        T, n, D = x.shape
+        if w.shape[-1] == D:
             return self.norm(x, w)
-        shape = x.shape
-        return ops.reshape(self.norm(ops.reshape(x, (shape[0], w.shape[-1])), w), shape)
+        return ops.reshape(self.norm(ops.reshape(x, (T, n * D)), w), (T, n, D))
+
+    def residual(self, x: Tensor, out: Tensor, post_norm: Tensor | None) -> Tensor:
+        """x + out: the block's output `out` RMS-normed first when it has a post-norm, and multiplied by the
+        model's residual scale (granite)."""
+        if post_norm is not None:
+            out = self.norm(out, post_norm)
+        if self.hp.residual_scale != 1.0:
+            out = ops.scale(out, self.hp.residual_scale)
+        return ops.add(x, out)
 
     def linear(self, w: Tensor, x: Tensor, b: Tensor | None = None) -> Tensor:
         return _bias(ops.mul_mat(w, x), b)
@@ -134,8 +143,8 @@ class StepBuilder:
     def attention(self, ly: Layer, il: int, h: Tensor) -> Tensor:
         """Self-attention of layer il on the normed input h, before the output projection: (T, H*Dv).
 
-        q/k: per-head RMS norm (when the layer has one), then RoPE (the layer's base and scale, the model's
-        frequency factors and YaRN parameters, as llama.cpp's ggml_rope_ext calls); k and v are
+        q/k: RMS norm (when the layer has one), then RoPE (the layer's base and scale, the model's frequency
+        factors and YaRN parameters, as llama.cpp's ggml_rope_ext calls; none on a rope-less layer); k and v are
         written into the cache rows kv_idx, and attention reads a view of the written cache (so the write is
         ordered before the read by the graph itself) of its first n_kv rows as (Hk, n_kv, D): heads are slices of
         a row. flash_attn_ext reads the F16 cache directly and groups heads without copies.
@@ -147,9 +156,10 @@ class StepBuilder:
             q = self.qk_norm(q, ly.q_norm)
         if ly.k_norm is not None:
             k = self.qk_norm(k, ly.k_norm)
-        base, fscale = hp.rope(il)
-        q, k = (ops.rope(t, self.pos, hp.n_rot, hp.rope_mode, base, fscale, self.w.rope_freqs,
-                         **hp.rope_yarn.rope_args()) for t in (q, k))
+        if hp.uses_rope(il):
+            base, fscale = hp.rope(il)
+            q, k = (ops.rope(t, self.pos, hp.n_rot, hp.rope_mode, base, fscale, self.w.rope_freqs,
+                             **hp.rope_yarn.rope_args()) for t in (q, k))
         es = self.cache.dtype.type_size
         k_all = ops.set_rows(self.cache.k[il], ops.reshape(k, (T, Hk * D)), self.kv_idx)
         v_all = ops.set_rows(self.cache.v[il], v, self.kv_idx)
@@ -208,6 +218,8 @@ class StepBuilder:
                              normed.set_name("embd").set_output(), self._masks.get(False), self._masks.get(True),
                              hp.n_swa, self.out_idx, hidden=self._hidden)
         logits = ops.mul_mat(self.w.output, normed)
+        if hp.logit_scale != 1.0:
+            logits = ops.scale(logits, hp.logit_scale)
         if hp.final_softcap > 0:
             c = hp.final_softcap
             logits = ops.scale(ops.tanh(ops.scale(logits, 1.0 / c)), c)
@@ -251,14 +263,19 @@ def build_step(hp: HParams, w: Weights, cache: KVCache, layer: LayerFn, n_tokens
     return b.finish(x, embd) if layers.stop == hp.n_layer else b.hidden_out(x)
 
 
-def pre_norm_layer(act: str = "silu") -> LayerFn:
-    """The llama-style block (llama, qwen2, qwen3, phi3 differ only in their tensors):
-    x += wo(attention(norm(x))); x += ffn(norm(x))."""
+def _pre_norm(b: StepBuilder, x: Tensor, w: Tensor | None) -> Tensor:
+    return x if w is None else b.norm(x, w)
+
+
+def dense_layer(act: str = "silu") -> LayerFn:
+    """The decoder block of every dense family, shaped by the norms its weights have:
+    x += post_norm(wo(attention(pre_norm(x)))); x += post_norm(ffn(pre_norm(x))), each norm where the layer has
+    one: pre-norms only (llama, qwen2, qwen3, phi3, granite, smollm3), post-norms only (olmo2), both (gemma3)."""
 
     def layer(b: StepBuilder, ly: Layer, il: int, x: Tensor) -> Tensor:
-        att = b.attention(ly, il, b.norm(x, ly.attn_norm))
+        att = b.attention(ly, il, _pre_norm(b, x, ly.attn_norm))
         att, x = b.keep_last(il, att, x)
-        x = ops.add(x, b.linear(ly.wo, att, ly.bo))
-        return ops.add(x, b.ffn(ly, b.norm(x, ly.ffn_norm), act))
+        x = b.residual(x, b.linear(ly.wo, att, ly.bo), ly.attn_post_norm)
+        return b.residual(x, b.ffn(ly, _pre_norm(b, x, ly.ffn_norm), act), ly.ffn_post_norm)
 
     return layer

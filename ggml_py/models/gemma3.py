@@ -1,4 +1,5 @@
-"""The gemma3 architecture (Gemma 3 text models, e.g. Gemma-3-270M), as llama.cpp's src/models/gemma3.cpp:
+"""The gemma3 architecture (Gemma 3 text models, e.g. Gemma-3-270M), as llama.cpp's src/models/gemma3.cpp (its
+block is blocks.dense_layer with pre- and post-norms; what is its own is the hyper-parameters):
 
     x = get_rows(token_embd, tokens) * sqrt(n_embd)
     per layer:  h = rms_norm(x) * attn_norm
@@ -22,11 +23,10 @@ from typing import Any
 
 from ggml_py.errors import ModelError
 from ggml_py.ir import ops
-from ggml_py.ir.tensor import Tensor
 from ggml_py.models.architecture import Architecture
-from ggml_py.models.blocks import StepBuilder
+from ggml_py.models.blocks import dense_layer
 from ggml_py.models.hparams import HParams, Meta, read_hparams, reciprocal, swa_pattern
-from ggml_py.models.weights import Layer, TensorReader, attention_tensors, ffn_tensors
+from ggml_py.models.weights import Layer, TensorReader, attention_tensors, ffn_tensors, post_norm_tensors
 
 NAME = "gemma3"
 SWA_PERIOD = 6  # llama.cpp's default when the file has no sliding_window_pattern
@@ -66,22 +66,12 @@ def hparams(meta: dict[str, Any], path: str, n_vocab: int) -> HParams:
 
 
 def layer_tensors(r: TensorReader, hp: HParams, i: int) -> Layer:
-    p = f"blk.{i}."
-    return Layer(**attention_tensors(r, hp, i, qk_norm=True), **ffn_tensors(r, hp, i),  # type: ignore[arg-type]
-                 attn_post_norm=r.norm(p + "post_attention_norm.weight", hp.n_embd),
-                 ffn_post_norm=r.norm(p + "post_ffw_norm.weight", hp.n_embd))
-
-
-def layer(b: StepBuilder, ly: Layer, il: int, x: Tensor) -> Tensor:
-    assert ly.attn_post_norm is not None and ly.ffn_post_norm is not None
-    att = b.attention(ly, il, b.norm(x, ly.attn_norm))
-    att, x = b.keep_last(il, att, x)
-    x = ops.add(x, b.norm(b.linear(ly.wo, att, ly.bo), ly.attn_post_norm))
-    return ops.add(x, b.norm(b.ffn(ly, b.norm(x, ly.ffn_norm), "gelu"), ly.ffn_post_norm))
+    return Layer(**attention_tensors(r, hp, i, qk_norm="head"), **ffn_tensors(r, hp, i),  # type: ignore[arg-type]
+                 **post_norm_tensors(r, hp, i))
 
 
 ARCHITECTURE = Architecture(
-    name=NAME, hparams=hparams, layer_tensors=layer_tensors, layer=layer, chat_template=CHAT_TEMPLATE,
+    name=NAME, hparams=hparams, layer_tensors=layer_tensors, layer=dense_layer("gelu"), chat_template=CHAT_TEMPLATE,
     unsupported={"dense_2_out.weight": "EmbeddingGemma's dense projections",
                  "dense_3_out.weight": "EmbeddingGemma's dense projections"},
 )

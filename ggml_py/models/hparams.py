@@ -100,6 +100,13 @@ class Meta:
         v = self.get(key)
         return 0 if v is None else _per_layer(v, key, self.path, minimum=0)
 
+    def bool_key(self, key: str, default: bool) -> bool:
+        """A GGUF bool; absent is `default`."""
+        v = self.get(key, default)
+        if not isinstance(v, bool | np.bool_):
+            raise ModelError(f"{self.path}: {self.arch + '.' + key} must be a bool, got {describe_value(v)}")
+        return bool(v)
+
     def optional_float(self, key: str, hi: float = math.inf) -> float:
         """A positive finite number at most `hi`, or 0 (absent, or written as 0: an optional feature left off)."""
         v = self.get(key)
@@ -141,9 +148,15 @@ class HParams:
     n_ff_exp: int = 0  # rows of one expert's gate and up matrices
     expert_weights_norm: bool = False  # the k chosen weights divided by their sum
     expert_gating: str = "softmax"  # the router's scores: "softmax" or "sigmoid" of its logits
+    residual_scale: float = 1.0  # the attention and FFN outputs are multiplied by this before their residual adds
+    logit_scale: float = 1.0  # the logits are multiplied by this (granite: 1 / its logit_scale key)
+    rope_layers: tuple[bool, ...] = ()  # per layer: does it rotate q and k; () = every layer does
 
     def is_swa(self, il: int) -> bool:
         return self.n_swa > 0 and bool(self.swa_layers) and self.swa_layers[il]
+
+    def uses_rope(self, il: int) -> bool:
+        return not self.rope_layers or self.rope_layers[il]
 
     def rope(self, il: int) -> tuple[float, float]:
         """(freq_base, freq_scale) of layer il."""

@@ -4,7 +4,7 @@ types. The fields are the union over the architectures; each architecture's modu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ggml_py.errors import ModelError
 from ggml_py.ir import dtypes
@@ -13,19 +13,22 @@ from ggml_py.ir.tensor import Tensor, weight
 from ggml_py.models.hparams import HParams
 
 F32_ONLY = (dtypes.F32,)  # norms and biases
+# q/k RMS norms: "head" normalises each head (qwen3, gemma3), "full" the whole projection at once (olmo2)
+QKNorm = Literal["head", "full"]
 
 
 @dataclass
 class Layer:
     """One transformer block. q/k/v come either separately (wq, wk, wv) or fused (wqkv); gate/up either separately
     (gate, up) or fused in `up` (gate = None, `up` then has 2 * n_ff rows: gate first, as llama.cpp's phi3), or
-    experts (gate_inp and the *_exps)."""
+    experts (gate_inp and the *_exps). The norms a block has decide its shape (blocks.dense_layer): pre-norms
+    (attn_norm, ffn_norm), post-norms of the attention and FFN outputs (attn_post_norm, ffn_post_norm), or both."""
 
-    attn_norm: Tensor
     wo: Tensor
-    ffn_norm: Tensor
     up: Tensor | None = None  # None in a mixture-of-experts layer
     down: Tensor | None = None
+    attn_norm: Tensor | None = None  # None: the block normalises no input (olmo2)
+    ffn_norm: Tensor | None = None
     wq: Tensor | None = None
     wk: Tensor | None = None
     wv: Tensor | None = None
@@ -35,9 +38,9 @@ class Layer:
     bv: Tensor | None = None
     bqkv: Tensor | None = None
     bo: Tensor | None = None
-    q_norm: Tensor | None = None  # per-head RMS norms of q and k (qwen3, gemma3)
+    q_norm: Tensor | None = None  # RMS norms of q and k: per head (head size) or over the whole projection
     k_norm: Tensor | None = None
-    attn_post_norm: Tensor | None = None  # norms of the attention and FFN outputs before the residual (gemma3)
+    attn_post_norm: Tensor | None = None  # norms of the attention and FFN outputs before the residual (gemma3, olmo2)
     ffn_post_norm: Tensor | None = None
     gate: Tensor | None = None
     # mixture of experts (moe.py): the router (n_expert, E) and each expert's gate, up (n_expert, F, E) and down
@@ -109,16 +112,15 @@ class TensorReader:
 
 
 # -- the blocks' tensors, as llama.cpp names them ------------------------------------------------------------------
-def attention_tensors(r: TensorReader, hp: HParams, i: int, *, qk_norm: bool = False,
-                      qk_norm_whole: bool = False) -> dict[str, Tensor | None]:
-    """attn_norm, q/k/v (separate, or fused attn_qkv when the file has it, as llama.cpp accepts for any
-    architecture) with optional biases, attn_output (+ optional bias), and the per-head q/k norms when `qk_norm`
-    (over all heads of q and of k at once with `qk_norm_whole`, as olmoe)."""
+def attention_tensors(r: TensorReader, hp: HParams, i: int, *, qk_norm: QKNorm | None = None,
+                      pre_norm: bool = True) -> dict[str, Tensor | None]:
+    """attn_norm (when `pre_norm`), q/k/v (separate, or fused attn_qkv when the file has it, as llama.cpp accepts
+    for any architecture) with optional biases, attn_output (+ optional bias), and the q/k norms of `qk_norm`
+    (per head: head size; "full": the projection's width, olmo2 and olmoe)."""
     p = f"blk.{i}."
     E, H, Hk, D, Dv = hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v
     nq, nk, nv = H * D, Hk * D, Hk * Dv
-    t: dict[str, Tensor | None] = {"attn_norm": r.norm(p + "attn_norm.weight", E),
-                                   "wo": r.need(p + "attn_output.weight", (E, H * Dv)),
+    t: dict[str, Tensor | None] = {"wo": r.need(p + "attn_output.weight", (E, H * Dv)),
                                    "bo": r.norm(p + "attn_output.bias", E, required=False)}
     if r.has(p + "attn_qkv.weight"):
         t["wqkv"] = r.need(p + "attn_qkv.weight", (nq + nk + nv, E))
@@ -130,18 +132,23 @@ def attention_tensors(r: TensorReader, hp: HParams, i: int, *, qk_norm: bool = F
         t["bq"] = r.norm(p + "attn_q.bias", nq, required=False)
         t["bk"] = r.norm(p + "attn_k.bias", nk, required=False)
         t["bv"] = r.norm(p + "attn_v.bias", nv, required=False)
+    if pre_norm:
+        t["attn_norm"] = r.norm(p + "attn_norm.weight", E)
     if qk_norm:
-        t["q_norm"] = r.norm(p + "attn_q_norm.weight", nq if qk_norm_whole else D)
-        t["k_norm"] = r.norm(p + "attn_k_norm.weight", nk if qk_norm_whole else D)
+        t["q_norm"] = r.norm(p + "attn_q_norm.weight", D if qk_norm == "head" else nq)
+        t["k_norm"] = r.norm(p + "attn_k_norm.weight", D if qk_norm == "head" else nk)
     return t
 
 
-def ffn_tensors(r: TensorReader, hp: HParams, i: int, *, fused_gate_up: bool = False) -> dict[str, Tensor | None]:
-    """ffn_norm, ffn_gate/ffn_up/ffn_down; with `fused_gate_up`, ffn_up holds [gate; up] (2 * n_ff rows)."""
+def ffn_tensors(r: TensorReader, hp: HParams, i: int, *, fused_gate_up: bool = False,
+                pre_norm: bool = True) -> dict[str, Tensor | None]:
+    """ffn_norm (when `pre_norm`), ffn_gate/ffn_up/ffn_down; with `fused_gate_up`, ffn_up holds [gate; up]
+    (2 * n_ff rows)."""
     p = f"blk.{i}."
     E, F = hp.n_embd, hp.n_ff
-    t: dict[str, Tensor | None] = {"ffn_norm": r.norm(p + "ffn_norm.weight", E),
-                                   "down": r.need(p + "ffn_down.weight", (E, F))}
+    t: dict[str, Tensor | None] = {"down": r.need(p + "ffn_down.weight", (E, F))}
+    if pre_norm:
+        t["ffn_norm"] = r.norm(p + "ffn_norm.weight", E)
     if fused_gate_up:
         t["up"] = r.need(p + "ffn_up.weight", (2 * F, E))
     else:
@@ -165,6 +172,11 @@ def expert_tensors(r: TensorReader, hp: HParams, i: int) -> dict[str, Tensor | N
             "gate_exps": r.need(p + "ffn_gate_exps.weight", (X, F, E)),
             "up_exps": r.need(p + "ffn_up_exps.weight", (X, F, E)),
             "down_exps": r.need(p + "ffn_down_exps.weight", (X, E, F))}
+def post_norm_tensors(r: TensorReader, hp: HParams, i: int) -> dict[str, Tensor | None]:
+    """post_attention_norm and post_ffw_norm: RMS norms of the attention and FFN outputs (gemma3, olmo2)."""
+    p = f"blk.{i}."
+    return {"attn_post_norm": r.norm(p + "post_attention_norm.weight", hp.n_embd),
+            "ffn_post_norm": r.norm(p + "post_ffw_norm.weight", hp.n_embd)}
 
 
 def model_tensors(r: TensorReader, hp: HParams, layers: list[Layer]) -> Weights:
