@@ -95,12 +95,17 @@ ASAN_EXPECT_BACKENDS ?= simd
 # test_determinism_ops, test_simd_kernels and test_batch run; test_chat_page (a browser), test_clients (HTTP
 # client libraries), test_lm_eval (lm-eval, with pyarrow and pandas, where the preloaded sanitizer runtime
 # checks nothing of ours) and test_structured (llguidance's Rust masks, 200 constrained requests), driving a server
-# whose native paths test_serve and test_serve_logprobs run.
+# whose native paths test_serve and test_serve_logprobs run; test_rope_scaling_vs_llamacpp, test_moe_vs_llamacpp
+# and test_dense_specs_vs_llamacpp, numerics against llama.cpp on tiny families whose kernels (ROPE's factors and
+# YaRN, MUL_MAT_ID of every type) test_simd_conformance and test_determinism_ops run and whose graphs
+# test_architectures, test_batch and test_pipeline run; test_python_backend_runtime (Python backends only).
 ASAN_SKIP ?= tests/test_gguf.py tests/test_gguf_fuzz.py tests/test_quants.py tests/test_sampling.py \
 	tests/test_sampling_vs_llamacpp.py tests/test_tokenizer.py tests/test_docs_walkthrough.py tests/test_quantize_cmd.py \
 	tests/test_gemma3.py tests/test_vs_llamacpp.py tests/test_cluster.py tests/test_serve_limits.py \
 	tests/test_stop_strings.py tests/test_layers.py tests/test_write_model.py tests/test_determinism.py \
-	tests/test_chat_page.py tests/test_clients.py tests/test_lm_eval.py tests/test_structured.py
+	tests/test_chat_page.py tests/test_clients.py tests/test_lm_eval.py tests/test_structured.py \
+	tests/test_rope_scaling_vs_llamacpp.py tests/test_moe_vs_llamacpp.py tests/test_dense_specs_vs_llamacpp.py \
+	tests/test_python_backend_runtime.py
 # the longest first, so that the jobs end together
 ASAN_FIRST := tests/test_serve.py tests/test_hostile_inputs.py tests/test_architectures.py \
 	tests/test_native_plugin.py tests/test_model.py
