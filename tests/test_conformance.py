@@ -66,39 +66,39 @@ class _UpperBoundReg(_Reg):
         return _UpperBound(self.name)
 
 
-def _perturb_add(op: str, k: Callable) -> Callable:
-    if op != "ADD":
-        return k
+def _only(op_name: str) -> Callable[[Callable[[Callable], Callable]], Callable]:
+    """A kernel tweak `wrap(op, kernel) -> kernel` that replaces the kernel of `op_name` alone."""
+    def deco(make: Callable[[Callable], Callable]) -> Callable:
+        return lambda op, k: make(k) if op == op_name else k
+    return deco
+
+
+@_only("ADD")
+def _perturb_add(k: Callable) -> Callable:
     return lambda n, s, o: k(n, s, o) * np.float32(1.01)
 
 
-def _softmax_ignores_mask(op: str, k: Callable) -> Callable:
-    if op != "SOFT_MAX":
-        return k
+@_only("SOFT_MAX")
+def _softmax_ignores_mask(k: Callable) -> Callable:
     return lambda n, s, o: k(n, [s[0], None], o)
 
 
-def _log_without_nan(op: str, k: Callable) -> Callable:
-    if op != "LOG":
-        return k
+@_only("LOG")
+def _log_without_nan(k: Callable) -> Callable:
     return lambda n, s, o: k(n, [np.abs(s[0])], o)  # log|x|: no NaN for negative inputs
 
 
-def _rope_raises(op: str, k: Callable) -> Callable:
-    if op != "ROPE":
-        return k
-
+@_only("ROPE")
+def _rope_raises(k: Callable) -> Callable:
     def boom(n, s, o):  # type: ignore[no-untyped-def]
         raise RuntimeError("kernel exploded")
 
     return boom
 
 
-def _truncating_convert(op: str, k: Callable) -> Callable:
+@_only("CPY")
+def _truncating_convert(k: Callable) -> Callable:
     """F32 -> F16/BF16 by dropping mantissa bits (round toward zero) instead of rounding to nearest even."""
-    if op != "CPY":
-        return k
-
     def cpy(n, s, o):  # type: ignore[no-untyped-def]
         x = np.ascontiguousarray(k(n, s, o), dtype=np.float32)
         mask = {"F16": 0xFFFFE000, "BF16": 0xFFFF0000}.get(n.dtype.name)
@@ -107,10 +107,8 @@ def _truncating_convert(op: str, k: Callable) -> Callable:
     return cpy
 
 
-def _norm_without_eps(op: str, k: Callable) -> Callable:
-    if op != "RMS_NORM":
-        return k
-
+@_only("RMS_NORM")
+def _norm_without_eps(k: Callable) -> Callable:
     def rms(n, s, o):  # type: ignore[no-untyped-def]
         x = s[0].astype(np.float64)
         return (x / np.sqrt((x * x).mean(axis=-1, keepdims=True))).astype(np.float32)
@@ -118,10 +116,8 @@ def _norm_without_eps(op: str, k: Callable) -> Callable:
     return rms
 
 
-def _mul_nan_where_b_is_zero(op: str, k: Callable) -> Callable:
-    if op != "MUL":
-        return k
-
+@_only("MUL")
+def _mul_nan_where_b_is_zero(k: Callable) -> Callable:
     def mul(n, s, o):  # type: ignore[no-untyped-def]
         out = np.array(k(n, s, o), dtype=np.float32)
         b_zero = k(n, [np.ones_like(s[0]), (s[1] == 0).astype(np.float32)], o) > 0  # b tiled as the kernel does
