@@ -543,7 +543,7 @@ def test_no_backend_for_op_mentions_native_backend(cexample: Path) -> None:
 
 
 # -- the conformance kit -------------------------------------------------------------------------------------------
-CLAIMED = {"ADD", "MUL", "MUL_MAT"}
+CLAIMED = {"ADD", "MUL", "MUL_MAT", "RMS_NORM"}
 
 
 def _kit() -> Any:
@@ -563,6 +563,34 @@ def test_example_passes_conformance_kit(cexample: Path) -> None:
     passed_ops = {r.op for r in report.results if r.status == "passed"}
     assert passed_ops == CLAIMED  # every op it claims was tested and passed; nothing else ran on it
     assert "SILU" in report.not_covered and not CLAIMED & set(report.not_covered)  # the rest is reported as skipped
+
+
+# Bugs real plugins had, each planted in the example by a patch of its source: (what the example has, what the bug
+# writes instead, the ops whose cases the kit runs on it)
+PLANTED_BUGS = {
+    "eps ignored": ("sqrt(sum / (double)d->ne[0] + eps)", "sqrt(sum / (double)d->ne[0] + 0.0 * eps)", "RMS_NORM"),
+    "NaN where b == 0": ("mul ? x * y : x + y", "mul ? (y == 0.0f ? NAN : x * y) : x + y", "MUL"),
+    "strides ignored": ("(char *)t->data + i0 * t->nb[0] + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3]",
+                        "(char *)t->data + 4 * (i0 + t->ne[0] * (i1 + t->ne[1] * (i2 + t->ne[2] * i3)))",
+                        "ADD,MUL,RMS_NORM,MUL_MAT"),
+    "symbols never bound": ("ggml_py_tensor_bind(in->src[1], args->syms, &b);", "b = *in->src[1];", "ADD,MUL_MAT"),
+    "weight broadcast by modulo": ("at(a, 0, m, i2 / r2, i3 / r3)", "at(a, 0, m, i2 % a->ne[2] + 0 * r2, i3 % a->ne[3] + 0 * r3)",
+                                   "MUL_MAT"),
+}
+
+
+@pytest.mark.parametrize("bug", list(PLANTED_BUGS))
+def test_kit_fails_the_example_with_a_planted_bug(bug: str, libdir: Path) -> None:
+    kit = _kit()
+    good, bad, ops_ = PLANTED_BUGS[bug]
+    src = EXAMPLE.read_text()
+    assert src.count(good) == 1, f"the example no longer has {good!r}: update the planted bug"
+    patched = libdir / f"cexample_{bug.replace(' ', '_').replace('=', '')}.c"
+    patched.write_text(src.replace(good, bad))
+    lib = build(patched, libdir / f"lib{patched.stem}.so")
+    report = kit.run_backend(native.backend(lib), kit.cases(op=ops_))
+    assert report.failed > 0, f"the kit let '{bug}' through: {report.passed} passed"
+    assert all(r.op in ops_.split(",") for r in report.failures)
 
 
 def test_kit_catches_wrong_and_failing_plugins(libdir: Path) -> None:
@@ -675,6 +703,6 @@ def test_native_plugin_shipped_as_a_wheel(tmp_path: Path) -> None:
     assert "ggml_py_cexample:library_path" in rows["cexample"]["source"]
     rep = v.cli("test-backend", "cexample")
     assert rep["failed"] == 0 and rep["passed"] > 0
-    assert {r["op"] for r in rep["results"] if r["status"] == "passed"} == {"ADD", "MUL", "MUL_MAT"}
+    assert {r["op"] for r in rep["results"] if r["status"] == "passed"} == CLAIMED
     v.run("-m", "pip", "uninstall", "-y", "-q", "ggml-py-cexample")
     assert "cexample" not in {b["name"] for b in v.cli("backends")["backends"]}

@@ -1,7 +1,8 @@
 /*
  * cexample: a minimal ggml_py native backend in plain C11 (ABI 2.2; it uses nothing newer than 2.1).
  *
- * It computes ADD, MUL and MUL_MAT on F32 tensors of any layout (strides are honoured, ggml broadcasting included)
+ * It computes ADD, MUL, RMS_NORM and MUL_MAT on F32 tensors of any layout (strides are honoured, ggml broadcasting
+ * included)
  * and declines everything else, which the scheduler then gives to another backend (numpy). Its memory is ordinary
  * host memory, so numpy reads its buffers directly, and weights are used where they are (mapped from a GGUF file)
  * without a copy. Symbolic dimensions (a KV length that changes every step) are bound per compute.
@@ -10,6 +11,7 @@
  *             -o libggml_py_cexample.so cexample.c
  * Use:    GGML_PY_BACKEND_PATH=$PWD/libggml_py_cexample.so ggml-py backends
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -79,6 +81,8 @@ static int32_t backend_supports_op(void *backend, const ggml_py_node *node) {
     case GGML_PY_OP_MUL:
     case GGML_PY_OP_MUL_MAT:
         return is_f32(node->dst) && is_f32(node->src[0]) && is_f32(node->src[1]);
+    case GGML_PY_OP_RMS_NORM:
+        return is_f32(node->dst) && is_f32(node->src[0]);
     default:
         return 0;
     }
@@ -100,6 +104,27 @@ static void binary_f32(const ggml_py_node *node) {
                     float x = *at(a, i0, i1, i2, i3);
                     float y = *at(b, i0 % b->ne[0], i1 % b->ne[1], i2 % b->ne[2], i3 % b->ne[3]);
                     *at(d, i0, i1, i2, i3) = mul ? x * y : x + y;
+                }
+            }
+        }
+    }
+}
+
+/* dst = a / sqrt(mean(a^2) + eps) over each row (ne[0]), the sum in double, as ggml_rms_norm. */
+static void rms_norm_f32(const ggml_py_node *node) {
+    const ggml_py_tensor *d = node->dst, *a = node->src[0];
+    const double eps = node->params.f[GGML_PY_P_RMS_NORM_EPS];
+    for (int64_t i3 = 0; i3 < d->ne[3]; i3++) {
+        for (int64_t i2 = 0; i2 < d->ne[2]; i2++) {
+            for (int64_t i1 = 0; i1 < d->ne[1]; i1++) {
+                double sum = 0.0;
+                for (int64_t i0 = 0; i0 < d->ne[0]; i0++) {
+                    const double x = *at(a, i0, i1, i2, i3);
+                    sum += x * x;
+                }
+                const float scale = (float)(1.0 / sqrt(sum / (double)d->ne[0] + eps));
+                for (int64_t i0 = 0; i0 < d->ne[0]; i0++) {
+                    *at(d, i0, i1, i2, i3) = *at(a, i0, i1, i2, i3) * scale;
                 }
             }
         }
@@ -146,13 +171,17 @@ static int32_t backend_graph_compute(void *backend, void *plan, const ggml_py_gr
         ggml_py_tensor dst, a, b;
         ggml_py_tensor_bind(in->dst, args->syms, &dst);
         ggml_py_tensor_bind(in->src[0], args->syms, &a);
-        ggml_py_tensor_bind(in->src[1], args->syms, &b);
         ggml_py_node node = *in;
         node.dst = &dst;
         node.src[0] = &a;
-        node.src[1] = &b;
+        if (in->src[1] != NULL) {
+            ggml_py_tensor_bind(in->src[1], args->syms, &b);
+            node.src[1] = &b;
+        }
         if (node.op == GGML_PY_OP_MUL_MAT) {
             mul_mat_f32(&node);
+        } else if (node.op == GGML_PY_OP_RMS_NORM) {
+            rms_norm_f32(&node);
         } else {
             binary_f32(&node);
         }
@@ -167,7 +196,7 @@ static const ggml_py_plugin plugin = {
     sizeof(ggml_py_plugin),
     "cexample",                          /* name */
     "0.1.0",                             /* version */
-    "example C backend: ADD, MUL, MUL_MAT (F32)",
+    "example C backend: ADD, MUL, RMS_NORM, MUL_MAT (F32)",
     10,                                  /* score: usable everywhere */
     1,                                   /* default n_threads */
     0, 0,                                /* memory: unknown */

@@ -100,7 +100,12 @@ def _symbolic_cases() -> list[Case]:
         x = c.input(c.uniform((9, 40), -4, 4), shape=(_T, _N))
         return ops.soft_max(x, c.input(c.uniform((9, 40)), shape=(_T, _N)), scale=0.5)
 
+    def add_transposed(c: Ctx) -> Tensor:  # b's row stride is the symbol: wrong at any other binding
+        return ops.add(c.input(c.uniform((9, 33)), shape=(_T, 33)),
+                       ops.transpose(c.input(c.uniform((33, 9)), shape=(33, _T))))
+
     for op, make, desc, b in (("ADD", add, desc_t, _t_bindings()), ("RMS_NORM", rms_norm, desc_t, _t_bindings()),
+                              ("ADD", add_transposed, f"b transposed from [33,T], {desc_t}", _t_bindings()),
                               ("SUM_ROWS", sum_rows, "n_kv in 17,40,5,33", _tn_bindings()),
                               ("GET_ROWS", get_rows, desc_t, _t_bindings()),
                               ("ROPE", rope, desc_t, _t_bindings()),
@@ -116,6 +121,12 @@ def _symbolic_cases() -> list[Case]:
         out.append(Case("MUL_MAT", f"symbolic: w=[16,64],b=[T,64],{desc_t}", f"{wt.name},F32", mul_mat,
                         max_nmse=MUL_MAT_MAX_NMSE if wt.is_quantized else MUL_MAT_FLOAT_MAX_NMSE,
                         bindings=_t_bindings()))
+
+    def mul_mat_k(c: Ctx) -> Tensor:  # the sum runs over the symbol (attention's scores times V)
+        return ops.mul_mat(c.input(c.uniform((16, 40)), shape=(16, _N)), c.input(c.uniform((9, 40)), shape=(_T, _N)))
+
+    out.append(Case("MUL_MAT", f"symbolic: a=[16,n_kv],b=[T,n_kv],{desc_tn}", "F32,F32", mul_mat_k,
+                    max_nmse=MUL_MAT_FLOAT_MAX_NMSE, bindings=_tn_bindings()))
 
     def flash_attn(c: Ctx) -> Tensor:
         """A model's attention step: T queries over the first n_kv rows of an F16 cache of 40 (Hk=2, D=64), read
