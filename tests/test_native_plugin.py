@@ -574,8 +574,8 @@ PLANTED_BUGS = {
                         "(char *)t->data + 4 * (i0 + t->ne[0] * (i1 + t->ne[1] * (i2 + t->ne[2] * i3)))",
                         "ADD,MUL,RMS_NORM,MUL_MAT"),
     "symbols never bound": ("ggml_py_tensor_bind(in->src[1], args->syms, &b);", "b = *in->src[1];", "ADD,MUL_MAT"),
-    "weight broadcast by modulo": ("at(a, 0, m, i2 / r2, i3 / r3)", "at(a, 0, m, i2 % a->ne[2] + 0 * r2, i3 % a->ne[3] + 0 * r3)",
-                                   "MUL_MAT"),
+    "weight broadcast by modulo": ("at(a, 0, m, i2 / r2, i3 / r3)",
+                                   "at(a, 0, m, i2 % a->ne[2] + 0 * r2, i3 % a->ne[3] + 0 * r3)", "MUL_MAT"),
 }
 
 
