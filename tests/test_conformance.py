@@ -340,7 +340,8 @@ def test_cli_json_shape_and_exit_codes(capsys):
     code, out, _ = _cli(["test-backend", "numpy", "--json", "--op", "ADD,ARGMAX"], capsys)
     d = json.loads(out)
     assert code == 0
-    assert set(d) == {"backend", "passed", "failed", "skipped", "results", "not_covered"}
+    assert set(d) == {"backend", "precision", "passed", "failed", "skipped", "results", "not_covered"}
+    assert d["precision"] == "exact"
     assert d["backend"] == "numpy" and d["failed"] == d["skipped"] == 0
     assert d["passed"] == len(d["results"]) == len(cases(op="ADD,ARGMAX"))
     for r in d["results"]:

@@ -593,6 +593,47 @@ def test_kit_fails_the_example_with_a_planted_bug(bug: str, libdir: Path) -> Non
     assert all(r.op in ops_.split(",") for r in report.failures)
 
 
+# A plugin that computes MUL_MAT's products in F16 (as GPU plugins may): both operands rounded to F16's significand
+_ROUND_F16 = """
+static float round_f16(float x) { /* to F16's 11-bit significand, nearest even (range not limited) */
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    u = (u + 0x0FFFu + ((u >> 13) & 1u)) & ~0x1FFFu;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+"""
+_F16_PRODUCTS = [
+    ("/* dst[n, m] = sum_k a[m, k] * b[n, k]", _ROUND_F16 + "/* dst[n, m] = sum_k a[m, k] * b[n, k]"),
+    ("sum += *(const float *)(arow + k * a->nb[0]) * *(const float *)(brow + k * b->nb[0]);",
+     "sum += round_f16(*(const float *)(arow + k * a->nb[0])) * round_f16(*(const float *)(brow + k * b->nb[0]));"),
+]
+_DECLARE_REDUCED = ("GGML_PY_PRECISION_EXACT,", "GGML_PY_PRECISION_REDUCED,")
+
+
+@pytest.mark.parametrize("tier", ["exact", "reduced"])
+def test_f16_products_pass_only_as_a_reduced_plugin(tier: str, libdir: Path) -> None:
+    kit = _kit()
+    src = EXAMPLE.read_text()
+    for good, bad in _F16_PRODUCTS + ([_DECLARE_REDUCED] if tier == "reduced" else []):
+        assert src.count(good) == 1, f"the example no longer has {good!r}"
+        src = src.replace(good, bad)
+    path = libdir / f"cexample_f16_{tier}.c"
+    path.write_text(src)
+    be = native.backend(build(path, libdir / f"lib{path.stem}.so"))
+    assert be.device.caps["precision"] == tier
+    report = kit.run_backend(be, kit.cases(op="MUL_MAT"))
+    assert report.precision == tier
+    float_cases = [r for r in report.results if r.status != "skipped"]
+    worst = max(r.nmse for r in float_cases if r.nmse is not None)
+    assert 1e-10 < worst < 5e-4  # what F16 products cost: far above the exact tier's bound, far below ggml's
+    if tier == "exact":
+        assert report.failed > 0 and all("> 1.0e-10" in r.message for r in report.failures)
+    else:
+        assert report.failed == 0 and report.passed > 0, report.table(show=("failed",))
+
+
 def test_kit_catches_wrong_and_failing_plugins(libdir: Path) -> None:
     kit = _kit()
     add_cases = kit.cases(op="ADD")

@@ -204,6 +204,7 @@ static const ggml_py_plugin plugin = {
     {buffer_free, NULL, NULL, NULL},
     {backend_init, backend_free, backend_supports_op, NULL, NULL, backend_graph_compute, backend_set_n_threads, NULL},
     buffer_from_host_ptr,                /* 2.1: weights without a copy */
+    GGML_PY_PRECISION_EXACT,             /* 2.2: F32 products summed in F32: every kit threshold applies */
 };
 
 GGML_PY_PLUGIN_EXPORT uint32_t ggml_py_plugin_abi_version(void) { return GGML_PY_ABI_VERSION; }

@@ -20,6 +20,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{r['name']:<10} {r['version'] or '-':<8} {r['status']}")
             print(f"  source: {r['source']}")
             for d in r["devices"]:
-                print(f"  device {d['name']}: {d['description']} (score {d['score']}, threads {d['n_threads']})")
+                precision = d.get("caps", {}).get("precision", "exact")  # the conformance kit's tier
+                print(f"  device {d['name']}: {d['description']} (score {d['score']}, threads {d['n_threads']}, "
+                      f"precision {precision})")
         print(f"default order: {', '.join(default) or 'none'}")
     return {"backends": rows, "default": default}

@@ -41,6 +41,11 @@ NMSE_MUL_MAT = 5e-4
 # 1e-13 at every level (docs/testing.md), ggml's test-backend-ops allows 5e-4. A kernel that rounded the
 # activations to F16 (~2e-8) or BF16 (~1e-6), or accumulated in F16, would fail this.
 NMSE_MUL_MAT_FLOAT = 1e-10
+# The precision tiers a backend may declare (Device caps "precision"; a native plugin's ggml_py_plugin.precision):
+# "exact" is held to every threshold; "reduced" (F16/BF16/TF32 products or accumulation, as GPU plugins compute) is
+# held to an op's max_nmse where its max_nmse_float would apply: ggml's test-backend-ops bound, 5e-4, for MUL_MAT
+# and MUL_MAT_ID of float weights.
+PRECISION_TIERS = ("exact", "reduced")
 NMSE_SOFT_MAX = 1e-6
 NMSE_EXACT = 0.0
 

@@ -98,6 +98,14 @@ class Case:
     def id(self) -> str:
         return f"{self.op}[{self.types}]({self.case})"
 
+    def limit(self, precision: str = "exact") -> float:
+        """The NMSE a backend of this precision tier (schema.PRECISION_TIERS) may reach: a "reduced" backend is
+        held to the op's max_nmse where the case uses its max_nmse_float (MUL_MAT of float weights)."""
+        op = schema.OPS[self.op]
+        if precision == "reduced" and op.max_nmse_float is not None and self.max_nmse == op.max_nmse_float:
+            return max(self.max_nmse, op.max_nmse)
+        return self.max_nmse
+
     @property
     def seed(self) -> int:
         return zlib.crc32(self.id.encode())

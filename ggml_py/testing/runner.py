@@ -23,7 +23,7 @@ import numpy as np
 from ggml_py.formats.quants import dequantize
 from ggml_py.ir import dtypes
 from ggml_py.ir.graph import Graph
-from ggml_py.ir.schema import VIEW_OPS
+from ggml_py.ir.schema import PRECISION_TIERS, VIEW_OPS
 from ggml_py.ir.tensor import Tensor
 from ggml_py.runtime.backend import Backend
 from ggml_py.runtime.plan import prepare
@@ -68,6 +68,7 @@ class Report:
     reference: str
     results: list[Result] = field(default_factory=list)
     seconds: float = 0.0
+    precision: str = "exact"  # the tier the backend declares (schema.PRECISION_TIERS)
 
     def count(self, status: str) -> int:
         return sum(r.status == status for r in self.results)
@@ -107,7 +108,8 @@ class Report:
         return [op for op in ALL_OPS if op in ran and op in skipped]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"backend": self.backend, "passed": self.passed, "failed": self.failed, "skipped": self.skipped,
+        return {"backend": self.backend, "precision": self.precision, "passed": self.passed, "failed": self.failed,
+                "skipped": self.skipped,
                 "results": [r.to_dict() for r in self.results], "not_covered": self.not_covered}
 
     def table(self, show: Sequence[str] = STATUSES, coverage: bool = True) -> str:
@@ -219,6 +221,14 @@ def _attempt(what: str, fn: Callable[..., Any], *args: Any) -> Any:
         raise _Failed(f"{what}: {_describe(e)}") from None
 
 
+def precision(backend: Backend) -> str:
+    """The precision tier a backend declares in its device caps ("precision"; absent: "exact")."""
+    tier = backend.device.caps.get("precision", "exact")
+    if tier not in PRECISION_TIERS:
+        raise ValueError(f"backend {backend.name!r} declares precision {tier!r}; one of {', '.join(PRECISION_TIERS)}")
+    return str(tier)
+
+
 def _evaluate(case: Case, backend: Backend, reference: Backend) -> tuple[str, str, float | None]:
     """(status, message, worst NMSE) of one case."""
     built = _attempt("building the case failed", case.build)
@@ -243,17 +253,18 @@ def _evaluate(case: Case, backend: Backend, reference: Backend) -> tuple[str, st
             problems.append(f"{label}: {problem}" if len(ref_out) > 1 else problem)
     if problems:
         return "failed", f"backend {backend.name!r}: {case.op} ({case.case}): " + "; ".join(problems), worst
-    if worst > case.max_nmse:
+    limit = case.limit(precision(backend))
+    if worst > limit:
         at = f" at {worst_at}" if len(ref_out) > 1 else ""
         return "failed", (f"backend {backend.name!r}: {case.op} ({case.case}) [{case.types}]: NMSE {worst:.3e} > "
-                          f"{case.max_nmse:.1e}{at}"), worst
+                          f"{limit:.1e}{at}"), worst
     return "passed", "", worst
 
 
 def run_case(case: Case, backend: Backend, reference: Backend) -> Result:
     """Build one case, compute it on `backend` and on `reference`, and compare."""
     t0 = time.perf_counter()
-    res = Result(case.op, case.case, case.types, "failed", max_nmse=case.max_nmse)
+    res = Result(case.op, case.case, case.types, "failed", max_nmse=case.limit(precision(backend)))
     try:
         res.status, res.message, res.nmse = _evaluate(case, backend, reference)
     except _Failed as e:
@@ -271,7 +282,7 @@ def run_backend(backend: str | Backend, cases: Sequence[Case] | None = None, ref
     """Run `cases` (default: all of them) on `backend` against `reference`; `progress` is called after each case."""
     b, ref = _resolve(backend), _resolve(reference)
     todo = all_cases() if cases is None else list(cases)
-    rep = Report(b.name, ref.name)
+    rep = Report(b.name, ref.name, precision=precision(b))
     t0 = time.perf_counter()
     for c in todo:
         r = run_case(c, b, ref)

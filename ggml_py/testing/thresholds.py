@@ -34,12 +34,15 @@ def thresholds_table() -> str:
         t = _types(c.types)
         if t not in seen:
             seen.append(t)
-    rows = ["| op | max NMSE (by the weight's or first operand's type, or a conversion's) |", "| --- | --- |"]
+    rows = ["| op | max NMSE (by the weight's or first operand's type, or a conversion's) | a \"reduced\" backend |",
+            "| --- | --- | --- |"]
     for op in (o for o in schema.COMPUTE_OPS if o in by_op):
         per = by_op[op]
         parts = [f"{_num(nmse)}: {' '.join(types)}" if len(per) > 1 else _num(nmse)
                  for nmse, types in sorted(per.items())]
-        rows.append(f"| `{op}` | {'; '.join(parts)} |")
+        o = schema.OPS[op]
+        reduced = f"{_num(o.max_nmse)} for all" if o.max_nmse_float is not None else "the same"
+        rows.append(f"| `{op}` | {'; '.join(parts)} | {reduced} |")
     return "\n".join(rows)
 
 

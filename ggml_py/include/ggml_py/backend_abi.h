@@ -20,7 +20,8 @@
  *   2.2  ROPE: YaRN parameters (GGML_PY_P_ROPE_EXT_FACTOR ... _N_CTX_ORIG) and an optional src[2], the frequency
  *        factors (F32, n_dims/2 values dividing each pair's angle). ggml_py offers a plugin of an earlier minor only
  *        ROPE nodes without src[2] whose new parameters are neutral (ext_factor 0, attn_factor 1, beta_fast 32,
- *        beta_slow 1, n_ctx_orig 0): the rope it computes already.
+ *        beta_slow 1, n_ctx_orig 0): the rope it computes already. ggml_py_plugin.precision: the precision tier
+ *        the plugin claims (exact when absent).
  *
  * Conventions (ggml's):
  *   - type ids are ggml's (F32 = 0, F16 = 1, Q4_0 = 2, ...), enum ggml_py_type;
@@ -75,6 +76,8 @@ extern "C" {
 #define GGML_PY_MAX_OP_PARAMS 16
 #define GGML_PY_MAX_TERMS 4
 #define GGML_PY_ERROR_MAX 256
+#define GGML_PY_PRECISION_EXACT 0
+#define GGML_PY_PRECISION_REDUCED 1
 
 /* Status codes returned by the plugin's functions. */
 enum ggml_py_status {
@@ -374,6 +377,10 @@ typedef struct ggml_py_plugin {
        buffer_type.alignment) as a buffer without copying; free_buffer is called on it later and must not free ptr.
        ggml_py uses it for weights (e.g. mapped from a GGUF file) and keeps the memory alive meanwhile. */
     int32_t (*buffer_from_host_ptr)(void *ptr, size_t size, ggml_py_buffer *buf);
+    /* 2.2, optional: the precision tier the plugin claims, GGML_PY_PRECISION_EXACT (0, also when absent: every
+       kit threshold, 1e-10 for MUL_MAT/MUL_MAT_ID of F32/F16/BF16 weights) or GGML_PY_PRECISION_REDUCED (1: those
+       products in F16/BF16/TF32, held to ggml's test-backend-ops bound 5e-4). */
+    int32_t precision;
 } ggml_py_plugin;
 
 /* The two symbols a plugin library exports. */

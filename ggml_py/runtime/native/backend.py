@@ -155,7 +155,7 @@ class NativeRegistration(BackendRegistration):
     def device_caps(self) -> dict[str, Any]:
         lib = self.library
         return {"native": True, "library": lib.path, "abi_version": lib.abi_version,
-                "buffer_type": lib.buffer_type.name, "host_buffer": lib.is_host}
+                "buffer_type": lib.buffer_type.name, "host_buffer": lib.is_host, "precision": lib.precision}
 
     def devices(self) -> list[Device]:
         lib = self.library

@@ -9,6 +9,7 @@ import threading
 from typing import Any
 
 from ggml_py.errors import BackendError
+from ggml_py.ir.schema import PRECISION_TIERS
 from ggml_py.runtime.backend import Backend
 from ggml_py.runtime.native.abi import NON_HOST_FUNCTIONS, REQUIRED_FUNCTIONS, SYMBOLS, check_version, ffi, version_str
 from ggml_py.runtime.native.backend import NativeRegistration
@@ -45,6 +46,7 @@ class NativeLibrary:
         self.score = int(plugin.score)
         self.default_threads = max(1, int(plugin.n_threads))
         self.is_host = bool(plugin.buffer_type.is_host)
+        self.precision = self._precision()
         need = REQUIRED_FUNCTIONS + (() if self.is_host else NON_HOST_FUNCTIONS)
         null = [fn for fn in need if self.fn(fn) is None]
         if null:
@@ -82,6 +84,18 @@ class NativeLibrary:
         for p in parts:
             obj = getattr(obj, p)
         return None if obj == f.NULL else obj
+
+    def _precision(self) -> str:
+        """The tier the plugin claims (schema.PRECISION_TIERS by value), "exact" when its table ends before it."""
+        f = ffi()
+        field = dict(f.typeof("ggml_py_plugin").fields)["precision"]
+        if field.offset + f.sizeof(field.type) > self.struct_size:
+            return "exact"
+        value = int(self.plugin.precision)
+        if not 0 <= value < len(PRECISION_TIERS):
+            raise BackendError(f"{self._where}: precision {value} is neither GGML_PY_PRECISION_EXACT (0) nor "
+                               "GGML_PY_PRECISION_REDUCED (1)")
+        return PRECISION_TIERS[value]
 
     def _string(self, ptr: Any, what: str, default: str | None = None) -> str:
         if ptr == ffi().NULL:
