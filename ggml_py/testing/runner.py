@@ -229,7 +229,7 @@ def precision(backend: Backend) -> str:
     return str(tier)
 
 
-def _evaluate(case: Case, backend: Backend, reference: Backend) -> tuple[str, str, float | None]:
+def _evaluate(case: Case, backend: Backend, reference: Backend, limit: float) -> tuple[str, str, float | None]:
     """(status, message, worst NMSE) of one case."""
     built = _attempt("building the case failed", case.build)
     nodes = _attempt("building the case failed", lambda: Graph(built.outputs).nodes)
@@ -253,7 +253,6 @@ def _evaluate(case: Case, backend: Backend, reference: Backend) -> tuple[str, st
             problems.append(f"{label}: {problem}" if len(ref_out) > 1 else problem)
     if problems:
         return "failed", f"backend {backend.name!r}: {case.op} ({case.case}): " + "; ".join(problems), worst
-    limit = case.limit(precision(backend))
     if worst > limit:
         at = f" at {worst_at}" if len(ref_out) > 1 else ""
         return "failed", (f"backend {backend.name!r}: {case.op} ({case.case}) [{case.types}]: NMSE {worst:.3e} > "
@@ -266,7 +265,7 @@ def run_case(case: Case, backend: Backend, reference: Backend) -> Result:
     t0 = time.perf_counter()
     res = Result(case.op, case.case, case.types, "failed", max_nmse=case.limit(precision(backend)))
     try:
-        res.status, res.message, res.nmse = _evaluate(case, backend, reference)
+        res.status, res.message, res.nmse = _evaluate(case, backend, reference, res.max_nmse)
     except _Failed as e:
         res.message = str(e)
     res.seconds = time.perf_counter() - t0
