@@ -219,7 +219,7 @@ class NumpyBackend(Backend):
 
     def graph_plan_compute(self, plan: NodePlan, bindings: Mapping[str, int]) -> None:
         with np.errstate(all="ignore"):  # inf/nan are results here, as in C
-            plan.run(self.name, bindings)
+            super().graph_plan_compute(plan, bindings)
 
 
 class NumpyRegistration(BackendRegistration):

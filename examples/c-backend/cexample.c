@@ -191,20 +191,22 @@ static int32_t backend_graph_compute(void *backend, void *plan, const ggml_py_gr
 
 /* ---------------------------------------------------------------------------------------------------- plugin */
 
+/* Designated initializers: fields a later minor version appends stay zero (absent), without a warning. */
 static const ggml_py_plugin plugin = {
-    GGML_PY_ABI_VERSION,
-    sizeof(ggml_py_plugin),
-    "cexample",                          /* name */
-    "0.1.0",                             /* version */
-    "example C backend: ADD, MUL, RMS_NORM, MUL_MAT (F32)",
-    10,                                  /* score: usable everywhere */
-    1,                                   /* default n_threads */
-    0, 0,                                /* memory: unknown */
-    {"cexample", ALIGNMENT, 0, 1, buffer_alloc, NULL},
-    {buffer_free, NULL, NULL, NULL},
-    {backend_init, backend_free, backend_supports_op, NULL, NULL, backend_graph_compute, backend_set_n_threads, NULL},
-    buffer_from_host_ptr,                /* 2.1: weights without a copy */
-    GGML_PY_PRECISION_EXACT,             /* 2.2: F32 products summed in F32: every kit threshold applies */
+    .abi_version = GGML_PY_ABI_VERSION,
+    .struct_size = sizeof(ggml_py_plugin),
+    .name = "cexample",
+    .version = "0.1.0",
+    .description = "example C backend: ADD, MUL, RMS_NORM, MUL_MAT (F32)",
+    .score = 10,   /* usable everywhere */
+    .n_threads = 1,
+    /* memory_total, memory_free: 0 = unknown */
+    .buffer_type = {"cexample", ALIGNMENT, 0, 1, buffer_alloc, NULL},
+    .buffer = {buffer_free, NULL, NULL, NULL},
+    .backend = {backend_init, backend_free, backend_supports_op, NULL, NULL, backend_graph_compute,
+                backend_set_n_threads, NULL},
+    .buffer_from_host_ptr = buffer_from_host_ptr, /* 2.1: weights without a copy */
+    .precision = GGML_PY_PRECISION_EXACT,         /* 2.2: F32 products summed in F32: every kit threshold applies */
 };
 
 GGML_PY_PLUGIN_EXPORT uint32_t ggml_py_plugin_abi_version(void) { return GGML_PY_ABI_VERSION; }

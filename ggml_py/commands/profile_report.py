@@ -27,6 +27,11 @@ def plan_profile_lines(prof: dict[str, Any], indent: str = "  ") -> list[str]:
         ops = list(prof.get("by_backend_op", {}).get(name, {}).items())[:TOP_OPS]
         if ops:
             lines.append(f"{indent}    " + " | ".join(f"{op} {1e3 * sec:.2f} ms" for op, sec in ops))
+    if "overlaps" in prof:  # asynchronous backends: what their queues did while the host computed
+        ov = prof["overlaps"]
+        lines.append(f"{indent}  copy/compute overlaps in the last compute: {len(ov)}" + (
+            f", e.g. {ov[0]['copy']} ran {1e3 * ov[0]['seconds']:.3f} ms during {ov[0]['during']} on "
+            f"{ov[0]['on']}" if ov else ""))
     lines += [f"{indent}warning: {w}" for w in prof["warnings"]]
     return lines
 

@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import Any
 
-from ggml_py.commands._model_args import add_model_arguments
+from ggml_py.commands._model_args import add_backend_opt_argument, add_model_arguments, backend_options
 from ggml_py.sysmem import parse_size
 
 API_KEY_ENV = "GGML_PY_API_KEY"
@@ -40,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alias", default=None, help="the model name the API reports (default: the file name)")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads per backend (default: the backend's)")
     p.add_argument("--backend", default=None, help="comma-separated backends in order of preference")
+    add_backend_opt_argument(p)
     p.add_argument("--kv-type", default="F16", choices=["F16", "F32", "f16", "f32"], help="KV cache type")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default: warning)")
@@ -172,7 +173,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
                            max_embedding_inputs=args.max_embedding_inputs)
     stages: list[Any] = []
     model = load_model(args.model, backends=args.backend, n_threads=args.threads, n_ctx=None,
-                       kv_type=args.kv_type.upper())
+                       kv_type=args.kv_type.upper(), backend_options=backend_options(args))
     try:
         ctx = args.ctx or args.parallel * min(2048, model.hparams.n_ctx_train)
 

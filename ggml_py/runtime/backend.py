@@ -20,6 +20,7 @@ import numpy as np
 from ggml_py.errors import BackendError, GgmlPyError
 from ggml_py.ir.symbolic import Dim, Sym, evaluate
 from ggml_py.ir.tensor import Tensor
+from ggml_py.runtime.threads import pool_threads
 
 
 class ComputeCancelled(BackendError):
@@ -247,7 +248,8 @@ class Backend(ABC):
         NodePlan; a backend with a plan of another kind overrides this."""
         if not isinstance(plan, NodePlan):
             raise NotImplementedError(f"{type(self).__name__}.graph_plan_compute for a {type(plan).__name__}")
-        plan.run(self.name, bindings)
+        with pool_threads(self.n_threads):  # the backend's thread budget, also for the BLAS its steps call
+            plan.run(self.name, bindings)
 
     def graph_plan_free(self, plan: Any) -> None:
         """Release what graph_plan_create made."""
@@ -278,6 +280,29 @@ class Backend(ABC):
 
     def synchronize(self) -> None:
         """Wait for queued work (synchronous backends need not override)."""
+
+    # Asynchronous execution (optional). A backend whose work runs on a queue of its own (a device) sets is_async
+    # and implements the four methods below; Plan.compute then enqueues its splits and the host copies into its
+    # memory, and waits on events only where a result is needed, so the host computes other backends' splits while
+    # the queue works. The rules (what memory stays untouched until when) are the C ABI's (docs/backend-interface.md).
+    is_async: bool = False
+
+    def graph_plan_compute_async(self, plan: Any, bindings: Mapping[str, int]) -> None:
+        """Enqueue a compute of `plan` and return (errors surface at event_synchronize)."""
+        self.graph_plan_compute(plan, bindings)
+
+    def set_tensor_async(self, buffer: Buffer, offset: int, data: np.ndarray) -> None:
+        """Enqueue a copy of host bytes `data` (kept untouched until a later event is synchronized) into `buffer`."""
+        buffer.set_tensor(offset, data)
+
+    def event_record(self) -> Any:
+        """A marker after everything enqueued so far."""
+        return None
+
+    def event_synchronize(self, event: Any) -> float | None:
+        """Wait until the queue has passed `event`; the time.monotonic() at which it did (None: unknown). Raises
+        BackendError for a failure of queued work before the event."""
+        return None
 
     def weight_cache_bytes(self, weights: Sequence[Tensor]) -> int:
         """Bytes of memory this backend will add for its own copies of `weights` (converted or repacked forms it

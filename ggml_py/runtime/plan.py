@@ -41,6 +41,16 @@ class _Copy:
     src: tuple[Buffer, int]
     dst: tuple[Buffer, int]
     size: int
+    producer: int = -1  # the split that writes the source (-1: an input, written before the compute)
+    label: str = ""
+
+
+def run_copy(c: _Copy) -> None:
+    """A copy done now: buffer to buffer when the destination can (host memory, or one plugin's buffer_copy), else
+    through host memory."""
+    (sb, so), (db, do) = c.src, c.dst
+    if not db.copy_tensor(sb, so, do, c.size):
+        db.set_tensor(do, sb.get_tensor(so, c.size))
 
 
 @dataclass
@@ -72,6 +82,7 @@ class Plan:
         self._compute_seconds = 0.0
         self._profile_computes0 = 0
         self._profile_t0 = 0.0
+        self._timeline: list[tuple[str, str, float | None, float | None]] = []  # the last profiled queued compute
         self._build_splits()
         self.warnings: list[str] = []
         n_compute = sum(len(r.split.nodes) for r in self.runs)
@@ -110,6 +121,7 @@ class Plan:
         for tid, (bt_name, off) in alloc.offsets.items():
             self.locations[tid] = (self.buffers[bt_name], off)
 
+        producer = {root(n).id: k for k, (_, nodes) in enumerate(groups) for n in nodes}
         self.runs: list[_SplitRun] = []
         for (b, nodes), pairs in zip(groups, split_copies):
             locs = _SplitLocations(self.locations, b)
@@ -120,7 +132,8 @@ class Plan:
                         locs.override[root(t).id] = self._location(t, b)
             for r, c in pairs:
                 locs.override[r.id] = self.locations[c.id]
-                run_copies.append(_Copy(self._location(r), self.locations[c.id], r.nbytes))
+                run_copies.append(_Copy(self._location(r), self.locations[c.id], r.nbytes, producer.get(r.id, -1),
+                                        f"{r.name} -> {b.name}"))
             split = Split(b, nodes, self.symbols, locs)
             try:
                 bplan = b.graph_plan_create(split)
@@ -131,6 +144,20 @@ class Plan:
                                 f"{type(e).__name__}: {e}") from e
             self.runs.append(_SplitRun(split, bplan, run_copies))
         self.n_copies = sum(len(p) for p in split_copies)
+        # backends with a queue of their own (is_async), by the buffer type they compute on: Plan.compute enqueues
+        # their splits and the copies into their memory instead of waiting for each
+        self._queues = {b.default_buffer_type.name: b for b in self.backends if b.is_async}
+        # the host-to-queue copies each host split enqueues before it computes: those of later splits whose source
+        # an earlier host split (or the caller: an input) wrote, at the first host split after it
+        self._ahead: dict[int, list[_Copy]] = {}
+        host_splits = [k for k, r in enumerate(self.runs) if not r.split.backend.is_async] if self._queues else []
+        for j, run in enumerate(self.runs):
+            for c in run.copies:
+                if (c.src[0].buffer_type.is_host and c.dst[0].buffer_type.name in self._queues
+                        and (c.producer < 0 or not self.runs[c.producer].split.backend.is_async)):
+                    k = next((k for k in host_splits if c.producer < k < j), None)
+                    if k is not None:
+                        self._ahead.setdefault(k, []).append(c)
 
     def _location(self, t: Tensor, backend: Backend | None = None) -> tuple[Buffer, int]:
         r = root(t)
@@ -287,29 +314,37 @@ class Plan:
             raise PlanError(f"symbol(s) {sorted(missing)} must be bound, e.g. compute({next(iter(missing))}=...)")
         self._check_bindings(b)
         self._cancelled = False
-        split_seconds = self._split_seconds
-        for k, run in enumerate(self.runs):
-            if self._cancelled:
-                raise ComputeCancelled(f"compute cancelled before split {k + 1} of {len(self.runs)}")
-            t0 = time.perf_counter() if split_seconds is not None else 0.0
-            for c in run.copies:
-                (sb, so), (db, do) = c.src, c.dst
-                if not db.copy_tensor(sb, so, do, c.size):
-                    db.set_tensor(do, sb.get_tensor(so, c.size))
-            backend = run.split.backend
-            try:
-                backend.graph_plan_compute(run.plan, b)
-            except GgmlPyError:
-                raise
-            except Exception as e:  # a Python backend's own error: named like a native plugin's (NodePlan: the node)
-                ops = ", ".join(sorted({n.op or "" for n in run.split.nodes}))
-                raise BackendError(f"backend {backend.name!r} failed in a split of {len(run.split.nodes)} nodes "
-                                   f"({ops}): {type(e).__name__}: {e}") from e
-            if split_seconds is not None:
-                split_seconds[k] += time.perf_counter() - t0
+        if self._queues:
+            _QueuedCompute(self, b).run()
+        else:
+            split_seconds = self._split_seconds
+            for k, run in enumerate(self.runs):
+                self._check_cancel(k)
+                t0 = time.perf_counter() if split_seconds is not None else 0.0
+                for c in run.copies:
+                    run_copy(c)
+                self._run_split(run, b, run.split.backend.graph_plan_compute)
+                if split_seconds is not None:
+                    split_seconds[k] += time.perf_counter() - t0
         self.bindings = b
         self._n_computes += 1
         counters.bump("plan_computes")
+
+    def _check_cancel(self, k: int) -> None:
+        if self._cancelled:
+            raise ComputeCancelled(f"compute cancelled before split {k + 1} of {len(self.runs)}")
+
+    @staticmethod
+    def _run_split(run: _SplitRun, b: Mapping[str, int], compute: Any) -> None:
+        backend = run.split.backend
+        try:
+            compute(run.plan, b)
+        except GgmlPyError:
+            raise
+        except Exception as e:  # a Python backend's own error: named like a native plugin's (NodePlan: the node)
+            ops = ", ".join(sorted({n.op or "" for n in run.split.nodes}))
+            raise BackendError(f"backend {backend.name!r} failed in a split of {len(run.split.nodes)} nodes "
+                               f"({ops}): {type(e).__name__}: {e}") from e
 
     def get_output(self, key: str | Tensor) -> np.ndarray:
         """A copy of a tensor's values after the last compute (outputs, inputs and states).
@@ -438,7 +473,23 @@ class Plan:
                     "by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])),
                     "by_backend_op": {b: dict(sorted(o.items(), key=lambda kv: -kv[1]))
                                       for b, o in by_backend_op.items() if o},
-                    "splits": splits, "warnings": list(self.warnings)}
+                    "splits": splits, "warnings": list(self.warnings), **self._timeline_report()}
+
+    def _timeline_report(self) -> dict[str, Any]:
+        """With asynchronous backends: the last compute's copies and splits in time (seconds from its first entry,
+        queues' work at the times their events were passed), and the copies that ran while another backend
+        computed."""
+        tl = [e for e in self._timeline if e[2] is not None and e[3] is not None]
+        if not tl:
+            return {}
+        t0 = min(e[2] for e in tl)  # type: ignore[type-var]
+        timeline = [{"backend": b, "what": w, "start": s - t0, "end": e - t0} for b, w, s, e in tl]  # type: ignore
+        overlaps = [{"copy": c["what"], "to": c["backend"], "during": x["what"], "on": x["backend"],
+                     "seconds": min(c["end"], x["end"]) - max(c["start"], x["start"])}
+                    for c in timeline if c["what"].startswith("copy")
+                    for x in timeline if x["what"].startswith("split") and x["backend"] != c["backend"]
+                    and min(c["end"], x["end"]) > max(c["start"], x["start"])]
+        return {"timeline": timeline, "overlaps": overlaps}
 
     def stop_profiling(self) -> dict[str, Any]:
         """profile_report(), and the timing turned off."""
@@ -503,6 +554,100 @@ class Plan:
         return self._closed
 
 
+class _QueuedCompute:
+    """One compute of a plan with asynchronous backends (Backend.is_async: a device with a queue of its own).
+
+    Their splits, and host-to-device copies into their memory, are enqueued; the host waits on a queue's event only
+    before it computes a split itself (it may read what the queue wrote, or overwrite memory the queue still reads)
+    and when a copy reads the queue's memory. Before computing a split on the host, it enqueues the copies of later
+    splits whose sources the host already wrote: the queue moves them while the host computes. The plan's memory plan
+    makes that safe: a copy's destination is never reused, and its source stays reserved until its consumer's split,
+    which the queue runs after the copy. The compute ends when every queue has drained."""
+
+    def __init__(self, plan: Plan, bindings: Mapping[str, int]) -> None:
+        self.plan, self.bindings = plan, bindings
+        self.pending: dict[int, tuple[Backend, Any]] = {}  # id(queue) -> the event after its last split
+        self.issued: set[int] = set()  # copies enqueued ahead of their split
+        self.split_seconds = plan._split_seconds
+        # while profiling: (backend, what, start, end), start/end a time.monotonic() or a queue's event
+        self.timeline: list[tuple[Backend, str, Any, Any]] | None = [] if self.split_seconds is not None else None
+
+    def run(self) -> None:
+        plan, runs = self.plan, self.plan.runs
+        try:
+            for k, run in enumerate(runs):
+                plan._check_cancel(k)
+                t0 = time.perf_counter() if self.split_seconds is not None else 0.0
+                backend = run.split.backend
+                if not backend.is_async:
+                    # first the later copies: the queue goes on to them without idling while the host waits for it
+                    self._copy_ahead(k)
+                for c in run.copies:
+                    if id(c) not in self.issued:
+                        self._copy(c)
+                label = f"split {k + 1} ({len(run.split.nodes)} nodes)"
+                if backend.is_async:
+                    ev0 = backend.event_record() if self.timeline is not None else None
+                    plan._run_split(run, self.bindings, backend.graph_plan_compute_async)
+                    ev = backend.event_record()
+                    self.pending[id(backend)] = (backend, ev)
+                    if self.timeline is not None:
+                        self.timeline.append((backend, label, ev0, ev))
+                else:
+                    self._drain()
+                    h0 = time.monotonic()
+                    plan._run_split(run, self.bindings, backend.graph_plan_compute)
+                    if self.timeline is not None:
+                        self.timeline.append((backend, label, h0, time.monotonic()))
+                if self.split_seconds is not None:
+                    self.split_seconds[k] += time.perf_counter() - t0
+        finally:
+            self._drain()  # also after an error: no queue may still use the plan's memory
+            for q in plan._queues.values():
+                q.event_synchronize(q.event_record())
+        if self.timeline is not None:
+            plan._timeline = [(b.name, what, self._time(b, t0), self._time(b, t1)) for b, what, t0, t1 in self.timeline]
+
+    @staticmethod
+    def _time(b: Backend, t: Any) -> float | None:
+        return t if isinstance(t, float) else b.event_synchronize(t)
+
+    def _drain(self) -> None:
+        while self.pending:
+            _, (q, ev) = self.pending.popitem()
+            q.event_synchronize(ev)
+
+    def _copy(self, c: _Copy) -> None:
+        sb, db = c.src[0], c.dst[0]
+        src_queue = self.plan._queues.get(sb.buffer_type.name)
+        if src_queue is not None and id(src_queue) in self.pending:  # the queue may still be writing the source
+            q, ev = self.pending.pop(id(src_queue))
+            q.event_synchronize(ev)
+        dst_queue = self.plan._queues.get(db.buffer_type.name)
+        if dst_queue is not None and sb.buffer_type.is_host:
+            self._enqueue_copy(dst_queue, c)
+            return
+        h0 = time.monotonic()
+        run_copy(c)
+        if self.timeline is not None:
+            self.timeline.append((src_queue or dst_queue or self.plan.runs[0].split.backend, f"copy {c.label}",
+                                  h0, time.monotonic()))
+
+    def _enqueue_copy(self, q: Backend, c: _Copy) -> None:
+        (sb, so), (db, do) = c.src, c.dst
+        ev0 = q.event_record() if self.timeline is not None else None
+        q.set_tensor_async(db, do, sb.host_view()[so: so + c.size])
+        counters.bump("copies_enqueued")
+        if self.timeline is not None:
+            self.timeline.append((q, f"copy {c.label} ({c.size} B)", ev0, q.event_record()))
+
+    def _copy_ahead(self, k: int) -> None:
+        """Enqueue the host-to-queue copies of later splits whose sources splits before k already wrote."""
+        for c in self.plan._ahead.get(k, ()):
+            self.issued.add(id(c))
+            self._enqueue_copy(self.plan._queues[c.dst[0].buffer_type.name], c)
+
+
 class _SplitLocations(Mapping[int, tuple[Buffer, int]]):
     """Root locations as one split sees them: copies override sources, statics resolve for its backend."""
 
@@ -525,11 +670,13 @@ class _SplitLocations(Mapping[int, tuple[Buffer, int]]):
         return len({**self.base, **self.override})
 
 
-def prepare(outputs: Tensor | Sequence[Tensor] | Graph, backends: Any = None, **options: Any) -> Plan:
+def prepare(outputs: Tensor | Sequence[Tensor] | Graph, backends: Any = None,
+            backend_options: Mapping[str, Mapping[str, Any]] | None = None, **options: Any) -> Plan:
     """Schedule, allocate and lower a graph once; compute it any number of times.
 
     `backends`: names, Backend objects or a comma-separated string, in order of preference (default: the registry's
-    order, `GGML_PY_BACKENDS` if set). Options (e.g. n_threads) go to backends created by name.
+    order, `GGML_PY_BACKENDS` if set). Options (e.g. n_threads) go to backends created by name; backend_options
+    {NAME: {KEY: VALUE}} to one of them (the CLI's --backend-opt NAME:KEY=VALUE).
     """
     graph = outputs if isinstance(outputs, Graph) else Graph(outputs)
-    return Plan(graph, resolve_backends(backends, **options))
+    return Plan(graph, resolve_backends(backends, backend_options, **options))

@@ -12,7 +12,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -133,9 +133,13 @@ class Registry:
         return info.load()
 
     def backend(self, name: str, **options: Any) -> Backend:
-        """A shared instance of backend `name` for the given options (created once)."""
+        """A shared instance of backend `name` for the given options (created once). "NAME:DEVICE" names one device
+        of a backend that drives several."""
+        name, _, device = name.partition(":")
         reg = self.registration(name)
         info = self._discover()[name]
+        if device:
+            options = {**options, "device": device}
         key = repr(sorted(options.items()))
         with self._lock:
             if key not in info.instances:
@@ -194,8 +198,23 @@ def _check_threads(n: Any) -> None:
         log.warning("n_threads %d is more than the %d CPUs: threads will wait on each other", n, cpus)
 
 
-def resolve_backends(backends: Any = None, **options: Any) -> list[Backend]:
-    """Backends from names, instances, a comma-separated string, or the default order."""
+def parse_backend_options(items: Sequence[str]) -> dict[str, dict[str, str]]:
+    """`NAME:KEY=VALUE` strings (the CLI's --backend-opt) as {NAME: {KEY: VALUE}}; NAME may be NAME:DEVICE."""
+    out: dict[str, dict[str, str]] = {}
+    for item in items:
+        name, sep, kv = item.rpartition(":")
+        key, eq, value = kv.partition("=")
+        if not sep or not name or not eq or not key.strip():
+            raise BackendError(f"backend option {item!r} is not NAME:KEY=VALUE (e.g. simd:level=avx2)")
+        out.setdefault(name.strip(), {})[key.strip()] = value.strip()
+    return out
+
+
+def resolve_backends(backends: Any = None, backend_options: Mapping[str, Mapping[str, Any]] | None = None,
+                     **options: Any) -> list[Backend]:
+    """Backends from names, instances, a comma-separated string, or the default order. `options` (e.g. n_threads)
+    go to every backend created by name; `backend_options` {NAME: {KEY: VALUE}} to the one of that name only (for
+    "NAME:DEVICE", to that device, else to every device of NAME)."""
     if backends is None:
         names: list[Any] = registry.default_names()
     elif isinstance(backends, str):
@@ -208,7 +227,32 @@ def resolve_backends(backends: Any = None, **options: Any) -> list[Backend]:
         raise BackendError(f"no backends selected; available: {', '.join(registry.names()) or 'none'}")
     if "n_threads" in options:
         _check_threads(options["n_threads"])
-    out = [b if isinstance(b, Backend) else registry.backend(b, **options) for b in names]
+    per = {k: dict(v) for k, v in (backend_options or {}).items()}
+    named = {n for n in names if isinstance(n, str)}
+    unused = [k for k in per if k not in named and k not in {n.partition(":")[0] for n in named}]
+    if unused:
+        raise BackendError(f"options for backend(s) {', '.join(unused)}, which are not selected (selected: "
+                           f"{', '.join(str(getattr(n, 'name', n)) for n in names)})")
+    if any("n_threads" in v for v in per.values()):
+        for v in per.values():
+            if "n_threads" in v:
+                v["n_threads"] = int(v["n_threads"])
+                _check_threads(v["n_threads"])
+    def opts(name: str) -> dict[str, Any]:
+        return {**options, **per.get(name.partition(":")[0], {}), **per.get(name, {})}
+
+    out = [b if isinstance(b, Backend) else registry.backend(b, **opts(b)) for b in names]
+    # The thread budget: a backend whose queue keeps host threads busy while the others compute (host_threads)
+    # takes them out of the budget (n_threads, else the CPUs) of the host backends created here without a count.
+    reserved = sum(int(b.device.caps.get("host_threads") or 0) for b in out if b.is_async)
+    if reserved:
+        budget = int(options.get("n_threads") or len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                     else os.cpu_count() or 1)
+        share = max(1, budget - reserved)
+        out = [registry.backend(n, **{**opts(n), "n_threads": share})
+               if isinstance(n, str) and not b.is_async and "n_threads" not in {**per.get(n.partition(":")[0], {}),
+                                                                                  **per.get(n, {})}
+               and b.n_threads > share else b for n, b in zip(names, out)]
     return out
 
 

@@ -226,7 +226,7 @@ static const ggml_py_plugin plugin = {
 #else
     buf_from_host,
 #endif
-    GGML_PY_PRECISION_EXACT,
+    .precision = GGML_PY_PRECISION_EXACT, /* designated: later fields stay zero without a warning */
 };
 
 GGML_PY_PLUGIN_EXPORT uint32_t ggml_py_plugin_abi_version(void) { return PLUG_ABI; }

@@ -21,7 +21,9 @@
  *        factors (F32, n_dims/2 values dividing each pair's angle). ggml_py offers a plugin of an earlier minor only
  *        ROPE nodes without src[2] whose new parameters are neutral (ext_factor 0, attn_factor 1, beta_fast 32,
  *        beta_slow 1, n_ctx_orig 0): the rope it computes already. ggml_py_plugin.precision: the precision tier
- *        the plugin claims (exact when absent).
+ *        the plugin claims (exact when absent). Device plugins: buffer_copy (between two of its buffers, no host),
+ *        asynchronous execution (graph_compute_async, set_tensor_async and events; see "Asynchronous
+ *        execution" below), several devices (n_devices, devices, init_device, alloc_buffer_device), host_threads.
  *
  * Conventions (ggml's):
  *   - type ids are ggml's (F32 = 0, F16 = 1, Q4_0 = 2, ...), enum ggml_py_type;
@@ -44,6 +46,16 @@
  *   graph_plan_create(ctx, g, ...)   once per split (optional): validate, choose kernels, convert weights
  *   graph_compute(ctx, plan, g, a)   every step: nodes in dependency order; return GGML_PY_OK or fill a->err
  *   graph_plan_free, free            when the plan / backend object goes away
+ *
+ * Asynchronous execution (2.2, optional, all of graph_compute_async ... event_synchronize or none): the backend
+ * context is an in-order queue. graph_compute_async and set_tensor_async only enqueue and return; event_record
+ * marks the point after everything enqueued so far and event_synchronize waits on the host until the queue has
+ * passed that point. ggml_py keeps the host memory an enqueued copy reads, and the compute arguments, untouched
+ * until an event after it was synchronized, waits for an event before it reads what the queue wrote, and ends every
+ * Plan.compute with one. So the host computes another backend's split while the queue copies or computes:
+ * the overlap that hides a device's transfers. An error in queued work is returned (and described in err) by the
+ * next event_synchronize. The abort callback is not passed to an asynchronous compute (Plan.cancel stops the plan
+ * between splits instead).
  *
  * C99 or C++; the region between the CDEF markers is also what ggml_py's loader parses (cffi), so it holds only
  * declarations and integer #defines.
@@ -359,6 +371,14 @@ typedef struct ggml_py_backend_i {
     void (*synchronize)(void *backend);                              /* optional */
 } ggml_py_backend_i;
 
+/* One device of a plugin that drives several (2.2). */
+typedef struct ggml_py_device_desc {
+    const char *name;        /* [a-z0-9_]+, unique within the plugin, e.g. "gpu0" */
+    const char *description; /* one line */
+    uint64_t memory_total;   /* bytes, 0 = unknown */
+    uint64_t memory_free;
+} ggml_py_device_desc;
+
 /* What ggml_py_plugin_init returns: static data, valid while the library is loaded. */
 typedef struct ggml_py_plugin {
     uint32_t abi_version;     /* GGML_PY_ABI_VERSION */
@@ -381,6 +401,38 @@ typedef struct ggml_py_plugin {
        kit threshold, 1e-10 for MUL_MAT/MUL_MAT_ID of F32/F16/BF16 weights) or GGML_PY_PRECISION_REDUCED (1: those
        products in F16/BF16/TF32, held to ggml's test-backend-ops bound 5e-4). */
     int32_t precision;
+    /* 2.2, optional: copy `size` bytes from one buffer of this plugin to another (of any of its devices) without
+       the host; ggml_py uses it for a split input that lives in another buffer of the same plugin (NULL: through
+       host memory, get_tensor then set_tensor). Returns when the bytes are in place. */
+    int32_t (*buffer_copy)(ggml_py_buffer *src, size_t src_offset, ggml_py_buffer *dst, size_t dst_offset,
+                           size_t size);
+    /* 2.2, optional, all or none: asynchronous execution ("Asynchronous execution" above). graph_compute_async
+       takes what graph_compute takes (args->abort_callback is NULL) and returns once the work is enqueued (an
+       error it can see at once: fill args->err and return it). set_tensor_async is set_tensor on `backend`'s queue:
+       src stays valid and untouched until an event recorded after it is synchronized (reading a device's memory
+       back is get_tensor, after an event). event_new returns
+       NULL on failure. event_synchronize waits for the event; seconds (may be NULL) gets the CLOCK_MONOTONIC time
+       (Python's time.monotonic()) at which the queue passed it, for profiles; it returns GGML_PY_OK, or the error
+       of queued work before the event (described in err, node = its index in its graph, or -1), once. */
+    int32_t (*graph_compute_async)(void *backend, void *plan, const ggml_py_graph *graph,
+                                   const ggml_py_compute_args *args);
+    int32_t (*set_tensor_async)(void *backend, ggml_py_buffer *buf, size_t offset, const void *src, size_t size);
+    void *(*event_new)(void *backend);
+    void (*event_free)(void *backend, void *event);
+    int32_t (*event_record)(void *backend, void *event);
+    int32_t (*event_synchronize)(void *backend, void *event, double *seconds, ggml_py_error *err);
+    /* 2.2, optional: several devices (0 = the one device the fields above describe). Device i is a backend of
+       its own, "<name>:<devices[i].name>" (name, description and memory from devices[i]), created with
+       init_device(i, ...) instead of init; its memory is a buffer type of its own ("<buffer_type.name>:<device
+       name>", the same alignment, max_size and is_host), allocated with alloc_buffer_device(i, ...) and freed,
+       copied and read through buffer as above. */
+    int32_t n_devices;
+    const ggml_py_device_desc *devices;
+    void *(*init_device)(int32_t device, int32_t n_threads, const char *options);
+    int32_t (*alloc_buffer_device)(int32_t device, size_t size, ggml_py_buffer *buf);
+    /* 2.2, optional: host CPU threads each backend context keeps busy while its queue runs (a device the CPU
+       emulates or feeds); ggml_py takes them out of the thread budget of the host backends computing beside it. */
+    int32_t host_threads;
 } ggml_py_plugin;
 
 /* The two symbols a plugin library exports. */

@@ -15,6 +15,9 @@ SYMBOLS = ("ggml_py_plugin_abi_version", "ggml_py_plugin_init")
 REQUIRED_FUNCTIONS = ("buffer_type.alloc_buffer", "buffer.free_buffer", "backend.init", "backend.free",
                       "backend.supports_op", "backend.graph_compute")
 NON_HOST_FUNCTIONS = ("buffer.set_tensor", "buffer.get_tensor", "buffer.memset_tensor")
+# ABI 2.2 asynchronous execution: all of these or none.
+ASYNC_FUNCTIONS = ("graph_compute_async", "set_tensor_async", "event_new", "event_free", "event_record",
+                   "event_synchronize")
 
 STATUS = {0: "OK", 1: "FAILED", 2: "UNSUPPORTED", 3: "NO_MEMORY", 4: "ABORTED"}
 _CDEF_BEGIN = "/* GGML_PY_CDEF_BEGIN */"

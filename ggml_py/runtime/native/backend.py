@@ -7,6 +7,7 @@ import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ggml_py import counters
 from ggml_py.errors import BackendError
 from ggml_py.ir import schema
 from ggml_py.ir.tensor import Tensor
@@ -34,11 +35,14 @@ class NativeBackend(Backend):
         if library.score <= 0:
             raise BackendError(f"{library.where()} reports score {library.score}: it cannot run on this machine")
         self.library = library
-        self.name = library.name
         self.device = device
-        self.default_buffer_type = library.buffer_type
+        index = device.caps.get("device_index")  # a plugin driving several devices: which one
+        self.name = library.name if index is None else f"{library.name}:{device.name}"
+        self.default_buffer_type = library.buffer_types[index or 0]
+        self.is_async = library.is_async
         opts = ";".join(f"{k}={v}" for k, v in (options or {}).items() if v is not None)
-        ctx = library.plugin.backend.init(int(device.n_threads), opts.encode())
+        ctx = (library.plugin.backend.init(int(device.n_threads), opts.encode()) if index is None else
+               library.plugin.init_device(int(index), int(device.n_threads), opts.encode()))
         if ctx == f.NULL:
             raise BackendError(f"{library.where()}: backend init(n_threads={device.n_threads}, options={opts!r}) "
                                "returned NULL (an option it does not accept?)")
@@ -78,6 +82,13 @@ class NativeBackend(Backend):
         return NativePlan(self, split)
 
     def graph_plan_compute(self, plan: NativePlan, bindings: Mapping[str, int]) -> None:
+        self._compute(plan, bindings, queued=False)
+
+    def graph_plan_compute_async(self, plan: NativePlan, bindings: Mapping[str, int]) -> None:
+        """Enqueue the compute (ABI 2.2 graph_compute_async); its errors come from event_synchronize."""
+        self._compute(plan, bindings, queued=True)
+
+    def _compute(self, plan: NativePlan, bindings: Mapping[str, int], queued: bool) -> None:
         syms = plan.syms
         for k, name in enumerate(plan.symbol_names):
             syms[k] = bindings[name]
@@ -90,12 +101,15 @@ class NativeBackend(Backend):
         with self.lock:
             if self._ctx_holder[0] is None:
                 raise BackendError(f"{self.library.where()}: this backend was closed; prepare the graph again")
-            outer = getattr(current_compute, "state", None)  # a signal handler may compute while this thread computes
-            current_compute.state = state
-            try:
-                rc = int(plan._compute(self._ctx, plan.handle, plan.graph, plan.args))
-            finally:
-                current_compute.state = outer
+            if queued:
+                rc = int(self.library.plugin.graph_compute_async(self._ctx, plan.handle, plan.graph, plan.args_async))
+            else:
+                outer = getattr(current_compute, "state", None)  # a signal handler may compute while we compute
+                current_compute.state = state
+                try:
+                    rc = int(plan._compute(self._ctx, plan.handle, plan.graph, plan.args))
+                finally:
+                    current_compute.state = outer
         if rc == 0:
             return
         if state.exc is not None:  # Ctrl-C (or another signal handler's exception) during the compute
@@ -124,6 +138,50 @@ class NativeBackend(Backend):
         """Ask a compute of `plan` running in another thread to stop at the plugin's next poll."""
         plan.state.cancelled = True
 
+    def set_tensor_async(self, buffer: Any, offset: int, data: Any) -> None:
+        """Enqueue a host-to-device copy (ABI 2.2 set_tensor_async); `data` stays untouched until a later event."""
+        if not self.is_async or getattr(buffer, "_lib", None) is not self.library:
+            super().set_tensor_async(buffer, offset, data)
+            return
+        buffer._check(offset, data.nbytes)
+        with self.lock:
+            rc = int(self.library.plugin.set_tensor_async(self._ctx, buffer._cbuf, offset, ffi().from_buffer(data),
+                                                           data.nbytes))
+        if rc != 0:
+            raise BackendError(f"{self.library.where()}: set_tensor_async failed (status {rc} {STATUS.get(rc, '?')})")
+        counters.bump("abi_set_tensor_async")
+
+    def event_record(self) -> NativeEvent | None:
+        if not self.is_async:
+            return None
+        p = self.library.plugin
+        with self.lock:
+            handle = p.event_new(self._ctx)
+            if handle == ffi().NULL:
+                raise BackendError(f"{self.library.where()}: event_new returned NULL")
+            ev = NativeEvent(self, handle)
+            rc = int(p.event_record(self._ctx, handle))
+        if rc != 0:
+            raise BackendError(f"{self.library.where()}: event_record failed (status {rc} {STATUS.get(rc, '?')})")
+        return ev
+
+    def event_synchronize(self, event: NativeEvent | None) -> float | None:
+        if event is None:
+            return None
+        if event.done:
+            return event.seconds
+        f = ffi()
+        seconds = f.new("double *")
+        err = f.new("ggml_py_error *")
+        err.node = -1
+        rc = int(self.library.plugin.event_synchronize(self._ctx, event.handle, seconds, err))  # waits: no lock
+        event.done, event.seconds = True, float(seconds[0]) or None
+        if rc != 0:
+            msg = f.string(err.message).decode("utf-8", "replace").strip() or "no message"
+            raise BackendError(f"{self.library.where()} failed in queued work: {msg} (status {rc} "
+                               f"{STATUS.get(rc, '?')})")
+        return event.seconds
+
     def synchronize(self) -> None:
         fn = self.library.fn("backend.synchronize")
         if fn is not None:
@@ -142,6 +200,23 @@ class NativeBackend(Backend):
         self._finalizer()
 
 
+class NativeEvent:
+    """A plugin event (ABI 2.2): a point in a backend's queue; freed with the object."""
+
+    def __init__(self, backend: NativeBackend, handle: Any) -> None:
+        self.handle = handle
+        self.done = False
+        self.seconds: float | None = None
+        self._finalizer = weakref.finalize(self, _free_event, backend.library, backend._ctx_holder, handle,
+                                           backend.lock)
+
+
+def _free_event(lib: NativeLibrary, ctx_holder: list[Any], handle: Any, lock: Any) -> None:
+    with lock:
+        if ctx_holder[0] is not None:
+            lib.plugin.event_free(ctx_holder[0], handle)
+
+
 class NativeRegistration(BackendRegistration):
     """The registration of a plugin: one device, backends created through the plugin's init."""
 
@@ -155,17 +230,35 @@ class NativeRegistration(BackendRegistration):
     def device_caps(self) -> dict[str, Any]:
         lib = self.library
         return {"native": True, "library": lib.path, "abi_version": lib.abi_version,
-                "buffer_type": lib.buffer_type.name, "host_buffer": lib.is_host, "precision": lib.precision}
+                "buffer_type": lib.buffer_type.name, "host_buffer": lib.is_host, "precision": lib.precision,
+                "async": lib.is_async, "host_threads": lib.host_threads}
 
     def devices(self) -> list[Device]:
         lib = self.library
         p = lib.plugin
+        if lib.devices:  # a plugin driving several devices (ABI 2.2)
+            out = []
+            for i, name in enumerate(lib.devices):
+                d = p.devices[i]
+                desc = lib._string(d.description, "device description", "")
+                out.append(Device(name, desc or f"device {name} of native plugin {lib.name}",
+                                  memory_total=int(d.memory_total), memory_free=int(d.memory_free),
+                                  n_threads=lib.default_threads, score=lib.score,
+                                  caps={**self.device_caps(), "buffer_type": lib.buffer_types[i].name,
+                                        "device_index": i}))
+            return out
         return [Device("native", lib.description or f"native plugin {lib.name}", memory_total=int(p.memory_total),
                        memory_free=int(p.memory_free), n_threads=lib.default_threads, score=lib.score,
                        caps=self.device_caps())]
 
-    def create(self, device: Device | None = None, **options: Any) -> Backend:
-        """A backend; n_threads sets its thread count, every other option goes to the plugin's init as key=value."""
+    def create(self, device: Device | str | None = None, **options: Any) -> Backend:
+        """A backend; n_threads sets its thread count, every other option goes to the plugin's init as key=value.
+        `device`: one of devices(), or its name (a plugin driving several)."""
+        if isinstance(device, str):
+            named = {d.name: d for d in self.devices()}
+            if device not in named:
+                raise BackendError(f"backend {self.name!r} has no device {device!r}; it has {', '.join(named)}")
+            device = named[device]
         dev = device or self.devices()[0]
         n = options.pop("n_threads", None) or dev.n_threads
         return self.backend_class(self.library, Device(dev.name, dev.description, dev.memory_total, dev.memory_free,

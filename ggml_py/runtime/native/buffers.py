@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ggml_py import counters
 from ggml_py.errors import BackendError
 from ggml_py.ir.tensor import Tensor
 from ggml_py.runtime.backend import Buffer, BufferType, HostBuffer
@@ -47,12 +48,25 @@ class NativeDeviceBuffer(Buffer):
         self._check(offset, src.nbytes)
         self._call("set_tensor", self._lib.plugin.buffer.set_tensor(self._cbuf, offset, ffi().from_buffer(src),
                                                                     src.nbytes))
+        counters.bump("abi_set_tensor")
 
     def get_tensor(self, offset: int, size: int) -> np.ndarray:
         self._check(offset, size)
         out = np.empty(size, np.uint8)
         self._call("get_tensor", self._lib.plugin.buffer.get_tensor(self._cbuf, offset, ffi().from_buffer(out), size))
+        counters.bump("abi_get_tensor")
         return out
+
+    def copy_tensor(self, src: Buffer, src_offset: int, dst_offset: int, size: int) -> bool:
+        """Through the plugin's buffer_copy (ABI 2.2) when `src` is a buffer of the same plugin: no host memory."""
+        fn = self._lib.fn("buffer_copy")
+        if fn is None or not isinstance(src, NativeDeviceBuffer) or src._lib is not self._lib:
+            return False
+        src._check(src_offset, size)
+        self._check(dst_offset, size)
+        self._call("buffer_copy", fn(src._cbuf, src_offset, self._cbuf, dst_offset, size))
+        counters.bump("abi_buffer_copy")
+        return True
 
     def memset(self, offset: int, value: int, size: int) -> None:
         self._check(offset, size)
@@ -70,10 +84,13 @@ def free_buffer(lib: NativeLibrary, cbuf: Any) -> None:
 class NativeBufferType(BufferType):
     """The plugin's buffer type; allocations go through its alloc_buffer."""
 
-    def __init__(self, library: NativeLibrary) -> None:
+    def __init__(self, library: NativeLibrary, device: int | None = None, device_name: str = "") -> None:
         bt = library.plugin.buffer_type
         self.library = library
+        self.device = device  # the device of a plugin that drives several (its memory: a buffer type of its own)
         self.name = library._string(bt.name, "buffer type name", library.name)
+        if device is not None:
+            self.name += f":{device_name}"
         self.alignment = max(1, int(bt.alignment))
         if self.alignment & (self.alignment - 1):
             raise BackendError(f"{library.path}: buffer type alignment {self.alignment} is not a power of two")
@@ -93,7 +110,8 @@ class NativeBufferType(BufferType):
         lib = self.library
         size = max(int(size), 1)
         cbuf = f.new("ggml_py_buffer *")
-        rc = int(lib.plugin.buffer_type.alloc_buffer(size, cbuf))
+        rc = int(lib.plugin.buffer_type.alloc_buffer(size, cbuf) if self.device is None else
+                 lib.plugin.alloc_buffer_device(self.device, size, cbuf))
         if rc != 0 or cbuf.base == f.NULL:
             raise BackendError(f"{lib.where()}: alloc_buffer({size}) failed (status {rc} {STATUS.get(rc, '?')})")
         if int(cbuf.size) < size:

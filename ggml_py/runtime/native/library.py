@@ -11,7 +11,15 @@ from typing import Any
 from ggml_py.errors import BackendError
 from ggml_py.ir.schema import PRECISION_TIERS
 from ggml_py.runtime.backend import Backend
-from ggml_py.runtime.native.abi import NON_HOST_FUNCTIONS, REQUIRED_FUNCTIONS, SYMBOLS, check_version, ffi, version_str
+from ggml_py.runtime.native.abi import (
+    ASYNC_FUNCTIONS,
+    NON_HOST_FUNCTIONS,
+    REQUIRED_FUNCTIONS,
+    SYMBOLS,
+    check_version,
+    ffi,
+    version_str,
+)
 from ggml_py.runtime.native.backend import NativeRegistration
 from ggml_py.runtime.native.buffers import NativeBufferType
 
@@ -52,8 +60,36 @@ class NativeLibrary:
         if null:
             raise BackendError(f"{where} (backend {self.name!r}): required plugin function(s) {', '.join(null)} "
                                "are NULL")
-        self.buffer_type = NativeBufferType(self)
+        have_async = [fn for fn in ASYNC_FUNCTIONS if self.fn(fn) is not None]
+        if have_async and len(have_async) != len(ASYNC_FUNCTIONS):
+            raise BackendError(f"{where} (backend {self.name!r}): asynchronous execution needs all of "
+                               f"{', '.join(ASYNC_FUNCTIONS)}; the plugin has only {', '.join(have_async)}")
+        self.is_async = bool(have_async)
+        field = dict(f.typeof("ggml_py_plugin").fields)["host_threads"]
+        self.host_threads = int(plugin.host_threads) if field.offset + f.sizeof(field.type) <= size else 0
+        self.devices = self._devices()
+        # one buffer type per device: a device reads only its own memory
+        self.buffer_types = [NativeBufferType(self, i, dev) for i, dev in enumerate(self.devices)] or [
+            NativeBufferType(self)]
+        self.buffer_type = self.buffer_types[0]
         self._registration: NativeRegistration | None = None
+
+    def _devices(self) -> list[str]:
+        """The names of the devices of a plugin that drives several (ABI 2.2 n_devices), [] for one."""
+        f = ffi()
+        field = dict(f.typeof("ggml_py_plugin").fields)["alloc_buffer_device"]
+        if field.offset + f.sizeof(field.type) > self.struct_size or int(self.plugin.n_devices) <= 0:
+            return []
+        if self.fn("init_device") is None or self.fn("alloc_buffer_device") is None or \
+                self.plugin.devices == f.NULL:
+            raise BackendError(f"{self._where} (backend {self.name!r}): n_devices = {int(self.plugin.n_devices)} "
+                               "needs devices, init_device and alloc_buffer_device")
+        names = [self._string(self.plugin.devices[i].name, f"devices[{i}].name")
+                 for i in range(int(self.plugin.n_devices))]
+        bad = [n for n in names if not re.fullmatch(r"[a-z0-9_]+", n)]
+        if bad or len(set(names)) != len(names):
+            raise BackendError(f"{self._where}: device names {names} must be distinct and match [a-z0-9_]+")
+        return names
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> NativeLibrary:

@@ -128,6 +128,11 @@ class NativePlan:
         args.abort_data = self._handle
         args.err = self.err
         self.args = args
+        # an asynchronous compute (ABI 2.2) runs on the plugin's queue, where no abort callback may be called
+        args_async = f.new("ggml_py_compute_args *")
+        args_async.syms = self.syms
+        args_async.err = self.err
+        self.args_async = args_async
         self.node_seconds: Any = None
         self._keep = keep
         self.handle = f.NULL
@@ -157,7 +162,7 @@ class NativePlan:
 
     def set_profiling(self, on: bool) -> None:
         self.node_seconds = ffi().new("double[]", max(self.n, 1)) if on else None
-        self.args.node_seconds = self.node_seconds if on else ffi().NULL
+        self.args.node_seconds = self.args_async.node_seconds = self.node_seconds if on else ffi().NULL
 
     def free(self) -> None:
         self._finalizer()
