@@ -29,6 +29,7 @@ COMMANDS = {
     "info": "info",
     "quantize": "quantize",
     "config": "config",
+    "new-backend": "new_backend",
 }
 
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.machinery
+import sys
 from pathlib import Path
+
+# built by setup.py next to this file; no CPython tag in the name: the wheel serves every Python 3
+LIBRARY = "libggml_py_cexample" + (".dll" if sys.platform == "win32" else ".so")
 
 
 def library_path() -> str:
-    """The plugin's shared library, built next to this file (its name carries the platform's extension suffix)."""
-    here = Path(__file__).resolve().parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        lib = here / f"_plugin{suffix}"
-        if lib.exists():
-            return str(lib)
-    raise FileNotFoundError(f"the cexample plugin library is not built in {here}")
+    """The plugin's shared library, built next to this file."""
+    lib = Path(__file__).resolve().parent / LIBRARY
+    if not lib.is_file():
+        raise FileNotFoundError(f"the cexample plugin library is not built: {lib}")
+    return str(lib)
