@@ -21,6 +21,8 @@ import numpy as np
 
 from ggml_py.errors import ModelError, PlanError
 from ggml_py.ir import dtypes
+from ggml_py.ir.graph import Graph
+from ggml_py.ir.schema import VIEW_OPS
 from ggml_py.ir.symbolic import sym
 from ggml_py.ir.tensor import PARAM
 from ggml_py.models.architecture import Architecture
@@ -31,6 +33,7 @@ from ggml_py.models.memory import require_memory, step_buffer_bytes
 from ggml_py.models.weights import Weights
 from ggml_py.runtime.placement import place_static
 from ggml_py.runtime.plan import Plan, prepare
+from ggml_py.runtime.schedule import root
 
 log = logging.getLogger("ggml_py.models")
 
@@ -177,9 +180,15 @@ class Model:
             require_memory(parts, f"use a smaller n_ctx, {f16}another backend or a smaller model")
 
     def _copy_weights(self, progress: bool) -> None:
-        """Copy the weights into the preferred backend's memory, once, with a progress bar."""
-        bt = self.backends[0].default_buffer_type
-        ws = [t for t in self.weights.all() if t.flags & PARAM]
+        """Copy the weights into the preferred backend's memory, once, with a progress bar: those of the nodes it
+        computes in a one-token step (a device claiming a few ops gets only their weights; any other weight a plan
+        needs there is placed when the plan is prepared)."""
+        b = self.backends[0]
+        bt = b.default_buffer_type
+        g = self.arch.build_step(self.hparams, self.weights, self.cache, 1, self._n_kv_sym, last_only=False)
+        used = {id(root(s)) for n in Graph(g.outputs()).nodes if n.op not in VIEW_OPS and b.supports_op(n)
+                for s in n.src if s is not None and root(s).flags & PARAM}
+        ws = [t for t in self.weights.all() if t.flags & PARAM and id(t) in used]
         bar = _Progress(sum(t.nbytes for t in ws), f"loading weights into {self.backends[0].name}") \
             if progress else None
         for t in ws:
