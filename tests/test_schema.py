@@ -80,6 +80,28 @@ def test_what_a_minor_version_added_is_marked_with_its_neutral_value() -> None:
     assert rope.abi_minor(ops.rope(x, pos, 8).params, [True, True, True]) == 2
 
 
+def test_source_layouts_are_the_schemas_in_the_header_too() -> None:
+    """Each op's `layout` names its own sources and only ROWS or CONTIGUOUS (ANY is the default); the header's
+    GGML_PY_LAYOUT_<OP> holds them, 2 bits per source; has_layout judges as ggml does (size-1 dims have no stride)."""
+    for o in schema.OPS_LIST:
+        assert set(o.layout) <= set(o.roles), o.name
+        assert set(o.layout.values()) <= {schema.ROWS, schema.CONTIGUOUS}, o.name
+        if o.abi_id is not None:
+            want = sum(schema.LAYOUTS.index(o.requires(r)) << 2 * j for j, r in enumerate(o.roles))
+            assert native.const(f"GGML_PY_LAYOUT_{o.name}") == want, o.name
+    assert [native.const(f"GGML_PY_LAYOUT_{k.upper()}") for k in schema.LAYOUTS] == [0, 1, 2]
+    f32, q8 = ggml_py.F32, ggml_py.Q8_0
+    dense, rows = schema.CONTIGUOUS, schema.ROWS
+    assert schema.has_layout(dense, (3, 4), (16, 4), f32) and schema.has_layout(dense, (1, 4), (999, 4), f32)
+    assert not schema.has_layout(dense, (3, 4), (20, 4), f32) and schema.has_layout(rows, (3, 4), (20, 4), f32)
+    assert not schema.has_layout(rows, (4, 3), (4, 16), f32) and schema.has_layout(rows, (4, 1), (4, 16), f32)
+    assert schema.has_layout(dense, (2, 64), (68, 34), q8) and not schema.has_layout(dense, (2, 64), (102, 34), q8)
+    x = ggml_py.input((33, 7))
+    assert schema.unmet_layouts(ops.add(ggml_py.input((7, 33)), ops.transpose(x))) == []
+    (why,) = schema.unmet_layouts(ops.add(ops.transpose(x), ggml_py.input((7, 33))))
+    assert why.startswith("ADD's a must be contiguous in its rows")
+
+
 def header_lists(text: str) -> dict[str, list[str]]:
     """The X-macro lists of the header, GGML_PY_OPS_<LIST>(X), parsed from its C text: {LIST: [op, ...]}."""
     text = text.replace("\\\n", " ")  # join continued lines
