@@ -208,18 +208,20 @@ def test_ops_are_enumerated_by_hand_in_one_place() -> None:
             assert not re.search(r'"(ADD|MUL_MAT|SOFT_MAX)"', path.read_text()), path
 
 
-def test_docs_show_the_kits_thresholds_as_the_cases_have_them():
-    """docs/ops.md and docs/writing-a-backend.md hold the table thresholds.block() makes from the kit's cases: a
-    threshold changed in the schema or the cases and not in the docs fails here."""
-    from ggml_py.testing import thresholds
+def test_docs_show_the_kits_thresholds_and_layouts_as_the_cases_have_them():
+    """docs/ops.md and docs/writing-a-backend.md hold the tables thresholds.block() and view_cases.block() make from
+    the schema and the kit's cases: a threshold or a source's layout changed there and not in the docs fails here."""
+    from ggml_py.testing import thresholds, view_cases
 
     for doc in ("ops.md", "writing-a-backend.md"):
         text = (ROOT / "docs" / doc).read_text()
-        assert text.count(thresholds.BEGIN) == 1, f"docs/{doc} has no (or two) kit-thresholds blocks"
-        start = text.index(thresholds.BEGIN)
-        end = text.index(thresholds.END, start) + len(thresholds.END)
-        assert text[start:end] == thresholds.block(), (
-            f"docs/{doc}'s kit thresholds are out of date: paste `python -m ggml_py.testing.thresholds`")
+        for gen in (thresholds, view_cases):
+            name = gen.__name__.rsplit(".", 1)[1]
+            assert text.count(gen.BEGIN) == 1, f"docs/{doc} has no (or two) blocks of {name}"
+            start = text.index(gen.BEGIN)
+            end = text.index(gen.END, start) + len(gen.END)
+            assert text[start:end] == gen.block(), (
+                f"docs/{doc}'s table is out of date: paste `python -m ggml_py.testing.{name}`")
     # what the docs claim in words agrees with the table
     table = thresholds.thresholds_table()
     assert "| `MUL_MAT` | 1e-10: F32 F16 BF16; 5e-4:" in table and "| `FLASH_ATTN_EXT` | 5e-4 |" in table
