@@ -21,7 +21,8 @@ from ggml_py.commands import cli
 from ggml_py.ir import schema
 from ggml_py.runtime.backend import Backend, BackendRegistration, Device
 from ggml_py.testing import ALL_OPS, cases, compare, nmse, run_backend
-from ggml_py.testing.case import CONVERT_MAX_NMSE, RELAYOUTS, WEIGHT_TYPES
+from ggml_py.testing.case import CONVERT_MAX_NMSE, WEIGHT_TYPES
+from ggml_py.testing.view_cases import view_of
 
 from conftest import available_backends
 
@@ -330,19 +331,13 @@ def test_subset_backend_is_skipped_for_the_rest():
 
 
 # -- view cases (ggml_py/testing/view_cases.py) ----------------------------------------------------------------
-def _view_of(case: object) -> tuple[str, str] | None:
-    """(source, layout) of a generated view case (its case string ends with `,<source>:<layout>`), else None."""
-    role, sep, how = case.case.rpartition(",")[2].partition(":")  # type: ignore[attr-defined]
-    return (role, how) if sep and how in RELAYOUTS else None
-
-
 def test_view_cases_give_each_source_the_layouts_its_schema_allows():
     """Every source that need not be contiguous gets a window of a wider input; every one of any layout also a
     transposed view (SET_ROWS' 1-D idx: every other element); a source that needs contiguous rows never gets strided
     rows, a contiguous one nothing. Each view case's source has the layout its id names."""
     given: dict[tuple[str, str], set[str]] = {}
     for c in cases():
-        v = _view_of(c)
+        v = view_of(c)
         if v is not None:
             given.setdefault((c.op, v[0]), set()).add(v[1])
     for o in (schema.OPS[op] for op in ALL_OPS):
@@ -354,8 +349,8 @@ def test_view_cases_give_each_source_the_layouts_its_schema_allows():
                 assert {"window", "transposed"} <= got, (o.name, role, got)
             else:
                 assert got == ({"window"} if need == schema.ROWS else set()), (o.name, role, got)
-    for c in cases(lambda c: _view_of(c) is not None):
-        role, how = _view_of(c)  # type: ignore[misc]
+    for c in cases(lambda c: view_of(c) is not None):
+        role, how = view_of(c)  # type: ignore[misc]
         j = schema.OPS[c.op].roles.index(role)
         (node,) = [n for n in gp.Graph(c.build().outputs).nodes if n.op == c.op]
         s = node.src[j]
@@ -398,14 +393,14 @@ class _IgnoresStrides(_Tweaked):
 def test_a_backend_ignoring_strides_fails_the_view_cases_of_every_source():
     """For each op, a numpy backend that ignores the strides of that op's operands fails at least one view case of
     each of its sources (the plugin bug the C example plants too: tests/test_native_plugin.py)."""
-    views = cases(lambda c: _view_of(c) is not None)
+    views = cases(lambda c: view_of(c) is not None)
     missed = {}
     for op in dict.fromkeys(c.op for c in views):
         mine = [c for c in views if c.op == op]
         rep = run_backend(_IgnoresStrides(op), mine)
-        caught = {_view_of(r)[0] for r in rep.failures}  # type: ignore[index]
-        if caught != {_view_of(c)[0] for c in mine}:  # type: ignore[index]
-            missed[op] = sorted({_view_of(c)[0] for c in mine} - caught)  # type: ignore[index]
+        caught = {view_of(r)[0] for r in rep.failures}  # type: ignore[index]
+        if caught != {view_of(c)[0] for c in mine}:  # type: ignore[index]
+            missed[op] = sorted({view_of(c)[0] for c in mine} - caught)  # type: ignore[index]
     assert missed == {}
 
 
@@ -418,8 +413,8 @@ def test_refusing_only_what_the_schema_allows_skips_no_view_case():
     skipped = [r for r in rep.results if r.status == "skipped"]
     assert {r.op for r in skipped} == {"ADD", "SOFT_MAX", "MUL_MAT", "SILU"}  # the hand-written permuted operands
     assert all("the schema allows it: " in r.message and "must be contiguous" in r.message for r in skipped)
-    assert not any(_view_of(r) for r in skipped)
-    assert any(_view_of(r) for r in rep.results if r.status == "passed")
+    assert not any(view_of(r) for r in skipped)
+    assert any(view_of(r) for r in rep.results if r.status == "passed")
 
 
 # -- the CLI ---------------------------------------------------------------------------------------------------

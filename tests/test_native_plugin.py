@@ -594,16 +594,12 @@ def test_kit_fails_the_example_with_a_planted_bug(bug: str, libdir: Path) -> Non
     # every op the bug touches is caught, not only one of them (strides ignored: by the view cases of each)
     assert {r.op for r in report.failures} == set(ops_.split(",")), report.table(show=("failed",))
     if bug == "strides ignored":  # each source of each op, through its generated views alone (view_cases.py)
-        views = kit.run_backend(native.backend(lib), [c for c in kit.cases(op=ops_) if _view_of(c)])
-        assert {(r.op, _view_of(r)[0]) for r in views.failures} == {
+        from ggml_py.testing.view_cases import view_of
+
+        views = kit.run_backend(native.backend(lib), [c for c in kit.cases(op=ops_) if view_of(c)])
+        assert {(r.op, view_of(r)[0]) for r in views.failures} == {
             ("ADD", "a"), ("ADD", "b"), ("MUL", "a"), ("MUL", "b"), ("RMS_NORM", "a"), ("MUL_MAT", "a"),
             ("MUL_MAT", "b")}, views.table(show=("failed",))
-
-
-def _view_of(case: Any) -> tuple[str, str] | None:
-    """(source, layout) of a view case of the kit (its case string ends with `,<source>:<layout>`), else None."""
-    role, sep, how = case.case.rpartition(",")[2].partition(":")
-    return (role, how) if sep and how in ("window", "transposed", "strided") else None
 
 
 # A plugin that computes MUL_MAT's products in F16 (as GPU plugins may): both operands rounded to F16's significand
