@@ -131,9 +131,9 @@ def encode(values: np.ndarray, t: DType) -> np.ndarray:
 
 # How a source the kit lays out anew (view_cases.py) is stored: "window", its rows inside wider rows of a larger input
 # (one unit before each, two after: nb[1] larger than a row; in 3 or more dims a row more per matrix, so that nb[2]
-# is not ne[1] * nb[1] either); "transposed", the transpose of a contiguous input with
-# its last two dims swapped (nb[0] is a row's length); "strided", a 1-D source at every other element (nb[0] twice
-# the element size). A unit is an element, or a block of a quantized type.
+# is not ne[1] * nb[1] either); "transposed", the transpose of a contiguous input with its last two dims swapped
+# (nb[0] is a row's length); "strided", a 1-D source at every other element (nb[0] twice the element size). A unit is
+# an element, or a block of a quantized type.
 RELAYOUTS = ("window", "transposed", "strided")
 
 

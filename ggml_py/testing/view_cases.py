@@ -98,8 +98,8 @@ def _derived(base: Case, role: str, j: int, leaf: int, how: str) -> Case:
 def view_cases(bases: Sequence[Case]) -> list[Case]:
     """The view cases derived from `bases` (the kit's other cases), in their order."""
     chosen: dict[tuple[str, str, str, str], Case] = {}
+    ndim: dict[tuple[str, str, str, str], int] = {}  # the chosen base's source rank
     strided: dict[tuple[str, str, str], Case] = {}
-    deep: dict[tuple[str, str, str, str], bool] = {}
     for case in bases:
         found = _plain_sources(case)
         if found is None:
@@ -115,10 +115,12 @@ def view_cases(bases: Sequence[Case]) -> list[Case]:
                 key = (case.op, role, types)
                 if how == "strided":  # only where no case of these types has the source in two dims
                     strided.setdefault(key, _derived(case, role, j, leaf, how))
-                elif (*key, how) not in chosen or (how == "window" and s.ndim >= 3 and deep.get((*key, how)) is False):
-                    # a window of a 3-D source shows its outer strides too: such a base is preferred
-                    chosen[(*key, how)] = _derived(case, role, j, leaf, how)
-                    deep[(*key, how)] = s.ndim >= 3
+                    continue
+                # the first base, unless a later one has the source in 3 dims where the first had 2: its window
+                # has strided matrices too (nb[2] is not ne[1] * nb[1])
+                k = (*key, how)
+                if k not in chosen or (how == "window" and s.ndim >= 3 > ndim[k]):
+                    chosen[k], ndim[k] = _derived(case, role, j, leaf, how), s.ndim
     two_d = {k[:3] for k in chosen if k[3] == "transposed"}
     made = [*chosen.values(), *(c for k, c in strided.items() if k not in two_d)]
     order: dict[str, int] = {}
