@@ -22,6 +22,7 @@ from ggml_py.ir import schema
 from ggml_py.runtime.backend import Backend, BackendRegistration, Device
 from ggml_py.testing import ALL_OPS, cases, compare, nmse, run_backend
 from ggml_py.testing.case import CONVERT_MAX_NMSE, WEIGHT_TYPES
+from ggml_py.testing.view_cases import view_of
 
 from conftest import available_backends
 
@@ -327,6 +328,93 @@ def test_subset_backend_is_skipped_for_the_rest():
     assert all("subset does not support" in r.message for r in skipped)
     assert rep.not_covered == ["SOFT_MAX", "ROPE"] and rep.partially_covered == ["MUL_MAT"]
     assert "not covered" in rep.table()
+
+
+# -- view cases (ggml_py/testing/view_cases.py) ----------------------------------------------------------------
+def test_view_cases_give_each_source_the_layouts_its_schema_allows():
+    """Every source that need not be contiguous gets a window of a wider input; every one of any layout also a
+    transposed view (SET_ROWS' 1-D idx: every other element); a source that needs contiguous rows never gets strided
+    rows, a contiguous one nothing. Each view case's source has the layout its id names."""
+    given: dict[tuple[str, str], set[str]] = {}
+    for c in cases():
+        v = view_of(c)
+        if v is not None:
+            given.setdefault((c.op, v[0]), set()).add(v[1])
+    for o in (schema.OPS[op] for op in ALL_OPS):
+        for role in o.roles:
+            got, need = given.get((o.name, role), set()), o.requires(role)
+            if (o.name, role) == ("SET_ROWS", "idx"):
+                assert got == {"strided"}
+            elif need == schema.ANY:
+                assert {"window", "transposed"} <= got, (o.name, role, got)
+            else:
+                assert got == ({"window"} if need == schema.ROWS else set()), (o.name, role, got)
+    for c in cases(lambda c: view_of(c) is not None):
+        role, how = view_of(c)  # type: ignore[misc]
+        j = schema.OPS[c.op].roles.index(role)
+        (node,) = [n for n in gp.Graph(c.build().outputs).nodes if n.op == c.op]
+        s = node.src[j]
+        rows = schema.has_layout(schema.ROWS, s.shape, s.strides, s.dtype)
+        dense = schema.has_layout(schema.CONTIGUOUS, s.shape, s.strides, s.dtype)
+        if how == "window":
+            assert rows and not dense and s.strides[-2] > s.dtype.row_size(s.shape[-1]), c.id
+        else:
+            assert not rows and s.is_view, c.id
+
+
+def _c_strides(a: np.ndarray) -> tuple[int, ...]:
+    out, step = [], a.itemsize
+    for d in reversed(a.shape):
+        out.append(step)
+        step *= d
+    return tuple(reversed(out))
+
+
+class _IgnoresStrides(_Tweaked):
+    """The plugin bug "strides ignored" in numpy: every operand of `op` (its result too) read and written from its
+    first byte as if it were contiguous."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__(f"strides_ignored_{op.lower()}")
+        self.op = op
+
+    def graph_plan_create(self, split):  # type: ignore[no-untyped-def]
+        plan = super().graph_plan_create(split)
+        for st in plan.steps:
+            if st.node.op == self.op:
+                def dense(i, bindings, read=st.operand):  # type: ignore[no-untyped-def]
+                    a, shape = read(i, bindings)
+                    return np.lib.stride_tricks.as_strided(a, a.shape, _c_strides(a)), shape
+
+                st.operand = dense
+        return plan
+
+
+def test_a_backend_ignoring_strides_fails_the_view_cases_of_every_source():
+    """For each op, a numpy backend that ignores the strides of that op's operands fails at least one view case of
+    each of its sources (the plugin bug the C example plants too: tests/test_native_plugin.py)."""
+    views = cases(lambda c: view_of(c) is not None)
+    missed = {}
+    for op in dict.fromkeys(c.op for c in views):
+        mine = [c for c in views if c.op == op]
+        rep = run_backend(_IgnoresStrides(op), mine)
+        caught = {view_of(r)[0] for r in rep.failures}  # type: ignore[index]
+        if caught != {view_of(c)[0] for c in mine}:  # type: ignore[index]
+            missed[op] = sorted({view_of(c)[0] for c in mine} - caught)  # type: ignore[index]
+    assert missed == {}
+
+
+def test_refusing_only_what_the_schema_allows_skips_no_view_case():
+    """A backend may decline a node whose source lacks the layout its op requires (as ggml's CPU backend does): the
+    kit skips such a case saying so, and none of its generated view cases is one."""
+    strict = _Tweaked("strict_layouts", claims=lambda n: not schema.unmet_layouts(n))
+    rep = run_backend(strict, cases(op="ADD,SOFT_MAX,MUL_MAT,SILU"))
+    assert rep.failed == 0, rep.table(show=("failed",))
+    skipped = [r for r in rep.results if r.status == "skipped"]
+    assert {r.op for r in skipped} == {"ADD", "SOFT_MAX", "MUL_MAT", "SILU"}  # the hand-written permuted operands
+    assert all("the schema allows it: " in r.message and "must be contiguous" in r.message for r in skipped)
+    assert not any(view_of(r) for r in skipped)
+    assert any(view_of(r) for r in rep.results if r.status == "passed")
 
 
 # -- the CLI ---------------------------------------------------------------------------------------------------

@@ -80,6 +80,28 @@ def test_what_a_minor_version_added_is_marked_with_its_neutral_value() -> None:
     assert rope.abi_minor(ops.rope(x, pos, 8).params, [True, True, True]) == 2
 
 
+def test_source_layouts_are_the_schemas_in_the_header_too() -> None:
+    """Each op's `layout` names its own sources and only ROWS or CONTIGUOUS (ANY is the default); the header's
+    GGML_PY_LAYOUT_<OP> holds them, 2 bits per source; has_layout judges as ggml does (size-1 dims have no stride)."""
+    for o in schema.OPS_LIST:
+        assert set(o.layout) <= set(o.roles), o.name
+        assert set(o.layout.values()) <= {schema.ROWS, schema.CONTIGUOUS}, o.name
+        if o.abi_id is not None:
+            want = sum(schema.LAYOUTS.index(o.requires(r)) << 2 * j for j, r in enumerate(o.roles))
+            assert native.const(f"GGML_PY_LAYOUT_{o.name}") == want, o.name
+    assert [native.const(f"GGML_PY_LAYOUT_{k.upper()}") for k in schema.LAYOUTS] == [0, 1, 2]
+    f32, q8 = ggml_py.F32, ggml_py.Q8_0
+    dense, rows = schema.CONTIGUOUS, schema.ROWS
+    assert schema.has_layout(dense, (3, 4), (16, 4), f32) and schema.has_layout(dense, (1, 4), (999, 4), f32)
+    assert not schema.has_layout(dense, (3, 4), (20, 4), f32) and schema.has_layout(rows, (3, 4), (20, 4), f32)
+    assert not schema.has_layout(rows, (4, 3), (4, 16), f32) and schema.has_layout(rows, (4, 1), (4, 16), f32)
+    assert schema.has_layout(dense, (2, 64), (68, 34), q8) and not schema.has_layout(dense, (2, 64), (102, 34), q8)
+    x = ggml_py.input((33, 7))
+    assert schema.unmet_layouts(ops.add(ggml_py.input((7, 33)), ops.transpose(x))) == []
+    (why,) = schema.unmet_layouts(ops.add(ops.transpose(x), ggml_py.input((7, 33))))
+    assert why.startswith("ADD's a must be contiguous in its rows")
+
+
 def header_lists(text: str) -> dict[str, list[str]]:
     """The X-macro lists of the header, GGML_PY_OPS_<LIST>(X), parsed from its C text: {LIST: [op, ...]}."""
     text = text.replace("\\\n", " ")  # join continued lines
@@ -186,18 +208,20 @@ def test_ops_are_enumerated_by_hand_in_one_place() -> None:
             assert not re.search(r'"(ADD|MUL_MAT|SOFT_MAX)"', path.read_text()), path
 
 
-def test_docs_show_the_kits_thresholds_as_the_cases_have_them():
-    """docs/ops.md and docs/writing-a-backend.md hold the table thresholds.block() makes from the kit's cases: a
-    threshold changed in the schema or the cases and not in the docs fails here."""
-    from ggml_py.testing import thresholds
+def test_docs_show_the_kits_thresholds_and_layouts_as_the_cases_have_them():
+    """docs/ops.md and docs/writing-a-backend.md hold the tables thresholds.block() and view_cases.block() make from
+    the schema and the kit's cases: a threshold or a source's layout changed there and not in the docs fails here."""
+    from ggml_py.testing import thresholds, view_cases
 
     for doc in ("ops.md", "writing-a-backend.md"):
         text = (ROOT / "docs" / doc).read_text()
-        assert text.count(thresholds.BEGIN) == 1, f"docs/{doc} has no (or two) kit-thresholds blocks"
-        start = text.index(thresholds.BEGIN)
-        end = text.index(thresholds.END, start) + len(thresholds.END)
-        assert text[start:end] == thresholds.block(), (
-            f"docs/{doc}'s kit thresholds are out of date: paste `python -m ggml_py.testing.thresholds`")
+        for gen in (thresholds, view_cases):
+            name = gen.__name__.rsplit(".", 1)[1]
+            assert text.count(gen.BEGIN) == 1, f"docs/{doc} has no (or two) blocks of {name}"
+            start = text.index(gen.BEGIN)
+            end = text.index(gen.END, start) + len(gen.END)
+            assert text[start:end] == gen.block(), (
+                f"docs/{doc}'s table is out of date: paste `python -m ggml_py.testing.{name}`")
     # what the docs claim in words agrees with the table
     table = thresholds.thresholds_table()
     assert "| `MUL_MAT` | 1e-10: F32 F16 BF16; 5e-4:" in table and "| `FLASH_ATTN_EXT` | 5e-4 |" in table

@@ -2,12 +2,14 @@
 
 Each `OpDef` says an op's name, its id in the C ABI, its sources, its parameters (name, type, ABI slot), its shape rule
 (as text for the docs; `ggml_py.ir.ops` implements it), whether the allocator may compute it in place over its first
-source, the conformance kit's NMSE threshold, its family, whether it is transcendental, and (unary family) its formula.
+source, the conformance kit's NMSE threshold, its family, whether it is transcendental, (unary family) its formula,
+and the memory layout each source must have (`layout`: any strides, contiguous rows, or contiguous).
 Everything else is derived from this table or checked against it by a test: the C header's op enum, parameter slots and
-X-macro op lists (`render_header`), which the simd backend's kernel table, validation, cost classes and dispatch expand,
-the allocator's in-place set, the view ops, the parameters a node must carry, the ABI encoding of a node's parameters,
-the kit's op list and default thresholds, the unary family's builders in ops.py, the numpy backend's kernel table, and
-docs/ops.md.
+X-macro op lists and source layouts (`render_header`), which the simd backend's kernel table, validation, cost classes
+and dispatch expand, the allocator's in-place set, the view ops, the parameters a node must carry, the ABI encoding of
+a node's parameters, the kit's op list and default thresholds, the kit's windowed and transposed views of every source
+that accepts them (testing/view_cases.py), the unary family's builders in ops.py, the numpy backend's kernel table,
+and docs/ops.md.
 
 Adding an op (docs/architecture.md, "Adding an op"): one `OpDef` here (a new ABI id is appended, never reused), then
 `python -m ggml_py.ir.schema header` to refresh the header, its numpy kernel and its simd kernel. An op of the unary
@@ -22,8 +24,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ggml_py.ir import dtypes
+from ggml_py.ir.symbolic import Dim, upper
 
 # Parameter kinds. In the ABI every parameter takes 32-bit slots of `ggml_py_op_params`, in declaration order.
 F32 = "f32"  # one float slot
@@ -48,6 +52,16 @@ NMSE_MUL_MAT_FLOAT = 1e-10
 PRECISION_TIERS = ("exact", "reduced")
 NMSE_SOFT_MAX = 1e-6
 NMSE_EXACT = 0.0
+
+# What a source's memory layout must be (OpDef.layout), as ggml's CPU backend requires it (it asserts these, and its
+# test-backend-ops feeds views within them). A backend may refuse a node whose source breaks its op's requirement
+# (`layout_refusals`); it must compute every other layout. The kit gives each source views its requirement allows:
+# a window of a wider input (rows apart by more than their length) for ANY and ROWS, a transposed view for ANY.
+ANY = "any"  # any byte strides: permuted, transposed (nb[0] != the element size), windows
+ROWS = "rows"  # contiguous rows, nb[0] == the type size (ggml_is_contiguous_rows); the outer strides are free
+CONTIGUOUS = "contiguous"  # dense (ggml_is_contiguous); at any offset
+LAYOUTS = (ANY, ROWS, CONTIGUOUS)
+LAYOUT_TEXT = {ANY: "of any layout", ROWS: "contiguous in its rows", CONTIGUOUS: "contiguous"}
 
 
 @dataclass(frozen=True)
@@ -86,6 +100,19 @@ class OpDef:
     # optional sources added by a later ABI minor (role without "?" -> minor): a plugin of an earlier minor would
     # ignore them, so it is offered only nodes without them
     srcs_since: Mapping[str, int] = field(default_factory=dict)
+    # the layout each source needs (role without "?" -> ROWS or CONTIGUOUS); a source not named accepts ANY
+    layout: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The sources' roles without the optional marker."""
+        return tuple(r.rstrip("?") for r in self.srcs)
+
+    def requires(self, role: str) -> str:
+        """The layout source `role` must have: ANY, ROWS or CONTIGUOUS."""
+        if role not in self.roles:
+            raise KeyError(f"{self.name} has no source {role!r}")
+        return self.layout.get(role, ANY)
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -135,19 +162,29 @@ _UNARY_RULE = "`a.shape`"
 _BINARY_RULE = "`b` tiles `a`; result `a.shape`"
 
 
+# Each op's `layout` is what ggml's CPU backend asserts (ggml/src/ggml-cpu/ops.cpp, binary-ops.cpp, unary-ops.cpp,
+# ggml-cpu.c; the graph builders of ggml.c), noted at the op: "nb00" is `GGML_ASSERT(nb00 == type size)`, "rows"
+# ggml_is_contiguous_rows, "cont" ggml_is_contiguous. Where ggml asks ggml_is_contiguous_1 (rows contiguous, dims
+# above 1 dense), ggml_py asks ROWS: its backends take any outer strides.
+_ROWS_A = {"a": ROWS}
+
+
 def _unary(name: str, abi_id: int, doc: str, transcendental: bool = False) -> OpDef:
     """An op of the unary family: elementwise F32 -> F32 without parameters, built by `ops.<name in lower case>(a)`
     (ops.py makes the builder from this entry) and computed by each backend's unary kernel."""
     return OpDef(name, abi_id, ("a",), rule=_UNARY_RULE, inplace=True, family="unary", transcendental=transcendental,
-                 doc=doc)
+                 doc=doc, layout=_ROWS_A)
 
 
 OPS_LIST: tuple[OpDef, ...] = (
-    OpDef("ADD", 1, ("a", "b"), rule=_BINARY_RULE, inplace=True, family="binary"),
-    OpDef("SUB", 2, ("a", "b"), rule=_BINARY_RULE, inplace=True, family="binary"),
-    OpDef("MUL", 3, ("a", "b"), rule=_BINARY_RULE, inplace=True, family="binary"),
-    OpDef("DIV", 4, ("a", "b"), rule=_BINARY_RULE, inplace=True, family="binary"),
-    OpDef("SCALE", 5, ("a",), _f("s", "b"), "`a.shape`; `a * s + b`", inplace=True),
+    # binary: a nb00; b any (binary-ops.cpp reads a strided src1 element by element)
+    OpDef("ADD", 1, ("a", "b"), rule=_BINARY_RULE, inplace=True, family="binary", layout=_ROWS_A),
+    OpDef("SUB", 2, ("a", "b"), rule=_BINARY_RULE, inplace=True, family="binary", layout=_ROWS_A),
+    OpDef("MUL", 3, ("a", "b"), rule=_BINARY_RULE, inplace=True, family="binary", layout=_ROWS_A),
+    OpDef("DIV", 4, ("a", "b"), rule=_BINARY_RULE, inplace=True, family="binary", layout=_ROWS_A),
+    # cont (scale_f32)
+    OpDef("SCALE", 5, ("a",), _f("s", "b"), "`a.shape`; `a * s + b`", inplace=True, layout={"a": CONTIGUOUS}),
+    # the unary family: rows (ggml_unary_impl, apply_unary_op)
     _unary("SQR", 6, "`x * x`"),
     _unary("SQRT", 7, "`sqrt(x)`"),
     _unary("NEG", 8, "`-x`"),
@@ -161,21 +198,26 @@ OPS_LIST: tuple[OpDef, ...] = (
     _unary("TANH", 15, "`tanh(x)`", transcendental=True),
     _unary("SIGMOID", 16, "`1 / (1 + e^-x)`", transcendental=True),
     _unary("GELU_ERF", 38, "exact GELU `0.5 * x * (1 + erf(x / sqrt(2)))` (ggml's GELU_ERF)", transcendental=True),
-    OpDef("CLAMP", 17, ("a",), _f("min", "max"), "`a.shape`; `min <= max`", inplace=True),
+    OpDef("CLAMP", 17, ("a",), _f("min", "max"), "`a.shape`; `min <= max`", inplace=True, layout=_ROWS_A),  # nb00
+    # both ggml_is_contiguous_1 (ggml_glu_impl)
     OpDef("SWIGLU", 18, ("a", "b?"), rule="`a.shape`, or `(..., n/2)` without `b`", family="glu",
-          transcendental=True),
+          transcendental=True, layout={"a": ROWS, "b": ROWS}),
     OpDef("GEGLU", 19, ("a", "b?"), rule="`a.shape`, or `(..., n/2)` without `b`", family="glu",
-          transcendental=True),
-    OpDef("NORM", 20, ("a",), _f("eps"), "`a.shape`, over the last dim"),
-    OpDef("RMS_NORM", 21, ("a",), _f("eps"), "`a.shape`, over the last dim"),
-    OpDef("SUM_ROWS", 22, ("a",), rule="`(..., 1)`"),
-    OpDef("MEAN", 23, ("a",), rule="`(..., 1)`"),
-    OpDef("ARGMAX", 24, ("a",), rule="`a.shape[:-1]`, I32", max_nmse=NMSE_EXACT),
+          transcendental=True, layout={"a": ROWS, "b": ROWS}),
+    OpDef("NORM", 20, ("a",), _f("eps"), "`a.shape`, over the last dim"),  # any (norm_f32 has a strided path)
+    OpDef("RMS_NORM", 21, ("a",), _f("eps"), "`a.shape`, over the last dim", layout=_ROWS_A),  # nb00
+    OpDef("SUM_ROWS", 22, ("a",), rule="`(..., 1)`", layout=_ROWS_A),  # nb00
+    OpDef("MEAN", 23, ("a",), rule="`(..., 1)`", layout=_ROWS_A),  # nb00
+    OpDef("ARGMAX", 24, ("a",), rule="`a.shape[:-1]`, I32", max_nmse=NMSE_EXACT, layout=_ROWS_A),  # nb00
+    # "we don't support permuted src0 or src1" (ggml-cpu.c): nb00 and nb10
     OpDef("MUL_MAT", 25, ("a", "b"), rule="`a (..., M, K)`, `b (..., N, K)` -> `(..., N, M)`",
-          max_nmse=NMSE_MUL_MAT, max_nmse_float=NMSE_MUL_MAT_FLOAT),
+          max_nmse=NMSE_MUL_MAT, max_nmse_float=NMSE_MUL_MAT_FLOAT, layout={"a": ROWS, "b": ROWS}),
+    # both cont (ggml_soft_max_impl)
     OpDef("SOFT_MAX", 26, ("a", "mask?"), _f("scale", "max_bias"), "`a.shape`", inplace=True,
-          max_nmse=NMSE_SOFT_MAX, transcendental=True),
-    OpDef("DIAG_MASK_INF", 27, ("a",), (Param("n_past", I32),), "`a.shape`", inplace=True),
+          max_nmse=NMSE_SOFT_MAX, transcendental=True, layout={"a": CONTIGUOUS, "mask": CONTIGUOUS}),
+    # cont (diag_mask_f32 copies src0 to dst as one block)
+    OpDef("DIAG_MASK_INF", 27, ("a",), (Param("n_past", I32),), "`a.shape`", inplace=True,
+          layout={"a": CONTIGUOUS}),
     # ABI 2.2 added YaRN (ggml's ext_factor, attn_factor, beta_fast, beta_slow, n_ctx_orig) and the frequency
     # factors (llama 3 rope scaling); their neutral values are the rope every 2.x plugin computes
     OpDef("ROPE", 28, ("a", "pos", "freq_factors?"),
@@ -183,28 +225,39 @@ OPS_LIST: tuple[OpDef, ...] = (
            Param("ext_factor", F32, 2, 0.0), Param("attn_factor", F32, 2, 1.0), Param("beta_fast", F32, 2, 32.0),
            Param("beta_slow", F32, 2, 1.0), Param("n_ctx_orig", I32, 2, 0)),
           "`a (..., T, H, D)`, `pos (T,)`, `freq_factors (n_dims/2,)` -> `a.shape`", transcendental=True,
-          srcs_since={"freq_factors": 2}),
+          srcs_since={"freq_factors": 2},
+          # rope_flt: a nb00; pos and freq_factors are read as plain arrays from their data pointers
+          layout={"a": ROWS, "pos": CONTIGUOUS, "freq_factors": CONTIGUOUS}),
+    # "input tensor rows must be contiguous" (flash_attn_ext_f16): q, k, v nb0; mask cont (ggml_flash_attn_ext)
     OpDef("FLASH_ATTN_EXT", 29, ("q", "k", "v", "mask?"), _f("scale", "max_bias", "softcap"),
           "`q (B, H, Nq, D)`, `k (B, Hk, Nkv, D)`, `v (B, Hk, Nkv, Dv)` -> `(B, Nq, H, Dv)`",
-          max_nmse=NMSE_MUL_MAT),
+          max_nmse=NMSE_MUL_MAT, layout={"q": ROWS, "k": ROWS, "v": ROWS, "mask": CONTIGUOUS}),
+    # get_rows_*: a nb00; idx any (read through nb10, nb11, nb12)
     OpDef("GET_ROWS", 30, ("a", "idx"), rule="`a (..., R, C)`, `idx (..., n)` -> `(..., n, C)`",
-          max_nmse=NMSE_EXACT),
+          max_nmse=NMSE_EXACT, layout=_ROWS_A),
+    # dst and rows: rows (ggml_set_rows); idx any (read through its strides)
     OpDef("SET_ROWS", 31, ("dst", "rows", "idx"), rule="`dst (R, C)`, `rows (n, C)`, `idx (n,)` -> `dst`",
-          max_nmse=NMSE_EXACT, aliases=0),
+          max_nmse=NMSE_EXACT, aliases=0, layout={"dst": ROWS, "rows": ROWS}),
+    # any: ggml's dup walks both tensors by their strides (its quantizing path, dup_to_q, wants a's rows and a dense
+    # dst; ggml_py's backends quantize into any layout of whole rows)
     OpDef("CPY", 32, ("a", "dst?"), rule="`dst.shape` (same element count), or `a.shape` as a new tensor",
           max_nmse=NMSE_EXACT, aliases=1),
-    OpDef("CONT", 33, ("a",), rule="`a.shape`, contiguous", max_nmse=NMSE_EXACT),
+    OpDef("CONT", 33, ("a",), rule="`a.shape`, contiguous", max_nmse=NMSE_EXACT),  # any (dup)
+    # any (concat_f32 reads both through their strides)
     OpDef("CONCAT", 34, ("a", "b"), (Param("axis", AXIS),), "sizes along `axis` added", max_nmse=NMSE_EXACT),
-    OpDef("REPEAT", 35, ("a",), rule="the target shape (tiled by `a`)", max_nmse=NMSE_EXACT),
-    OpDef("PAD", 36, ("a",), (Param("pads", DIMS),), "`a.shape` plus `pads`", max_nmse=NMSE_EXACT),
+    OpDef("REPEAT", 35, ("a",), rule="the target shape (tiled by `a`)", max_nmse=NMSE_EXACT,
+          layout=_ROWS_A),  # nb00 (repeat_f32)
+    OpDef("PAD", 36, ("a",), (Param("pads", DIMS),), "`a.shape` plus `pads`", max_nmse=NMSE_EXACT),  # any (pad_f32)
+    # top_k_f32 reads each row as a plain array
     OpDef("TOP_K", 37, ("a",), (Param("k", I32),),
           "`a (..., n)` -> `(..., k)` I32: indices of the k largest, largest first, the lower index first on ties, "
-          "NaN above everything (as ARGMAX)", max_nmse=NMSE_EXACT),
-    # the expert-routed product of mixture-of-experts layers (ggml's MUL_MAT_ID): every token's k chosen experts
+          "NaN above everything (as ARGMAX)", max_nmse=NMSE_EXACT, layout=_ROWS_A),
+    # the expert-routed product of mixture-of-experts layers (ggml's MUL_MAT_ID): every token's k chosen experts;
+    # as and b nb00 (ggml-cpu.c, as MUL_MAT), ids any (read through its strides)
     OpDef("MUL_MAT_ID", 39, ("as", "b", "ids"),
           rule="`as (E, M, K)`, `b (T, S, K)` with `S` dividing `k`, `ids (T, k)` I32 in `0..E-1` -> `(T, k, M)`; "
                "row `(t, i)` is `b[t, i % S] @ as[ids[t, i]].T`, an expert may repeat within a token",
-          max_nmse=NMSE_MUL_MAT, max_nmse_float=NMSE_MUL_MAT_FLOAT),
+          max_nmse=NMSE_MUL_MAT, max_nmse_float=NMSE_MUL_MAT_FLOAT, layout={"as": ROWS, "b": ROWS}),
     # views: no kernel, no ABI id; backends see their results as layouts (ne, nb, data)
     OpDef("VIEW", None, ("a",), rule="given shape, strides and offset", family="view"),
     OpDef("RESHAPE", None, ("a",), rule="given shape, same element count", family="view"),
@@ -228,6 +281,41 @@ def get(name: str | None) -> OpDef:
         return OPS[name or ""]
     except KeyError:
         raise KeyError(f"unknown op {name!r}; known: {', '.join(OPS)}") from None
+
+
+def has_layout(required: str, shape: Sequence[Dim], strides: Sequence[Dim], dtype: dtypes.DType) -> bool:
+    """True if a tensor of this shape, byte strides (numpy order) and type has the layout `required` (ANY, ROWS,
+    CONTIGUOUS), as ggml judges it: a dim of size 1 has no stride that matters. Symbols count at their bounds."""
+    if required == ANY or not shape:
+        return True
+    ne = [upper(d) for d in shape]
+    nb = [upper(s) for s in strides]
+    if required == ROWS:
+        return ne[-1] == dtype.block_size or nb[-1] == dtype.type_size
+    if required != CONTIGUOUS:
+        raise ValueError(f"unknown layout {required!r}; one of {', '.join(LAYOUTS)}")
+    expect = dtype.type_size
+    for i in reversed(range(len(ne))):
+        if ne[i] != 1 and nb[i] != expect:
+            return False
+        expect *= ne[i] // dtype.block_size if i == len(ne) - 1 else ne[i]
+    return True
+
+
+def unmet_layouts(node: Any) -> list[str]:
+    """What of a node's sources breaks its op's layout requirements, one line per source (empty: none does): a
+    backend may decline such a node in supports_op, as ggml's CPU backend does (the conformance kit says so when a
+    backend skips one of its cases for it)."""
+    op = OPS.get(node.op or "")
+    if op is None or op.abi_id is None:
+        return []
+    out = []
+    for role, s in zip(op.roles, node.src):
+        need = op.requires(role)
+        if s is not None and not has_layout(need, s.shape, s.strides, s.dtype):
+            out.append(f"{op.name}'s {role} must be {LAYOUT_TEXT[need]} (strides {list(s.strides)} for "
+                       f"{s.dtype}{list(s.shape)})")
+    return out
 
 
 # -- the C header's generated regions ---------------------------------------------------------------------------------
@@ -266,9 +354,10 @@ def render_abi_schema() -> str:
     out = ["/* Element types: ggml's type ids (also GGUF's). */"]
     out += _c_enum("ggml_py_type", [(f"GGML_PY_TYPE_{t.name}", t.ggml_id) for t in types])
     ops = sorted((o for o in OPS_LIST if o.abi_id is not None), key=lambda o: o.abi_id or 0)
-    out += ["", "/* Op ids: only ever appended to. Sources (src[0], src[1], ...; '?' = optional, NULL when absent):"]
-    out += [f" *   {o.name:<15} {', '.join(o.srcs)}" + (f"  (dst aliases src[{o.aliases}])" if o.aliases is not None
-                                                          else "") for o in ops]
+    out += ["", "/* Op ids: only ever appended to. Sources (src[0], src[1], ...; '?' = optional, NULL when absent;",
+            " * [rows]: must have contiguous rows, [contiguous]: must be contiguous, see GGML_PY_LAYOUT_<OP>):"]
+    out += [f" *   {o.name:<15} {', '.join(_src_text(o, r) for r in o.srcs)}"
+            + (f"  (dst aliases src[{o.aliases}])" if o.aliases is not None else "") for o in ops]
     added = [f"{o.name} {role} (ABI 2.{v})" for o in ops for role, v in o.srcs_since.items()]
     if added:
         out.append(" * Sources added by a later minor version: " + "; ".join(added) + ".")
@@ -284,7 +373,22 @@ def render_abi_schema() -> str:
             if p.since:
                 kind += f"; ABI 2.{p.since}, neutral {p.neutral:g}"
             out.append(f"#define GGML_PY_P_{o.name}_{p.name.upper()} {o.slot(p.name)} /* {kind} */")
+    out += ["", "/* Source layouts: what each source's memory must be, as ggml's CPU backend requires it. A plugin may",
+            " * decline a node whose source lacks its layout and must compute every other layout (the conformance kit",
+            " * feeds windows of wider inputs to every source that is not CONTIGUOUS, transposed views to every ANY",
+            " * one). GGML_PY_LAYOUT_<OP> holds source j's layout at bits 2j and 2j+1:",
+            " * (GGML_PY_LAYOUT_<OP> >> (2 * j)) & 3. ROWS: nb[0] == the type (block) size, other strides free. */",
+            *(f"#define GGML_PY_LAYOUT_{k.upper()} {i}" for i, k in enumerate(LAYOUTS))]
+    for o in ops:
+        bits = sum(LAYOUTS.index(o.requires(r)) << (2 * j) for j, r in enumerate(o.roles))
+        what = ", ".join(f"{r} {o.requires(r)}" for r in o.roles if o.requires(r) != ANY)
+        out.append(f"#define GGML_PY_LAYOUT_{o.name} {bits}" + (f" /* {what} */" if what else ""))
     return "\n".join(out)
+
+
+def _src_text(o: OpDef, role: str) -> str:
+    need = o.requires(role.rstrip("?"))
+    return role if need == ANY else f"{role} [{need}]"
 
 
 def render_op_names() -> str:

@@ -46,11 +46,11 @@ from ggml_py.ir.dtypes import (
     DType,
 )  # fmt: skip
 from ggml_py.ir.symbolic import Dim, evaluate
-from ggml_py.ir.tensor import Tensor
+from ggml_py.ir.tensor import PARAM, Tensor
 from ggml_py.ir.tensor import input as _input
 from ggml_py.ir.tensor import weight as _weight
 
-__all__ = ["ALL_OPS", "CONVERT_MAX_NMSE", "WEIGHT_TYPES", "Built", "Case", "Ctx", "bound_values", "encode",
+__all__ = ["ALL_OPS", "CONVERT_MAX_NMSE", "RELAYOUTS", "WEIGHT_TYPES", "Built", "Case", "Ctx", "bound_values", "encode",
            "layout_text", "shape_text"]
 
 # Every op the kit covers: every compute op of the schema (view ops are exercised as inputs of these).
@@ -129,13 +129,33 @@ def encode(values: np.ndarray, t: DType) -> np.ndarray:
     return np.ascontiguousarray(quantize(np.ascontiguousarray(values, dtype=np.float32), t), dtype=np.uint8)
 
 
-class Ctx:
-    """What a case builder uses: a seeded generator and helpers that make inputs and weights with data."""
+# How a source the kit lays out anew (view_cases.py) is stored: "window", its rows inside wider rows of a larger input
+# (one unit before each, two after: nb[1] larger than a row; in 3 or more dims a row more per matrix, so that nb[2]
+# is not ne[1] * nb[1] either); "transposed", the transpose of a contiguous input with its last two dims swapped
+# (nb[0] is a row's length); "strided", a 1-D source at every other element (nb[0] twice the element size). A unit is
+# an element, or a block of a quantized type.
+RELAYOUTS = ("window", "transposed", "strided")
 
-    def __init__(self, rng: np.random.Generator) -> None:
+
+class Ctx:
+    """What a case builder uses: a seeded generator and helpers that make inputs and weights with data.
+
+    `views` maps the index of a leaf (the inputs and weights in the order the builder makes them) to one of
+    RELAYOUTS: that leaf is made as a view of other storage holding the same values (`made_views` keeps it). A `dry`
+    context makes leaves without data, to see a case's graph cheaply (`leaves`)."""
+
+    def __init__(self, rng: np.random.Generator, views: Mapping[int, str] | None = None, dry: bool = False) -> None:
         self.rng = rng
         self.inputs: list[tuple[Tensor, np.ndarray]] = []
         self._n = 0
+        self.views = dict(views or {})
+        self.dry = dry
+        self.leaves: list[Tensor] = []
+        self.made_views: dict[int, Tensor] = {}
+
+    def _leaf(self, x: Tensor) -> Tensor:
+        self.leaves.append(x)
+        return x
 
     def uniform(self, shape: Sequence[int], lo: float = -1.0, hi: float = 1.0) -> np.ndarray:
         return self.rng.uniform(lo, hi, tuple(shape)).astype(np.float32)
@@ -148,20 +168,71 @@ class Ctx:
         """An input of type t holding `values` (converted/quantized as needed). `shape` may have symbolic dims
         (F32/F16/I32 only): `values` then hold the input at the symbols' upper bounds in a case with bindings, or at
         the size a compute binds them to (a symbol bound below its maximum by the values written)."""
-        x = _input(values.shape if shape is None else tuple(shape), t, name=self._name(name))
+        shape = values.shape if shape is None else tuple(shape)
+        if self.dry:
+            return self._leaf(_input(shape, t, name=self._name(name)))
+        how = self.views.get(len(self.leaves))
+        if how is not None:
+            return self._leaf(self._relaid(encode(values, t), tuple(values.shape), t, how, name, weight=False))
+        x = _input(shape, t, name=self._name(name))
         self.inputs.append((x, encode(values, t).reshape(-1).view(np.uint8)
                             if t.is_quantized or t is BF16 else encode(values, t)))
-        return x
+        return self._leaf(x)
 
     def rand(self, shape: Sequence[int], t: DType = F32, lo: float = -1.0, hi: float = 1.0, name: str = "") -> Tensor:
         return self.input(self.uniform(shape, lo, hi), t, name)
 
     def weight(self, shape: Sequence[int], t: DType, lo: float = -1.0, hi: float = 1.0, name: str = "") -> Tensor:
         """A weight (PARAM) of type t: random floats quantized with ggml_py.formats.quants.quantize."""
-        data = encode(self.uniform(shape, lo, hi), t)
+        values = self.uniform(shape, lo, hi)
+        if self.dry:
+            return self._leaf(Tensor(tuple(shape), t, name=self._name(name or "w"), flags=PARAM))
+        data = encode(values, t)
+        how = self.views.get(len(self.leaves))
+        if how is not None:
+            return self._leaf(self._relaid(data, tuple(shape), t, how, name or "w", weight=True))
         if t.is_quantized or t is BF16:
-            return _weight(data.reshape(-1).view(np.uint8), t, shape=shape, name=self._name(name or "w"))
-        return _weight(data, t, name=self._name(name or "w"))
+            return self._leaf(_weight(data.reshape(-1).view(np.uint8), t, shape=shape, name=self._name(name or "w")))
+        return self._leaf(_weight(data, t, name=self._name(name or "w")))
+
+    def _relaid(self, data: np.ndarray, shape: tuple[int, ...], t: DType, how: str, name: str,
+                weight: bool) -> Tensor:
+        """A view of logical `shape` whose elements are `data` (encoded in type t) inside storage laid out `how`
+        (RELAYOUTS); the storage is a new input (or weight) and holds, besides, other values of the same data,
+        so that a kernel reading the storage as if it were the view gets valid numbers, only the wrong ones."""
+        ts, bs = t.type_size, t.block_size
+        units = np.ascontiguousarray(data).reshape(-1).view(np.uint8).reshape(*shape[:-1], shape[-1] // bs, ts)
+        n = units.shape[-2]
+        if how == "window":
+            store = units[..., [n - 1, *range(n), 0, 1 % n], :]
+            sshape = (*shape[:-1], shape[-1] + 3 * bs)
+            if len(shape) >= 3:  # a row more per matrix: nb[2] is not ne[1] * nb[1] either
+                store = np.concatenate([store, store[..., :1, :, :]], axis=-3)
+                sshape = (*shape[:-2], shape[-2] + 1, sshape[-1])
+        elif how == "transposed" and len(shape) >= 2 and bs == 1:
+            store = np.swapaxes(units, -2, -3)
+            sshape = (*shape[:-2], shape[-1], shape[-2])
+        elif how == "strided" and len(shape) == 1 and bs == 1:
+            store = np.stack([units, np.roll(units, 1, axis=0)], axis=1)
+            sshape = (2 * shape[0],)
+        else:
+            raise ValueError(f"cannot lay out a {t}{list(shape)} source as {how!r}")
+        raw = np.ascontiguousarray(store).reshape(-1)
+        typed = t in (F32, F16, I32, I64)
+        if weight:
+            base = (_weight(raw.view(t.np_dtype).reshape(sshape), t, name=self._name(name)) if typed
+                    else _weight(raw, t, shape=sshape, name=self._name(name)))
+        else:
+            base = _input(sshape, t, name=self._name(name))
+            self.inputs.append((base, raw.view(t.np_dtype).reshape(sshape) if typed else raw))
+        if how == "window":  # the view starts at the row's first unit of the storage's first row
+            v = ops.view(base, shape, strides=base.strides, offset=ts)
+        elif how == "transposed":
+            v = ops.transpose(base)
+        else:
+            v = ops.view(base, shape, strides=(2 * ts,), offset=0)
+        self.made_views[len(self.leaves)] = v
+        return v
 
     def layout(self, shape: Sequence[int], how: str, t: DType = F32, lo: float = -1.0, hi: float = 1.0) -> Tensor:
         """An operand of logical `shape` with a given memory layout.

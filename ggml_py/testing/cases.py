@@ -39,6 +39,7 @@ from ggml_py.testing.case import (
     shape_text,
 )
 from ggml_py.testing.edge_cases import edge_cases
+from ggml_py.testing.view_cases import view_cases
 
 __all__ = ["all_cases", "cases"]
 
@@ -502,8 +503,9 @@ def _copy_cases() -> list[Case]:
 
     out.append(Case("CPY", "src=[7,33],dst=[231]", "F32->F32", make_flat, max_nmse=0.0))
 
-    for shape, how, t in [((7, 33), "trans", F32), ((2, 3, 4, 33), "perm", F32), ((7, 33), "view", F32),
-                          ((5, 7, 33), "perm_outer", F16), ((7, 33), "trans", I32)]:
+    # the contiguous one is the base of CONT's view cases (view_cases.py)
+    for shape, how, t in [((7, 33), "cont", F32), ((7, 33), "trans", F32), ((2, 3, 4, 33), "perm", F32),
+                          ((7, 33), "view", F32), ((5, 7, 33), "perm_outer", F16), ((7, 33), "trans", I32)]:
         def make_c(c: Ctx, shape=shape, how=how, t=t) -> Tensor:
             if t is I32:
                 x = c.input(c.rng.integers(-1000, 1000, shape[::-1]).astype(np.int32), I32)
@@ -548,6 +550,7 @@ def all_cases() -> list[Case]:
     global _ALL
     if _ALL is None:
         made = [c for fam in _FAMILIES for c in fam()]
+        made += view_cases(made)  # every source in the layouts the schema says it accepts
         ids = [c.id for c in made]
         dup = {i for i in ids if ids.count(i) > 1}
         if dup:

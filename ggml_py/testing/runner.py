@@ -7,7 +7,8 @@ Each case is built once; its graph is prepared separately on the backend under t
 - NMSE = Σ(ref − out)² / Σref² over the finite positions (0 when both are all zero) must be <= the case's max_nmse.
 
 A case with a node (views aside) that the backend's `supports_op` rejects is skipped with the reason, so a plugin is
-judged only on what it claims; the report lists the ops left uncovered. Exceptions raised by the backend while
+judged only on what it claims (the reason says when a source's layout is one the op's schema lets a backend refuse);
+the report lists the ops left uncovered. Exceptions raised by the backend while
 preparing or computing fail the case with a message naming the backend and the op.
 """
 
@@ -23,7 +24,7 @@ import numpy as np
 from ggml_py.formats.quants import dequantize
 from ggml_py.ir import dtypes
 from ggml_py.ir.graph import Graph
-from ggml_py.ir.schema import PRECISION_TIERS, VIEW_OPS
+from ggml_py.ir.schema import PRECISION_TIERS, VIEW_OPS, unmet_layouts
 from ggml_py.ir.tensor import Tensor
 from ggml_py.runtime.backend import Backend
 from ggml_py.runtime.plan import prepare
@@ -200,7 +201,9 @@ def _unsupported(nodes: list[Tensor], backend: Backend) -> str | None:
             continue
         if not backend.supports_op(n):
             srcs = ", ".join(f"{s.dtype}{list(s.shape)}" for s in n.src if s is not None)
-            return f"{backend.name} does not support {n.op} ({n.dtype}{list(n.shape)} from {srcs})"
+            why = f"{backend.name} does not support {n.op} ({n.dtype}{list(n.shape)} from {srcs})"
+            unmet = unmet_layouts(n)  # a layout the schema lets a backend refuse, as ggml does: say so
+            return why + (f"; the schema allows it: {'; '.join(unmet)}" if unmet else "")
     return None
 
 

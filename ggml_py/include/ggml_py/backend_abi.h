@@ -126,46 +126,47 @@ enum ggml_py_type {
     GGML_PY_TYPE_BF16 = 30
 };
 
-/* Op ids: only ever appended to. Sources (src[0], src[1], ...; '?' = optional, NULL when absent):
- *   ADD             a, b
- *   SUB             a, b
- *   MUL             a, b
- *   DIV             a, b
- *   SCALE           a
- *   SQR             a
- *   SQRT            a
- *   NEG             a
- *   ABS             a
- *   EXP             a
- *   LOG             a
- *   SILU            a
- *   GELU            a
- *   RELU            a
- *   TANH            a
- *   SIGMOID         a
- *   CLAMP           a
- *   SWIGLU          a, b?
- *   GEGLU           a, b?
+/* Op ids: only ever appended to. Sources (src[0], src[1], ...; '?' = optional, NULL when absent;
+ * [rows]: must have contiguous rows, [contiguous]: must be contiguous, see GGML_PY_LAYOUT_<OP>):
+ *   ADD             a [rows], b
+ *   SUB             a [rows], b
+ *   MUL             a [rows], b
+ *   DIV             a [rows], b
+ *   SCALE           a [contiguous]
+ *   SQR             a [rows]
+ *   SQRT            a [rows]
+ *   NEG             a [rows]
+ *   ABS             a [rows]
+ *   EXP             a [rows]
+ *   LOG             a [rows]
+ *   SILU            a [rows]
+ *   GELU            a [rows]
+ *   RELU            a [rows]
+ *   TANH            a [rows]
+ *   SIGMOID         a [rows]
+ *   CLAMP           a [rows]
+ *   SWIGLU          a [rows], b? [rows]
+ *   GEGLU           a [rows], b? [rows]
  *   NORM            a
- *   RMS_NORM        a
- *   SUM_ROWS        a
- *   MEAN            a
- *   ARGMAX          a
- *   MUL_MAT         a, b
- *   SOFT_MAX        a, mask?
- *   DIAG_MASK_INF   a
- *   ROPE            a, pos, freq_factors?
- *   FLASH_ATTN_EXT  q, k, v, mask?
- *   GET_ROWS        a, idx
- *   SET_ROWS        dst, rows, idx  (dst aliases src[0])
+ *   RMS_NORM        a [rows]
+ *   SUM_ROWS        a [rows]
+ *   MEAN            a [rows]
+ *   ARGMAX          a [rows]
+ *   MUL_MAT         a [rows], b [rows]
+ *   SOFT_MAX        a [contiguous], mask? [contiguous]
+ *   DIAG_MASK_INF   a [contiguous]
+ *   ROPE            a [rows], pos [contiguous], freq_factors? [contiguous]
+ *   FLASH_ATTN_EXT  q [rows], k [rows], v [rows], mask? [contiguous]
+ *   GET_ROWS        a [rows], idx
+ *   SET_ROWS        dst [rows], rows [rows], idx  (dst aliases src[0])
  *   CPY             a, dst?  (dst aliases src[1])
  *   CONT            a
  *   CONCAT          a, b
- *   REPEAT          a
+ *   REPEAT          a [rows]
  *   PAD             a
- *   TOP_K           a
- *   GELU_ERF        a
- *   MUL_MAT_ID      as, b, ids
+ *   TOP_K           a [rows]
+ *   GELU_ERF        a [rows]
+ *   MUL_MAT_ID      as [rows], b [rows], ids
  * Sources added by a later minor version: ROPE freq_factors (ABI 2.2).
  */
 enum ggml_py_op {
@@ -239,6 +240,54 @@ enum ggml_py_op {
 #define GGML_PY_P_CONCAT_AXIS 0 /* i, ggml dim */
 #define GGML_PY_P_PAD_PADS 0 /* i, MAX_DIMS slots */
 #define GGML_PY_P_TOP_K_K 0 /* i */
+
+/* Source layouts: what each source's memory must be, as ggml's CPU backend requires it. A plugin may
+ * decline a node whose source lacks its layout and must compute every other layout (the conformance kit
+ * feeds windows of wider inputs to every source that is not CONTIGUOUS, transposed views to every ANY
+ * one). GGML_PY_LAYOUT_<OP> holds source j's layout at bits 2j and 2j+1:
+ * (GGML_PY_LAYOUT_<OP> >> (2 * j)) & 3. ROWS: nb[0] == the type (block) size, other strides free. */
+#define GGML_PY_LAYOUT_ANY 0
+#define GGML_PY_LAYOUT_ROWS 1
+#define GGML_PY_LAYOUT_CONTIGUOUS 2
+#define GGML_PY_LAYOUT_ADD 1 /* a rows */
+#define GGML_PY_LAYOUT_SUB 1 /* a rows */
+#define GGML_PY_LAYOUT_MUL 1 /* a rows */
+#define GGML_PY_LAYOUT_DIV 1 /* a rows */
+#define GGML_PY_LAYOUT_SCALE 2 /* a contiguous */
+#define GGML_PY_LAYOUT_SQR 1 /* a rows */
+#define GGML_PY_LAYOUT_SQRT 1 /* a rows */
+#define GGML_PY_LAYOUT_NEG 1 /* a rows */
+#define GGML_PY_LAYOUT_ABS 1 /* a rows */
+#define GGML_PY_LAYOUT_EXP 1 /* a rows */
+#define GGML_PY_LAYOUT_LOG 1 /* a rows */
+#define GGML_PY_LAYOUT_SILU 1 /* a rows */
+#define GGML_PY_LAYOUT_GELU 1 /* a rows */
+#define GGML_PY_LAYOUT_RELU 1 /* a rows */
+#define GGML_PY_LAYOUT_TANH 1 /* a rows */
+#define GGML_PY_LAYOUT_SIGMOID 1 /* a rows */
+#define GGML_PY_LAYOUT_CLAMP 1 /* a rows */
+#define GGML_PY_LAYOUT_SWIGLU 5 /* a rows, b rows */
+#define GGML_PY_LAYOUT_GEGLU 5 /* a rows, b rows */
+#define GGML_PY_LAYOUT_NORM 0
+#define GGML_PY_LAYOUT_RMS_NORM 1 /* a rows */
+#define GGML_PY_LAYOUT_SUM_ROWS 1 /* a rows */
+#define GGML_PY_LAYOUT_MEAN 1 /* a rows */
+#define GGML_PY_LAYOUT_ARGMAX 1 /* a rows */
+#define GGML_PY_LAYOUT_MUL_MAT 5 /* a rows, b rows */
+#define GGML_PY_LAYOUT_SOFT_MAX 10 /* a contiguous, mask contiguous */
+#define GGML_PY_LAYOUT_DIAG_MASK_INF 2 /* a contiguous */
+#define GGML_PY_LAYOUT_ROPE 41 /* a rows, pos contiguous, freq_factors contiguous */
+#define GGML_PY_LAYOUT_FLASH_ATTN_EXT 149 /* q rows, k rows, v rows, mask contiguous */
+#define GGML_PY_LAYOUT_GET_ROWS 1 /* a rows */
+#define GGML_PY_LAYOUT_SET_ROWS 5 /* dst rows, rows rows */
+#define GGML_PY_LAYOUT_CPY 0
+#define GGML_PY_LAYOUT_CONT 0
+#define GGML_PY_LAYOUT_CONCAT 0
+#define GGML_PY_LAYOUT_REPEAT 1 /* a rows */
+#define GGML_PY_LAYOUT_PAD 0
+#define GGML_PY_LAYOUT_TOP_K 1 /* a rows */
+#define GGML_PY_LAYOUT_GELU_ERF 1 /* a rows */
+#define GGML_PY_LAYOUT_MUL_MAT_ID 5 /* as rows, b rows */
 /* GGML_PY_SCHEMA_END */
 
 /* ggml_py_tensor.flags */
