@@ -92,6 +92,19 @@ def test_bench_matrix(tiny_f32, tmp_path, monkeypatch):
     assert _positive(*(row[f"{who}.{f}"] for f in figs for who in ("ggml_py", "llama.cpp")))
     assert all(row[f"ratio.{f}"] == row[f"ggml_py.{f}"] / row[f"llama.cpp.{f}"] for f in figs)
     assert "Q8_0" in _bench("matrix", "-m", tiny_f32, "--types", "Q8_0", as_json=False)
+    # decode's share of the read bandwidth the bench measured itself: bytes a token reads x tok/s / GB/s
+    from ggml_py.commands.bench_matrix import decode_bytes
+    from ggml_py.formats.gguf import open_gguf
+
+    assert 1 < row["read_gbps"] < 1000
+    for who in ("ggml_py", "llama.cpp"):
+        assert row[f"{who}.decode_ctx_16.of_bandwidth"] == pytest.approx(
+            decode_bytes(row["model"], 16) * row[f"{who}.decode_ctx_16"] / (row["read_gbps"] * 1e9))
+    gf = open_gguf(row["model"])
+    weights = sum(t.nbytes for n, t in gf.tensors.items() if n != "token_embd.weight" or "output.weight" not in
+                  gf.tensors)
+    gf.close()
+    assert decode_bytes(row["model"], 16) - weights == decode_bytes(row["model"], 32) - decode_bytes(row["model"], 16)
 
 
 def test_bench_matrix_thread_scaling() -> None:

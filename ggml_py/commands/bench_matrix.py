@@ -111,6 +111,36 @@ def variant(model: str, type_name: str) -> str:
     return out
 
 
+def decode_bytes(path: str, context: int, kv_bytes: int = 2) -> int:
+    """Bytes a decode step reads at `context` tokens of context: every weight but the token embedding (of which it
+    reads one row; all of it when it is also the output matrix), and the K and V cache rows of every layer (F16)."""
+    from ggml_py.formats.gguf import open_gguf
+    from ggml_py.models.families import get_architecture
+
+    gf = open_gguf(path)
+    try:
+        tied = "output.weight" not in gf.tensors
+        weights = sum(t.nbytes for name, t in gf.tensors.items() if tied or name != "token_embd.weight")
+        n_vocab = gf.tensors["token_embd.weight"].shape[0]
+        hp = get_architecture(gf.architecture, path).hparams(gf.metadata, path, n_vocab)
+    finally:
+        gf.close()
+    return weights + 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * context * kv_bytes
+
+
+def read_bandwidth(threads: int) -> float | None:
+    """Bytes/s two (or `threads`) cores stream from memory in a plain read loop: the simd backend's probe (vector
+    loads over 1 GiB, best of 5), None without it. Decode is read-bound, so this is its limit."""
+    try:
+        from ggml_py_simd import _simd  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    import numpy as np
+
+    buf = np.ones(1 << 30, np.uint8)  # far past the last-level cache; ones: every page faulted in
+    return float(_simd.stream_read_bandwidth(buf, threads, 5)) * 1e9
+
+
 def _run(python: str, script: str, job: dict[str, Any], who: str) -> dict[str, Any]:
     p = subprocess.run([python, "-c", script, _json.dumps(job)], capture_output=True, text=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -139,6 +169,7 @@ def run(model: str | None = None, types: tuple[str, ...] = TYPES, threads_list: 
     src = model or default_model_path()
     llama_py = os.environ.get("LLAMA_CPP_PYTHON") or ensure_llamacpp()
     rows: list[dict[str, Any]] = []
+    bandwidth = {th: read_bandwidth(th) for th in threads_list}  # measured here, before the runtimes, quiet
     for type_name in types:
         path = variant(src, type_name)
         for th in threads_list:
@@ -158,6 +189,12 @@ def run(model: str | None = None, types: tuple[str, ...] = TYPES, threads_list: 
                     row[f"{who}.{fig}"] = best(vals)
                     row[f"{who}.{fig}.spread"] = [min(vals), max(vals)]
                 row[f"ratio.{fig}"] = row[f"ggml_py.{fig}"] / row[f"llama.cpp.{fig}"]
+            if bandwidth[th]:  # decode's share of the memory limit: bytes read a token x tokens/s / stream rate
+                row["read_gbps"] = bandwidth[th] / 1e9
+                for c in contexts:
+                    for who in runs:
+                        row[f"{who}.decode_ctx_{c}.of_bandwidth"] = (
+                            decode_bytes(path, c) * row[f"{who}.decode_ctx_{c}"] / bandwidth[th])
             rows.append(row)
             _log(_row_text(row))
     res = {"benchmark": "matrix", "source": src, "rows": rows, "prefill": list(prefill),
@@ -183,6 +220,12 @@ def report(r: dict[str, Any]) -> str:
         cells = [f"{row[f'ggml_py.{f}']:7.0f}/{row[f'llama.cpp.{f}']:<6.0f}{row[f'ratio.{f}']:5.2f}x" for f in figs]
         lines.append(f"  {row['type']:<7} {row['threads']:>3}  " + "  ".join(f"{c:>22}" for c in cells))
     lines.append("  (each cell: ggml_py / llama.cpp  ratio; tok/s, peak RSS in MiB)")
+    for row in r["rows"]:
+        if "read_gbps" in row:
+            lines.append(f"  {row['type']:<7} {row['threads']:>3}  decode as a share of the "
+                         f"{row['read_gbps']:.1f} GB/s read loop (bytes a token reads x tok/s): " + ", ".join(
+                             f"@{c} {row[f'ggml_py.decode_ctx_{c}.of_bandwidth']:.0%} (llama.cpp "
+                             f"{row[f'llama.cpp.decode_ctx_{c}.of_bandwidth']:.0%})" for c in r["contexts"]))
     lines += [f"  decode 1 -> {t} threads, {fig[len('decode_'):]}: " + ", ".join(
         f"{typ} {sc['ggml_py']:.2f}x (llama.cpp {sc['llama.cpp']:.2f}x)" for typ, sc in by_type.items())
         for (t, fig), by_type in thread_scaling(r).items()]
