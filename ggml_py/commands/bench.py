@@ -13,13 +13,13 @@ from ggml_py.sysmem import parse_size
 BUILTIN = {"reuse": "ggml_py.commands.bench_reuse", "model": "ggml_py.commands.bench_model",
            "matrix": "ggml_py.commands.bench_matrix", "serve": "ggml_py.commands.bench_serve",
            "cluster": "ggml_py.commands.bench_cluster", "write-model": "ggml_py.commands.bench_write_model",
-           "chat": "ggml_py.commands.bench_chat"}
+           "chat": "ggml_py.commands.bench_chat", "ttft": "ggml_py.commands.bench_ttft"}
 ENTRY_POINT_GROUP = "ggml_py.benchmarks"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", help="reuse, model, matrix, serve, chat, cluster, write-model, or one a backend provides "
-                   "(ops)")
+    p.add_argument("name", help="reuse, model, matrix, ttft, serve, chat, cluster, write-model, or one a backend "
+                   "provides (ops)")
     p.add_argument("--stages", type=int, default=None, help="cluster: pipeline stages, one per local Ray node")
     p.add_argument("--stage-memory", default=None, dest="stage_memory",
                    help="cluster: the memory of each node and the most each stage may hold (e.g. 600M, 1.5G)")
@@ -44,9 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", default=None, help="serve: concurrent streams to measure (default: 1,4,8,16)")
     p.add_argument("--n-gen", type=int, default=None, dest="n_gen",
                    help="model, serve, chat: tokens generated per stream (chat: per answer)")
-    p.add_argument("--n-prompt", type=int, default=None, dest="n_prompt", help="model, serve: prompt tokens")
+    p.add_argument("--n-prompt", type=int, default=None, dest="n_prompt", help="model, serve, ttft: prompt tokens")
     p.add_argument("--rounds", type=int, default=None,
-                   help="serve, matrix: interleaved rounds (per concurrency for serve; best kept); chat: turns")
+                   help="serve, matrix, ttft: interleaved rounds (per concurrency for serve; best kept); chat: turns")
     p.add_argument("--shape", default=None,
                    help="write-model: the model shape (smollm2-135m, smollm2-1.7b, llama3.2-1b: random weights, "
                    "SmolLM2's tokenizer; llama3.2-1b's 128256-token vocabulary is SmolLM2's 49152 tokens and unused "

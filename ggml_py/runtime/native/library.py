@@ -102,7 +102,7 @@ class NativeLibrary:
             lib = f.dlopen(os.path.abspath(spath))
         except OSError as e:
             raise BackendError(f"cannot load native backend library {spath}: {e}") from e
-        missing = [s for s in SYMBOLS if not hasattr(lib, s)]
+        missing = [s for s in SYMBOLS if not _has_symbol(lib, s)]
         if missing:
             raise BackendError(f"{spath} is not a ggml_py backend plugin: missing symbol(s) {', '.join(missing)} "
                                "(see ggml_py/backend_abi.h in ggml_py.get_include())")
@@ -151,6 +151,14 @@ class NativeLibrary:
 
     def __repr__(self) -> str:
         return f"<NativeLibrary {self.name} {self.version} ABI {self.abi_version} {self.path}>"
+
+
+def _has_symbol(lib: Any, name: str) -> bool:
+    try:
+        getattr(lib, name)
+    except Exception:  # AttributeError, or ffi.error from a compiled (out-of-line) ffi
+        return False
+    return True
 
 
 # -- loading and discovery ---------------------------------------------------------------------------------------------
