@@ -414,3 +414,28 @@ def test_bench_reuse_runs_and_agrees():
     r = reuse.run(steps=2, n_layers=2)
     assert r["identical_results"] and r["nodes"] > 40
     assert r["reuse_ms_per_compute"] > 0 and r["rebuild_ms_per_compute"] > 0
+
+
+def test_gc_paused_while_preparing_and_restored() -> None:
+    """Plans are prepared (and models loaded) with the cyclic collector paused, and it is back on afterwards, also
+    after an error, nested, and left off when the caller had turned it off."""
+    import gc
+
+    from ggml_py.gcpause import gc_paused
+
+    seen = []
+    with gc_paused():
+        seen.append(gc.isenabled())
+        with gc_paused():
+            seen.append(gc.isenabled())
+        seen.append(gc.isenabled())
+    assert seen == [False, False, False] and gc.isenabled()
+    with pytest.raises(BackendError, match="no backends selected"):
+        gp.prepare(ops.silu(gp.input((4,))), backends=[])
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        gp.prepare(ops.silu(gp.input((4,))), backends=["numpy"])
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

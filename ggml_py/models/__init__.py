@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ggml_py.errors import GgmlPyError, ModelError
+from ggml_py.gcpause import gc_paused
 from ggml_py.ir import dtypes
 from ggml_py.models.families import architectures, get_architecture
 from ggml_py.models.model import MAX_BATCH, Model, Token, batch_sizes
@@ -49,6 +50,7 @@ def default_model_path() -> str:
                      f"{INSTALL_HINT}")
 
 
+@gc_paused()
 def load_model(path: str | os.PathLike[str] | None = None, backends: str | Sequence[Any] | None = None,
                n_threads: int | None = None, n_ctx: int | None = None, kv_type: str | dtypes.DType = "F16",
                graph_reuse: bool = True, progress: bool = True, check_memory: bool = True,

@@ -17,6 +17,7 @@ import numpy as np
 
 from ggml_py import counters
 from ggml_py.errors import BackendError, GgmlPyError, PlanError
+from ggml_py.gcpause import gc_paused
 from ggml_py.ir.graph import Graph
 from ggml_py.ir.symbolic import Expr, evaluate
 from ggml_py.ir.tensor import INPUT, OUTPUT, PARAM, STATE, Tensor, nbytes_upper
@@ -670,6 +671,7 @@ class _SplitLocations(Mapping[int, tuple[Buffer, int]]):
         return len({**self.base, **self.override})
 
 
+@gc_paused()
 def prepare(outputs: Tensor | Sequence[Tensor] | Graph, backends: Any = None,
             backend_options: Mapping[str, Mapping[str, Any]] | None = None, **options: Any) -> Plan:
     """Schedule, allocate and lower a graph once; compute it any number of times.
