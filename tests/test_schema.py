@@ -209,13 +209,13 @@ def test_ops_are_enumerated_by_hand_in_one_place() -> None:
 
 
 def test_docs_show_the_kits_thresholds_and_layouts_as_the_cases_have_them():
-    """docs/ops.md and docs/writing-a-backend.md hold the tables thresholds.block() and view_cases.block() make from
+    """docs/ops.md and docs/writing-a-backend.md hold the tables thresholds.block() and layouts.block() make from
     the schema and the kit's cases: a threshold or a source's layout changed there and not in the docs fails here."""
-    from ggml_py.testing import thresholds, view_cases
+    from ggml_py.testing import layouts, thresholds
 
     for doc in ("ops.md", "writing-a-backend.md"):
         text = (ROOT / "docs" / doc).read_text()
-        for gen in (thresholds, view_cases):
+        for gen in (thresholds, layouts):
             name = gen.__name__.rsplit(".", 1)[1]
             assert text.count(gen.BEGIN) == 1, f"docs/{doc} has no (or two) blocks of {name}"
             start = text.index(gen.BEGIN)
