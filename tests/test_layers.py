@@ -10,10 +10,10 @@ from pathlib import Path
 import ggml_py
 
 # (rank, folder): a module may import a module of a lower rank or of its own folder. Folders of one rank are peers
-# and must not import each other. The root modules errors/counters/sysmem are the base every layer may use; the
+# and must not import each other. The root modules errors/counters/sysmem/gcpause are the base every layer may use; the
 # package's own __init__ and __main__ are the facade above everything.
 LAYERS = {
-    "ggml_py.errors": 0, "ggml_py.counters": 0, "ggml_py.sysmem": 0,
+    "ggml_py.errors": 0, "ggml_py.counters": 0, "ggml_py.sysmem": 0, "ggml_py.gcpause": 0,
     "ggml_py.ir": 1,
     "ggml_py.runtime": 2,
     "ggml_py.formats": 3,
