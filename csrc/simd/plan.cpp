@@ -293,7 +293,7 @@ Plan::Plan(const std::vector<NodeDesc>& descs, const std::vector<Range>& ranges,
         // constant weights of products: repacked once, x8 or p16 (shared by all plans)
         if (n.op == GGML_PY_OP_MUL_MAT && kt_->uses_repack && descs[i].src[0].const_id != 0 && !node_symbolic_src0(descs[i]) &&
             repack_group_rows(n.src[0].type) > 0) {
-            auto rp = get_repacked(descs[i].src[0].const_id, n.src[0]);
+            auto rp = get_repacked(descs[i].src[0].const_id, n.src[0], n_threads_);
             if (rp) {
                 n.repack = rp->data;
                 repacks_.push_back(rp);
@@ -309,7 +309,7 @@ Plan::Plan(const std::vector<NodeDesc>& descs, const std::vector<Range>& ranges,
             flat.ne[1] = xw.ne[1] * xw.ne[2];
             flat.ne[2] = 1;
             flat.nb[2] = flat.nb[3] = flat.nb[1] * flat.ne[1];
-            auto rp = get_repacked(descs[i].src[0].const_id, flat);
+            auto rp = get_repacked(descs[i].src[0].const_id, flat, n_threads_);
             if (rp) {
                 n.repack = rp->data;
                 repacks_.push_back(rp);

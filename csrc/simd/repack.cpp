@@ -7,10 +7,13 @@
 #include <sys/mman.h>
 #include <unistd.h>
 #endif
+#include <atomic>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include "blocks.h"
 #include "runtime.h"
@@ -188,7 +191,7 @@ static void release_pages(const uint8_t* p, size_t n) {
 #endif
 }
 
-std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w) {
+std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w, int n_threads) {
     using Key = std::tuple<int64_t, uintptr_t, int, int64_t, int64_t, int64_t>;
     static std::mutex mu;
     static std::map<Key, std::weak_ptr<RepackBuf>>* cache = new std::map<Key, std::weak_ptr<RepackBuf>>();
@@ -210,21 +213,31 @@ std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w) {
     if (posix_memalign(&p, 64, buf->size ? buf->size : 64) != 0) throw std::bad_alloc();
     buf->data = (uint8_t*)p;
     // by slices of 1024 rows, each slice's original released as soon as it is repacked: at no time are both copies
-    // of a whole large weight (a 49k-token embedding) resident
-    const int64_t groups = w.ne[1] / gr, slice = 1024 / gr;
-    for (int64_t g0 = 0; g0 < groups; g0 += slice) {
-        const int64_t g1 = g0 + slice < groups ? g0 + slice : groups;
-        if (w.type == T_Q4_0) repack_q45_01<blk_q4_0>(w, buf->data, g0, g1);
-        else if (w.type == T_Q4_1) repack_q45_01<blk_q4_1>(w, buf->data, g0, g1);
-        else if (w.type == T_Q5_0) repack_q45_01<blk_q5_0>(w, buf->data, g0, g1);
-        else if (w.type == T_Q5_1) repack_q45_01<blk_q5_1>(w, buf->data, g0, g1);
-        else if (w.type == T_Q8_0) repack_q8_0(w, buf->data, g0, g1);
-        else if (w.type == T_Q4_K) repack_q45_K<blk_q4_K>(w, buf->data, g0, g1);
-        else if (w.type == T_Q5_K) repack_q45_K<blk_q5_K>(w, buf->data, g0, g1);
-        else if (w.type == T_Q6_K) repack_q6_K(w, buf->data, g0, g1);
-        else repack_panels(w, buf->data, g0, g1);
-        release_pages(w.data + g0 * gr * w.nb[1], (size_t)(g1 - g0) * gr * (size_t)w.nb[1]);
-    }
+    // of a whole large weight (a 49k-token embedding) resident. The slices are independent (disjoint input and
+    // output): the plan's threads take them in turn, so a model's first plan (its time to first token) waits on the
+    // repacking of its weights n_threads times less.
+    const int64_t groups = w.ne[1] / gr, slice = 1024 / gr, nslices = (groups + slice - 1) / slice;
+    std::atomic<int64_t> next{0};
+    auto work = [&] {
+        for (int64_t k; (k = next.fetch_add(1)) < nslices;) {
+            const int64_t g0 = k * slice, g1 = g0 + slice < groups ? g0 + slice : groups;
+            if (w.type == T_Q4_0) repack_q45_01<blk_q4_0>(w, buf->data, g0, g1);
+            else if (w.type == T_Q4_1) repack_q45_01<blk_q4_1>(w, buf->data, g0, g1);
+            else if (w.type == T_Q5_0) repack_q45_01<blk_q5_0>(w, buf->data, g0, g1);
+            else if (w.type == T_Q5_1) repack_q45_01<blk_q5_1>(w, buf->data, g0, g1);
+            else if (w.type == T_Q8_0) repack_q8_0(w, buf->data, g0, g1);
+            else if (w.type == T_Q4_K) repack_q45_K<blk_q4_K>(w, buf->data, g0, g1);
+            else if (w.type == T_Q5_K) repack_q45_K<blk_q5_K>(w, buf->data, g0, g1);
+            else if (w.type == T_Q6_K) repack_q6_K(w, buf->data, g0, g1);
+            else repack_panels(w, buf->data, g0, g1);
+            release_pages(w.data + g0 * gr * w.nb[1], (size_t)(g1 - g0) * gr * (size_t)w.nb[1]);
+        }
+    };
+    const int64_t nth = n_threads < nslices ? n_threads : nslices;
+    std::vector<std::thread> helpers;
+    for (int64_t t = 1; t < nth; ++t) helpers.emplace_back(work);
+    work();
+    for (auto& t : helpers) t.join();
     (*cache)[key] = buf;
     return buf;
 }

@@ -144,7 +144,7 @@ struct RepackBuf {
     size_t size = 0;
     ~RepackBuf();
 };
-std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w);
+std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w, int n_threads = 1);
 
 struct NodeDesc {
     int32_t op = 0;
