@@ -107,6 +107,19 @@ def test_bench_matrix(tiny_f32, tmp_path, monkeypatch):
     assert decode_bytes(row["model"], 16) - weights == decode_bytes(row["model"], 32) - decode_bytes(row["model"], 16)
 
 
+@pytest.mark.skipif(not llamacpp_peer.available(), reason=llamacpp_peer.NOT_AVAILABLE)
+def test_bench_ttft() -> None:
+    """Time to first token, both runtimes in fresh processes: the parts add up to the whole, the first tokens agree
+    (greedy, SmolLM2), the ratios are the figures' (the figures mean nothing with --quick)."""
+    r = _bench("ttft", "--quick")
+    for who in ("ggml_py", "llama.cpp"):
+        x = r[who]
+        assert _positive(x["best"], x["median"], *x["best_parts"].values())
+        assert sum(x["best_parts"].values()) == pytest.approx(x["best"], abs=1e-6)
+    assert r["ggml_py"]["first_token"] == r["llama.cpp"]["first_token"]
+    assert r["ratio_best"] == r["ggml_py"]["best"] / r["llama.cpp"]["best"]
+
+
 def test_bench_matrix_thread_scaling() -> None:
     """1 -> N thread decode speed-up per type and runtime, from the rows (and printed by the report)."""
     from ggml_py.commands import bench_matrix

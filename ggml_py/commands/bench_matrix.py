@@ -141,7 +141,8 @@ def read_bandwidth(threads: int) -> float | None:
     return float(_simd.stream_read_bandwidth(buf, threads, 5)) * 1e9
 
 
-def _run(python: str, script: str, job: dict[str, Any], who: str) -> dict[str, Any]:
+def run_job(python: str, script: str, job: dict[str, Any], who: str) -> dict[str, Any]:
+    """`script` run by `python` in a fresh process with the job as argv[1]; its last `RESULT {json}` line."""
     p = subprocess.run([python, "-c", script, _json.dumps(job)], capture_output=True, text=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode != 0 or not lines:
@@ -180,7 +181,7 @@ def run(model: str | None = None, types: tuple[str, ...] = TYPES, threads_list: 
             for k in range(rounds):  # interleaved, the first runner alternating
                 order = [("ggml_py", sys.executable, _OURS), ("llama.cpp", llama_py, _LLAMACPP)]
                 for who, py, script in order if k % 2 == 0 else order[::-1]:
-                    runs[who].append(_figures(_run(py, script, job, who)))
+                    runs[who].append(_figures(run_job(py, script, job, who)))
             row: dict[str, Any] = {"type": type_name, "threads": th, "model": path, "rounds": rounds}
             for fig in runs["ggml_py"][0]:
                 best = min if fig == "peak_rss_mib" else max

@@ -10,16 +10,14 @@ The page cache is warm for both (the file was read before): a cold disk would ad
 
 from __future__ import annotations
 
-import json as _json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
+from ggml_py.commands.bench_matrix import run_job
 from ggml_py.commands.bench_model import BENCH_TEXT, ensure_llamacpp
-from ggml_py.errors import GgmlPyError
 
 # argv[1]: {"model", "threads", "n_prompt", "text"}; prints "RESULT {json}" with time.time() stamps
 _OURS = r"""
@@ -62,12 +60,7 @@ print("RESULT " + json.dumps({"start": t_start, "import": t_import, "load": t_lo
 
 def _run(python: str, script: str, job: dict[str, Any], who: str) -> dict[str, float]:
     t0 = time.time()
-    p = subprocess.run([python, "-c", script, _json.dumps(job)], capture_output=True, text=True)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    if p.returncode != 0 or not lines:
-        tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise GgmlPyError(f"{who} job failed (exit {p.returncode}): {tail[0]}")
-    r = _json.loads(lines[-1][len("RESULT "):])
+    r = run_job(python, script, job, who)
     return {"ttft": r["first"] - t0, "interpreter": r["start"] - t0, "import": r["import"] - r["start"],
             "load": r["load"] - r["import"], "prefill_first_token": r["first"] - r["load"], "token": r["token"]}
 
