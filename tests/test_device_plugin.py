@@ -172,6 +172,9 @@ def test_backend_options(devlib: Path) -> None:
     with pytest.raises(BackendError, match="init.*returned NULL"):
         gp.prepare(ops.add(gp.input((4,)), gp.input((4,))), backends=["devexample"],
                    backend_options={"devexample": {"colour": "blue"}})
+    with pytest.raises(BackendError, match="n_threads must be an integer, got 'two'"):
+        gp.prepare(ops.add(gp.input((4,)), gp.input((4,))), backends=["numpy"],
+                   backend_options={"numpy": {"n_threads": "two"}})
     with pytest.raises(BackendError, match="options for backend.*numpy, which are not selected"):
         gp.prepare(ops.add(gp.input((4,)), gp.input((4,))), backends=["devexample"],
                    backend_options={"numpy": {"n_threads": 1}})

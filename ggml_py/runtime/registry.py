@@ -233,11 +233,14 @@ def resolve_backends(backends: Any = None, backend_options: Mapping[str, Mapping
     if unused:
         raise BackendError(f"options for backend(s) {', '.join(unused)}, which are not selected (selected: "
                            f"{', '.join(str(getattr(n, 'name', n)) for n in names)})")
-    if any("n_threads" in v for v in per.values()):
-        for v in per.values():
-            if "n_threads" in v:
+    for name, v in per.items():
+        if "n_threads" in v:  # a CLI option arrives as text
+            try:
                 v["n_threads"] = int(v["n_threads"])
-                _check_threads(v["n_threads"])
+            except (TypeError, ValueError):
+                raise BackendError(f"backend {name!r}: n_threads must be an integer, got {v['n_threads']!r}") from None
+            _check_threads(v["n_threads"])
+
     def opts(name: str) -> dict[str, Any]:
         return {**options, **per.get(name.partition(":")[0], {}), **per.get(name, {})}
 
@@ -246,8 +249,8 @@ def resolve_backends(backends: Any = None, backend_options: Mapping[str, Mapping
     # takes them out of the budget (n_threads, else the CPUs) of the host backends created here without a count.
     reserved = sum(int(b.device.caps.get("host_threads") or 0) for b in out if b.is_async)
     if reserved:
-        budget = int(options.get("n_threads") or len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                     else os.cpu_count() or 1)
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        budget = int(options.get("n_threads") or cpus)
         share = max(1, budget - reserved)
         out = [registry.backend(n, **{**opts(n), "n_threads": share})
                if isinstance(n, str) and not b.is_async and "n_threads" not in {**per.get(n.partition(":")[0], {}),
