@@ -3,6 +3,7 @@ inside an extension module already loaded)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -65,8 +66,7 @@ class NativeLibrary:
             raise BackendError(f"{where} (backend {self.name!r}): asynchronous execution needs all of "
                                f"{', '.join(ASYNC_FUNCTIONS)}; the plugin has only {', '.join(have_async)}")
         self.is_async = bool(have_async)
-        field = dict(f.typeof("ggml_py_plugin").fields)["host_threads"]
-        self.host_threads = int(plugin.host_threads) if field.offset + f.sizeof(field.type) <= size else 0
+        self.host_threads = int(plugin.host_threads) if self.has("host_threads") else 0
         self.devices = self._devices()
         # one buffer type per device: a device reads only its own memory
         self.buffer_types = [NativeBufferType(self, i, dev) for i, dev in enumerate(self.devices)] or [
@@ -77,8 +77,7 @@ class NativeLibrary:
     def _devices(self) -> list[str]:
         """The names of the devices of a plugin that drives several (ABI 2.2 n_devices), [] for one."""
         f = ffi()
-        field = dict(f.typeof("ggml_py_plugin").fields)["alloc_buffer_device"]
-        if field.offset + f.sizeof(field.type) > self.struct_size or int(self.plugin.n_devices) <= 0:
+        if not self.has("alloc_buffer_device") or int(self.plugin.n_devices) <= 0:
             return []
         if self.fn("init_device") is None or self.fn("alloc_buffer_device") is None or \
                 self.plugin.devices == f.NULL:
@@ -109,12 +108,16 @@ class NativeLibrary:
         check_version(int(lib.ggml_py_plugin_abi_version()), spath)  # before reading any struct
         return cls(lib.ggml_py_plugin_init(), spath, spath, keepalive=lib)
 
+    def has(self, name: str) -> bool:
+        """Whether field `name` of ggml_py_plugin lies within the plugin's struct_size (a field a later minor
+        version appended is absent from a plugin built before it)."""
+        return _field_ends()[name] <= self.struct_size
+
     def fn(self, dotted: str) -> Any:
         """A function pointer of the table, or None when NULL or past the plugin's struct_size."""
         f = ffi()
         parts = dotted.split(".")
-        field = dict(f.typeof("ggml_py_plugin").fields)[parts[0]]
-        if field.offset + f.sizeof(field.type) > self.struct_size:
+        if not self.has(parts[0]):
             return None
         obj = self.plugin
         for p in parts:
@@ -123,9 +126,7 @@ class NativeLibrary:
 
     def _precision(self) -> str:
         """The tier the plugin claims (schema.PRECISION_TIERS by value), "exact" when its table ends before it."""
-        f = ffi()
-        field = dict(f.typeof("ggml_py_plugin").fields)["precision"]
-        if field.offset + f.sizeof(field.type) > self.struct_size:
+        if not self.has("precision"):
             return "exact"
         value = int(self.plugin.precision)
         if not 0 <= value < len(PRECISION_TIERS):
@@ -151,6 +152,13 @@ class NativeLibrary:
 
     def __repr__(self) -> str:
         return f"<NativeLibrary {self.name} {self.version} ABI {self.abi_version} {self.path}>"
+
+
+@functools.cache
+def _field_ends() -> dict[str, int]:
+    """The byte where each field of ggml_py_plugin ends."""
+    f = ffi()
+    return {name: fld.offset + f.sizeof(fld.type) for name, fld in f.typeof("ggml_py_plugin").fields}
 
 
 def _has_symbol(lib: Any, name: str) -> bool:
