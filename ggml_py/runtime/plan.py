@@ -44,6 +44,7 @@ class _Copy:
     size: int
     producer: int = -1  # the split that writes the source (-1: an input, written before the compute)
     label: str = ""
+    ahead: bool = False  # enqueued by an earlier host split (Plan._ahead), not by its own
 
 
 def run_copy(c: _Copy) -> None:
@@ -159,6 +160,7 @@ class Plan:
                     k = next((k for k in host_splits if c.producer < k < j), None)
                     if k is not None:
                         self._ahead.setdefault(k, []).append(c)
+                        c.ahead = True
 
     def _location(self, t: Tensor, backend: Backend | None = None) -> tuple[Buffer, int]:
         r = root(t)
@@ -568,7 +570,6 @@ class _QueuedCompute:
     def __init__(self, plan: Plan, bindings: Mapping[str, int]) -> None:
         self.plan, self.bindings = plan, bindings
         self.pending: dict[int, tuple[Backend, Any]] = {}  # id(queue) -> the event after its last split
-        self.issued: set[int] = set()  # copies enqueued ahead of their split
         self.split_seconds = plan._split_seconds
         # while profiling: (backend, what, start, end), start/end a time.monotonic() or a queue's event
         self.timeline: list[tuple[Backend, str, Any, Any]] | None = [] if self.split_seconds is not None else None
@@ -584,8 +585,8 @@ class _QueuedCompute:
                     # first the later copies: the queue goes on to them without idling while the host waits for it
                     self._copy_ahead(k)
                 for c in run.copies:
-                    if id(c) not in self.issued:
-                        self._copy(c)
+                    if not c.ahead:
+                        self._copy(c, backend)
                 label = f"split {k + 1} ({len(run.split.nodes)} nodes)"
                 if backend.is_async:
                     ev0 = backend.event_record() if self.timeline is not None else None
@@ -618,7 +619,7 @@ class _QueuedCompute:
             _, (q, ev) = self.pending.popitem()
             q.event_synchronize(ev)
 
-    def _copy(self, c: _Copy) -> None:
+    def _copy(self, c: _Copy, consumer: Backend) -> None:
         sb, db = c.src[0], c.dst[0]
         src_queue = self.plan._queues.get(sb.buffer_type.name)
         if src_queue is not None and id(src_queue) in self.pending:  # the queue may still be writing the source
@@ -631,8 +632,7 @@ class _QueuedCompute:
         h0 = time.monotonic()
         run_copy(c)
         if self.timeline is not None:
-            self.timeline.append((src_queue or dst_queue or self.plan.runs[0].split.backend, f"copy {c.label}",
-                                  h0, time.monotonic()))
+            self.timeline.append((src_queue or consumer, f"copy {c.label}", h0, time.monotonic()))
 
     def _enqueue_copy(self, q: Backend, c: _Copy) -> None:
         (sb, so), (db, do) = c.src, c.dst
@@ -645,7 +645,6 @@ class _QueuedCompute:
     def _copy_ahead(self, k: int) -> None:
         """Enqueue the host-to-queue copies of later splits whose sources splits before k already wrote."""
         for c in self.plan._ahead.get(k, ()):
-            self.issued.add(id(c))
             self._enqueue_copy(self.plan._queues[c.dst[0].buffer_type.name], c)
 
 
