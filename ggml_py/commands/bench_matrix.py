@@ -114,6 +114,13 @@ def variant(model: str, type_name: str) -> str:
 def decode_bytes(path: str, context: int, kv_bytes: int = 2) -> int:
     """Bytes a decode step reads at `context` tokens of context: every weight but the token embedding (of which it
     reads one row; all of it when it is also the output matrix), and the K and V cache rows of every layer (F16)."""
+    weights, per_token = decode_reads(path, kv_bytes)
+    return weights + per_token * context
+
+
+def decode_reads(path: str, kv_bytes: int = 2) -> tuple[int, int]:
+    """What decode_bytes adds up, read from the file once: the weight bytes, and the cache bytes per token of
+    context."""
     from ggml_py.formats.gguf import open_gguf
     from ggml_py.models.families import get_architecture
 
@@ -125,7 +132,7 @@ def decode_bytes(path: str, context: int, kv_bytes: int = 2) -> int:
         hp = get_architecture(gf.architecture, path).hparams(gf.metadata, path, n_vocab)
     finally:
         gf.close()
-    return weights + 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * context * kv_bytes
+    return weights, 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * kv_bytes
 
 
 def read_bandwidth(threads: int) -> float | None:
@@ -192,10 +199,11 @@ def run(model: str | None = None, types: tuple[str, ...] = TYPES, threads_list: 
                 row[f"ratio.{fig}"] = row[f"ggml_py.{fig}"] / row[f"llama.cpp.{fig}"]
             if bandwidth[th]:  # decode's share of the memory limit: bytes read a token x tokens/s / stream rate
                 row["read_gbps"] = bandwidth[th] / 1e9
+                weights, per_token = decode_reads(path)
                 for c in contexts:
                     for who in runs:
                         row[f"{who}.decode_ctx_{c}.of_bandwidth"] = (
-                            decode_bytes(path, c) * row[f"{who}.decode_ctx_{c}"] / bandwidth[th])
+                            (weights + per_token * c) * row[f"{who}.decode_ctx_{c}"] / bandwidth[th])
             rows.append(row)
             _log(_row_text(row))
     res = {"benchmark": "matrix", "source": src, "rows": rows, "prefill": list(prefill),
