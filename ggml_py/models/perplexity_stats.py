@@ -117,21 +117,20 @@ def divergence(logprobs: np.ndarray, base_logprobs: np.ndarray, targets: np.ndar
     exactly (float16 storage rounds the one and can tie the other)."""
     n = logprobs.shape[0]
     kld = np.empty(n, np.float64)
-    nll_base = np.empty(n, np.float64)
-    top_base = np.empty(n, np.int64)
+    # the base's NLL and top token from its stored log-probabilities only where they are not known exactly
+    nll_base = np.empty(n, np.float64) if base_nll is None else np.asarray(base_nll, np.float64)
+    top_base = np.empty(n, np.int64) if base_top is None else np.asarray(base_top)
     rows = np.arange(n)
     for i in range(0, n, _ROWS):
         b = base_logprobs[i:i + _ROWS].astype(np.float64)
         b -= np.log(np.exp(b).sum(axis=1, keepdims=True))
         q = logprobs[i:i + _ROWS]
         kld[i:i + _ROWS] = (np.exp(b) * (b - q)).sum(axis=1)
-        r = rows[i:i + _ROWS]
-        nll_base[i:i + _ROWS] = -b[r - i, targets[r]]
-        top_base[i:i + _ROWS] = b.argmax(axis=1)
-    if base_nll is not None:
-        nll_base = np.asarray(base_nll, np.float64)
-    if base_top is not None:
-        top_base = np.asarray(base_top)
+        if base_nll is None:
+            r = rows[i:i + _ROWS]
+            nll_base[i:i + _ROWS] = -b[r - i, targets[r]]
+        if base_top is None:
+            top_base[i:i + _ROWS] = b.argmax(axis=1)
     nll = token_nll(logprobs, targets)
     return ChunkDivergence(nll=nll, nll_base=nll_base, kld=np.maximum(kld, 0.0),
                            p_diff=np.exp(-nll) - np.exp(-nll_base), same_top=logprobs.argmax(axis=1) == top_base)
