@@ -1,6 +1,7 @@
 // The plan: node descriptions bound to memory and symbols, scratch sizing, the cost estimates and phases that
 // schedule its tasks, grouped GEMV products, and the executor that runs them on the thread pool.
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -15,13 +16,31 @@ namespace gp {
 // ---------------------------------------------------------------------------------------------------------------
 // memory
 
+// A buffer of 2 MiB or more starts on a 2 MiB boundary and asks for transparent huge pages: decode's GEMV streaming
+// repacked weights from DRAM ran 22-59% faster on them (a 1 GB weight at 2 threads, Q4_0 17 -> 27 GB/s; a plain read
+// loop is the same on either, so the page walks are the GEMV's, not the memory's). The mapping is trimmed to the
+// buffer's own pages: the part past its last whole 2 MiB stays in small pages, so RSS does not grow.
+static uint8_t* map_bytes(size_t size) {
+    constexpr size_t huge = 2u << 20;
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE), len = (size + page - 1) & ~(page - 1);
+    const size_t extra = len >= huge ? huge : 0;
+    uint8_t* raw = (uint8_t*)mmap(nullptr, len + extra, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) throw std::bad_alloc();
+    if (!extra) return raw;
+    uint8_t* p = (uint8_t*)(((uintptr_t)raw + huge - 1) & ~(uintptr_t)(huge - 1));
+    if (p > raw) munmap(raw, (size_t)(p - raw));
+    if (raw + len + extra > p + len) munmap(p + len, (size_t)(raw + len + extra - (p + len)));
+#ifdef MADV_HUGEPAGE
+    madvise(p, len, MADV_HUGEPAGE);  // a hint: where THP is off, small pages
+#endif
+    return p;
+}
+
 uint8_t* aligned_alloc_bytes(size_t size, bool* mmapped) {
     if (size == 0) size = 64;
     if (size >= (1u << 20)) {
-        void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (p == MAP_FAILED) throw std::bad_alloc();
         *mmapped = true;
-        return (uint8_t*)p;  // zeroed, page aligned
+        return map_bytes(size);  // zeroed, page aligned
     }
     void* p = nullptr;
     if (posix_memalign(&p, 64, (size + 63) & ~(size_t)63) != 0) throw std::bad_alloc();

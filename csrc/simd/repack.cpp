@@ -20,7 +20,7 @@
 
 namespace gp {
 
-RepackBuf::~RepackBuf() { free(data); }
+RepackBuf::~RepackBuf() { aligned_free_bytes(data, size, mmapped); }
 
 // Q4_0 / Q4_1 / Q5_0 / Q5_1: the nibbles as Q4_1's qs[128], Q5's fifth bits in qh[32] after them, then d[8] and
 // (Q4_1, Q5_1) m[8] (see common.h)
@@ -209,9 +209,7 @@ std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w, int n
     }
     auto buf = std::make_shared<RepackBuf>();
     buf->size = (size_t)(w.ne[1] / gr) * gr * (size_t)repack_row_bytes(w.type, w.ne[0]);
-    void* p = nullptr;
-    if (posix_memalign(&p, 64, buf->size ? buf->size : 64) != 0) throw std::bad_alloc();
-    buf->data = (uint8_t*)p;
+    buf->data = aligned_alloc_bytes(buf->size, &buf->mmapped);
     // by slices of 1024 rows, each slice's original released as soon as it is repacked: at no time are both copies
     // of a whole large weight (a 49k-token embedding) resident. The slices are independent (disjoint input and
     // output): the plan's threads take them in turn, so a model's first plan (its time to first token) waits on the

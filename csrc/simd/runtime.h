@@ -142,6 +142,7 @@ struct TensorDesc {
 struct RepackBuf {
     uint8_t* data = nullptr;
     size_t size = 0;
+    bool mmapped = false;  // aligned_alloc_bytes
     ~RepackBuf();
 };
 std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w, int n_threads = 1);
