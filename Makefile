@@ -103,14 +103,22 @@ ASAN_EXPECT_BACKENDS ?= simd
 # test_architectures, test_batch and test_pipeline run; test_python_backend_runtime (Python backends only);
 # test_new_backend (the packages `ggml-py new-backend` writes, built by setuptools uninstrumented and run in
 # subprocesses of a venv of their own: templates and packaging, no native code of ours); test_perplexity, SmolLM2
-# evaluated on chunks of 256 against llama.cpp (the model's native paths are test_model's and test_batch's).
+# evaluated on chunks of 256 against llama.cpp (the model's native paths are test_model's and test_batch's);
+# test_quants_vs_llamacpp and test_rope_bias_vs_llamacpp, bytes and numerics against llama.cpp (the C quantizers
+# and ROPE are test_simd_kernels' and test_simd_conformance's); test_embeddings, test_prefix_cache,
+# test_serve_logprobs, test_eos and test_bench_smoke, the engine, server and bench commands over the model graphs
+# test_model, test_batch and test_serve run; test_schema and test_llamacpp_venv (code generation and the side venv,
+# no native code). These last nine took 401 of the 1117 s the files ran under ASan on 2026-12-06 (two at a time).
 ASAN_SKIP ?= tests/test_gguf.py tests/test_gguf_fuzz.py tests/test_quants.py tests/test_sampling.py \
 	tests/test_sampling_vs_llamacpp.py tests/test_tokenizer.py tests/test_docs_walkthrough.py tests/test_quantize_cmd.py \
 	tests/test_gemma3.py tests/test_vs_llamacpp.py tests/test_cluster.py tests/test_serve_limits.py \
 	tests/test_stop_strings.py tests/test_layers.py tests/test_write_model.py tests/test_determinism.py \
 	tests/test_chat_page.py tests/test_clients.py tests/test_lm_eval.py tests/test_structured.py \
 	tests/test_rope_scaling_vs_llamacpp.py tests/test_moe_vs_llamacpp.py tests/test_dense_specs_vs_llamacpp.py \
-	tests/test_python_backend_runtime.py tests/test_new_backend.py tests/test_perplexity.py
+	tests/test_python_backend_runtime.py tests/test_new_backend.py tests/test_perplexity.py \
+	tests/test_quants_vs_llamacpp.py tests/test_rope_bias_vs_llamacpp.py tests/test_embeddings.py \
+	tests/test_prefix_cache.py tests/test_serve_logprobs.py tests/test_eos.py tests/test_bench_smoke.py \
+	tests/test_schema.py tests/test_llamacpp_venv.py
 # the longest first, so that the jobs end together
 ASAN_FIRST := tests/test_serve.py tests/test_hostile_inputs.py tests/test_architectures.py \
 	tests/test_native_plugin.py tests/test_model.py
