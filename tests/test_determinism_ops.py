@@ -257,6 +257,34 @@ def test_rope_rows_bit_identical(level):
     assert not bad, "; ".join(bad)
 
 
+@pytest.mark.parametrize("H,Hk", [(8, 8), (16, 8), (12, 4), (4, 1), (10, 2)], ids=lambda v: str(v))
+@pytest.mark.parametrize("level", LEVELS)
+def test_flash_attn_rows_bit_identical(level, H, Hk):
+    """FLASH_ATTN_EXT over a KV cache laid out as a model's (all KV heads of a position side by side), each query row
+    with a mask of its own (a causal end, fully masked tiles): a decode step's 1-2 rows split their keys across the
+    threads and read each chunk's cache rows for every head at once; more rows take each head in turn. Heads per KV
+    head 1-4 (the grouped kernels) and 5 (head by head)."""
+    D, Nkv = 64, 300
+    rng = np.random.default_rng(5)
+    pool_q = rng.standard_normal((POOL, H, D)).astype(np.float32)
+    kc = rng.standard_normal((Nkv, Hk, D)).astype(np.float16)
+    vc = rng.standard_normal((Nkv, Hk, D)).astype(np.float16)
+    ends = rng.integers(1, Nkv + 1, POOL)
+    pool_m = np.where(np.arange(Nkv)[None, :] < ends[:, None], 0.0, -np.inf).astype(np.float16)
+    pool_m[:, 16:40] = -np.inf  # whole tiles of no key
+    pool_m[:, 0] = 0.0
+
+    def build(n):
+        q, m = gp.input((n, H, D), name="q"), gp.input((n, Nkv), dtypes.F16, name="m")
+        k, v = gp.input((Nkv, Hk, D), dtypes.F16, name="k"), gp.input((Nkv, Hk, D), dtypes.F16, name="v")
+        att = ops.flash_attn_ext(ops.permute(q, (1, 0, 2)), ops.permute(k, (1, 0, 2)), ops.permute(v, (1, 0, 2)), m,
+                                 scale=0.125)
+        return [att.set_output()]
+
+    bad = _rows_invariant(level, build, lambda idx: {"q": pool_q[idx], "m": pool_m[idx], "k": kc, "v": vc})
+    assert not bad, "; ".join(bad)
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_get_rows_and_set_rows_bit_identical(level):
     """GET_ROWS of an F32, an F16 and a Q4_K table; SET_ROWS of rows into F16 and Q8_0 tables (a KV cache's), the

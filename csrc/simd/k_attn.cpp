@@ -208,16 +208,86 @@ static void fa_row_tiles(const float* qf, int64_t D, const uint8_t* kb, int64_t 
     if (chunks.vis) flush();
 }
 
-// fa_row_tiles for the G query heads that share one KV head (one query row): each block of 8 key or value elements
-// is converted from F16 once and used by all G heads, which cuts the conversions, the larger part of the per-key
-// work, to 1/G; the arithmetic of each head is fa_row_tiles'. qf: G x D floats; head g's result (acc[Dv], M, pad,
-// S), merged chunk by chunk, goes to out + g * ostride.
+// A tile's step of one head's online softmax (fa_row_tiles'): the partial sums of its 8 scores (part) to logits, its
+// chunk state (acc[Dv] rescaled to a new maximum, M, S) updated, the keys' weights to pv[8] (all 0 when nothing of the
+// tile is visible to the head).
+template <int DV8>
+GP_INLINE void fa_softmax_step(const __m256* part, __m256 vmr, float slope, float scale, float softcap, float* acc,
+                               float* M, double* S, float* pv) {
+    const __m256 sc = fa_logits8(hsum_lanes8(part), scale, softcap, slope, vmr);
+    const float mt = hmax(sc);
+    if (!(mt > -INFINITY)) {  // nothing of this tile for this head (as fa_row_tiles)
+        _mm256_store_ps(pv, _mm256_setzero_ps());
+        return;
+    }
+    if (mt > *M) {
+        const float msc = *M == -INFINITY ? 0.0f : expf(*M - mt);
+        *M = mt;
+        *S *= msc;
+        const __m256 vms = _mm256_set1_ps(msc);
+        for (int i = 0; i < DV8; ++i) _mm256_store_ps(acc + 8 * i, _mm256_mul_ps(_mm256_load_ps(acc + 8 * i), vms));
+    }
+    const __m256 p = exp_ps(_mm256_sub_ps(sc, _mm256_set1_ps(*M)));
+    _mm256_store_ps(pv, p);
+    *S += (double)hsum(p);
+}
+
+// One tile of 8 keys (rows kt, vt: the tile's first key and value, ks / vs bytes apart) for the G query heads that
+// share one KV head: fa_row_tiles' step of the online softmax for each head, its chunk's state (acc[g * Dv ...],
+// M[g], S[g]) in memory. Each block of 8 key or value elements is converted from F16 once and used by all G heads,
+// which cuts the conversions, the larger part of the per-key work, to 1/G; the arithmetic of each head is
+// fa_row_tiles' (G = 1 included).
+template <int DV8, int G>
+GP_INLINE void fa_tile_gqa(const float* qf, int64_t D, const uint8_t* kt, int64_t ks, bool kf16, const uint8_t* vt,
+                           int64_t vs, bool vf16, const float* mraw, const float* slope, float scale, float softcap,
+                           float* acc, float* M, double* S) {
+    constexpr int64_t Dv = DV8 * 8;
+    const int64_t kes = kf16 ? 2 : 4, ves = vf16 ? 2 : 4;
+    __m256 part[G][8];
+    for (int t = 0; t < 8; ++t) {  // fa_scores8's two chains, for G heads at once
+        __m256 a0[G], a1[G];
+        for (int g = 0; g < G; ++g) a0[g] = a1[g] = _mm256_setzero_ps();
+        if (mraw[t] != -INFINITY) {
+            const uint8_t* kr = kt + t * ks;
+            int64_t i = 0;
+            for (; i + 16 <= D; i += 16) {
+                const __m256 k0 = load8(kr + i * kes, kf16), k1 = load8(kr + (i + 8) * kes, kf16);
+                for (int g = 0; g < G; ++g) {
+                    a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + i), k0, a0[g]);
+                    a1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + i + 8), k1, a1[g]);
+                }
+            }
+            for (; i < D; i += 8) {
+                const __m256 k0 = load8(kr + i * kes, kf16);
+                for (int g = 0; g < G; ++g) a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + i), k0, a0[g]);
+            }
+        }
+        for (int g = 0; g < G; ++g) part[g][t] = _mm256_add_ps(a0[g], a1[g]);
+    }
+    const __m256 vmr = _mm256_load_ps(mraw);
+    alignas(32) float pv[G][8];
+    for (int g = 0; g < G; ++g)
+        fa_softmax_step<DV8>(part[g], vmr, slope[g], scale, softcap, acc + g * Dv, M + g, S + g, pv[g]);
+    for (int i = 0; i < DV8; ++i) {
+        __m256 a[G];
+        for (int g = 0; g < G; ++g) a[g] = _mm256_load_ps(acc + g * Dv + 8 * i);
+        for (int t = 0; t < 8; ++t) {
+            if (mraw[t] == -INFINITY) continue;  // a masked row may hold anything (never written)
+            const __m256 vv = load8(vt + t * vs + 8 * i * ves, vf16);
+            for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(&pv[g][t]), vv, a[g]);
+        }
+        for (int g = 0; g < G; ++g) _mm256_store_ps(acc + g * Dv + 8 * i, a[g]);
+    }
+}
+
+// fa_row_tiles for the G query heads that share one KV head (one query row), tile by tile (fa_tile_gqa); head g's
+// result (acc[Dv], M, pad, S), merged chunk by chunk, goes to out + g * ostride.
 template <int DV8, int G>
 static void fa_rows_gqa(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bool kf16, const uint8_t* vb,
                         int64_t vs, bool vf16, int64_t Nkv, const uint8_t* mp, int64_t ms_stride, int mtype,
                         const float* slope, float scale, float softcap, float* out, int64_t ostride) {
     constexpr int64_t Dv = DV8 * 8;
-    alignas(32) float acc[G][Dv];
+    alignas(32) float acc[G * Dv];
     float M[G];
     double S[G];
     FaChunks chunks;
@@ -228,8 +298,8 @@ static void fa_rows_gqa(const float* qf, int64_t D, const uint8_t* kb, int64_t k
         memcpy(pg + Dv + 2, &zero, sizeof(double));
     }
     auto clear = [&]() {
+        for (int64_t i = 0; i < G * Dv; ++i) acc[i] = 0.0f;
         for (int g = 0; g < G; ++g) {
-            for (int64_t i = 0; i < Dv; ++i) acc[g][i] = 0.0f;
             M[g] = -INFINITY;
             S[g] = 0.0;
         }
@@ -239,13 +309,12 @@ static void fa_rows_gqa(const float* qf, int64_t D, const uint8_t* kb, int64_t k
             float* pg = out + g * ostride;
             double St;
             memcpy(&St, pg + Dv + 2, sizeof(double));
-            fa_merge(pg, pg + Dv, &St, acc[g], M[g], S[g], Dv);
+            fa_merge(pg, pg + Dv, &St, acc + g * Dv, M[g], S[g], Dv);
             memcpy(pg + Dv + 2, &St, sizeof(double));
         }
     };
     clear();
-    const int64_t kes = kf16 ? 2 : 4, ves = vf16 ? 2 : 4;
-    const int64_t kbytes = D * kes, vbytes = Dv * ves;
+    const int64_t kbytes = D * (kf16 ? 2 : 4), vbytes = Dv * (vf16 ? 2 : 4);
     for (int64_t j0 = 0; j0 < Nkv; j0 += 8) {
         prefetch_kv_rows(kb, ks, kbytes, vb, vs, vbytes, j0 + 16, imin(j0 + 24, Nkv));  // the tile after next
         alignas(32) float mraw[8];
@@ -254,60 +323,100 @@ static void fa_rows_gqa(const float* qf, int64_t D, const uint8_t* kb, int64_t k
             flush();
             clear();
         }
-        __m256 part[G][8];
-        for (int t = 0; t < 8; ++t) {  // fa_scores8's two chains, for G heads at once
-            __m256 a0[G], a1[G];
-            for (int g = 0; g < G; ++g) a0[g] = a1[g] = _mm256_setzero_ps();
-            if (mraw[t] != -INFINITY) {
-                const uint8_t* kr = kb + (j0 + t) * ks;
-                int64_t i = 0;
-                for (; i + 16 <= D; i += 16) {
-                    const __m256 k0 = load8(kr + i * kes, kf16), k1 = load8(kr + (i + 8) * kes, kf16);
-                    for (int g = 0; g < G; ++g) {
-                        a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + i), k0, a0[g]);
-                        a1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + i + 8), k1, a1[g]);
-                    }
-                }
-                for (; i < D; i += 8) {
-                    const __m256 k0 = load8(kr + i * kes, kf16);
-                    for (int g = 0; g < G; ++g) a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + i), k0, a0[g]);
-                }
-            }
-            for (int g = 0; g < G; ++g) part[g][t] = _mm256_add_ps(a0[g], a1[g]);
-        }
-        const __m256 vmr = _mm256_load_ps(mraw);
-        alignas(32) float pv[G][8];
-        for (int g = 0; g < G; ++g) {
-            const __m256 sc = fa_logits8(hsum_lanes8(part[g]), scale, softcap, slope[g], vmr);
-            const float mt = hmax(sc);
-            if (!(mt > -INFINITY)) {  // nothing of this tile for this head (as fa_row_tiles)
-                _mm256_store_ps(pv[g], _mm256_setzero_ps());
-                continue;
-            }
-            if (mt > M[g]) {
-                const float msc = M[g] == -INFINITY ? 0.0f : expf(M[g] - mt);
-                M[g] = mt;
-                S[g] *= msc;
-                const __m256 vms = _mm256_set1_ps(msc);
-                for (int i = 0; i < DV8; ++i)
-                    _mm256_store_ps(acc[g] + 8 * i, _mm256_mul_ps(_mm256_load_ps(acc[g] + 8 * i), vms));
-            }
-            const __m256 p = exp_ps(_mm256_sub_ps(sc, _mm256_set1_ps(M[g])));
-            _mm256_store_ps(pv[g], p);
-            S[g] += (double)hsum(p);
-        }
-        for (int i = 0; i < DV8; ++i) {
-            __m256 a[G];
-            for (int g = 0; g < G; ++g) a[g] = _mm256_load_ps(acc[g] + 8 * i);
-            for (int t = 0; t < 8; ++t) {
-                if (mraw[t] == -INFINITY) continue;  // a masked row may hold anything (never written)
-                const __m256 vv = load8(vb + (j0 + t) * vs + 8 * i * ves, vf16);
-                for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(&pv[g][t]), vv, a[g]);
-            }
-            for (int g = 0; g < G; ++g) _mm256_store_ps(acc[g] + 8 * i, a[g]);
-        }
+        fa_tile_gqa<DV8, G>(qf, D, kb + j0 * ks, ks, kf16, vb + j0 * vs, vs, vf16, mraw, slope, scale, softcap, acc, M,
+                            S);
     }
     if (chunks.vis) flush();
+}
+
+// One chunk of a decode step's keys (n of them, from kb / vb) for the NH KV heads [0, NH) of one query row (khs /
+// vhs bytes apart in a key / value row, G query heads each): tile by tile, every head's step (fa_tile_gqa) before the
+// next tile, so that a cache whose rows hold all KV heads side by side is read in address order, one stream the
+// hardware prefetcher follows (head by head, the reads were 128 bytes every 4 KB: 9 against 21 GB/s in cache). The
+// heads' chunk state (acc[NH * G * Dv], M, S) is the caller's, set to 0 / -inf / 0; each head's arithmetic is
+// fa_row_tiles' over the same tiles, so the result is the same as head by head.
+// One chunk of a decode step's keys (n of them, rows ks / vs bytes apart from kb / vb) for the NH KV heads
+// [0, NH) of one query row (khs / vhs bytes apart within a row; G query heads each), a tile of 8 keys at a time:
+// the scores key row by key row for every head, each head's softmax step, then the values row by row. A cache whose
+// rows hold all KV heads side by side is so read in address order, one stream the hardware prefetcher follows (head
+// by head, a tile's reads were 128 bytes every 4 KB: a 1000-key decode step ran at 9 GB/s from DRAM). Every head's
+// arithmetic is fa_row_tiles' (the same sums in the same order, its state in memory between keys), so the result is
+// the same. State: acc[NH * G * Dv], M, S (the caller sets 0, -inf, 0); part: NH * G * 8 vectors of scratch.
+template <int DV8, int G>
+static void fa_chunk_heads(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, int64_t khs, bool kf16,
+                           const uint8_t* vb, int64_t vs, int64_t vhs, bool vf16, int64_t n, int64_t NH,
+                           const uint8_t* mp, int64_t ms_stride, int mtype, const float* slope, float scale,
+                           float softcap, float* acc, float* M, double* S, __m256* part) {
+    constexpr int64_t Dv = DV8 * 8;
+    const int64_t kes = kf16 ? 2 : 4, ves = vf16 ? 2 : 4, nq = NH * G;
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        alignas(32) float mraw[8];
+        if (!fa_tile_mask(mp, ms_stride, mtype, j0, n, mraw)) continue;
+        for (int t = 0; t < 8; ++t) {  // fa_scores8's two chains per head, key row by key row
+            const uint8_t* kr = kb + (j0 + t) * ks;
+            for (int64_t hk = 0; hk < NH; ++hk) {
+                const float* qh = qf + hk * G * D;
+                __m256 a0[G], a1[G];
+                for (int g = 0; g < G; ++g) a0[g] = a1[g] = _mm256_setzero_ps();
+                if (mraw[t] != -INFINITY) {
+                    const uint8_t* kh = kr + hk * khs;
+                    int64_t i = 0;
+                    for (; i + 16 <= D; i += 16) {
+                        const __m256 k0 = load8(kh + i * kes, kf16), k1 = load8(kh + (i + 8) * kes, kf16);
+                        for (int g = 0; g < G; ++g) {
+                            a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + i), k0, a0[g]);
+                            a1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + i + 8), k1, a1[g]);
+                        }
+                    }
+                    for (; i < D; i += 8) {
+                        const __m256 k0 = load8(kh + i * kes, kf16);
+                        for (int g = 0; g < G; ++g) a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + i), k0, a0[g]);
+                    }
+                }
+                for (int g = 0; g < G; ++g) part[(hk * G + g) * 8 + t] = _mm256_add_ps(a0[g], a1[g]);
+            }
+        }
+        const __m256 vmr = _mm256_load_ps(mraw);
+        alignas(32) float pv[8];
+        float* pw = (float*)(part + 8 * nq);  // the heads' weights, 8 each
+        for (int64_t h = 0; h < nq; ++h) {
+            fa_softmax_step<DV8>(part + 8 * h, vmr, slope[h], scale, softcap, acc + h * Dv, M + h, S + h, pv);
+            memcpy(pw + 8 * h, pv, sizeof pv);
+        }
+        for (int t = 0; t < 8; ++t) {  // key by key, one FMA each (fa_row_tiles' order), value row by value row
+            if (mraw[t] == -INFINITY) continue;  // a masked row may hold anything (never written)
+            const uint8_t* vr = vb + (j0 + t) * vs;
+            for (int64_t hk = 0; hk < NH; ++hk) {
+                const uint8_t* vh = vr + hk * vhs;
+                for (int i = 0; i < DV8; ++i) {
+                    const __m256 vv = load8(vh + 8 * i * ves, vf16);
+                    for (int g = 0; g < G; ++g) {
+                        float* a = acc + (hk * G + g) * Dv + 8 * i;
+                        _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_broadcast_ss(pw + 8 * (hk * G + g) + t), vv,
+                                                           _mm256_load_ps(a)));
+                    }
+                }
+            }
+        }
+    }
+}
+
+// fa_chunk_heads for Dv in {32, 64, 128} and G in {1, 2, 3, 4}; false for others
+static bool fa_chunk_group(int64_t G, const float* qf, int64_t D, const uint8_t* kb, int64_t ks, int64_t khs,
+                           bool kf16, const uint8_t* vb, int64_t vs, int64_t vhs, bool vf16, int64_t n, int64_t NH,
+                           const uint8_t* mp, int64_t ms_stride, int mtype, const float* slope, float scale,
+                           float softcap, int64_t Dv, float* acc, float* M, double* S, __m256* part) {
+#define GP_FA_CH(DV8, GG)                                                                                           \
+    if (Dv == DV8 * 8 && G == GG) {                                                                                 \
+        fa_chunk_heads<DV8, GG>(qf, D, kb, ks, khs, kf16, vb, vs, vhs, vf16, n, NH, mp, ms_stride, mtype, slope,   \
+                                scale, softcap, acc, M, S, part);                                                   \
+        return true;                                                                                                \
+    }
+    GP_FA_CH(4, 1) GP_FA_CH(4, 2) GP_FA_CH(4, 3) GP_FA_CH(4, 4)
+    GP_FA_CH(8, 1) GP_FA_CH(8, 2) GP_FA_CH(8, 3) GP_FA_CH(8, 4)
+    GP_FA_CH(16, 1) GP_FA_CH(16, 2) GP_FA_CH(16, 3) GP_FA_CH(16, 4)
+#undef GP_FA_CH
+    return false;
 }
 
 // fa_rows_gqa for Dv in {32, 64, 128} and G in {2, 3, 4} (the caller's condition)
@@ -521,7 +630,7 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
         if (phase == 0) {
             // where each mask row's chunks start (its count, then the first tile of each), found by this call for
             // the rows it needs, in its own scratch after the query rows and the chunk buffer
-            int32_t* starts = (int32_t*)((float*)ctx.thread_scratch(ith) + FA_SPLIT_FLOATS(D, Dv, rep));
+            int32_t* starts = (int32_t*)((float*)ctx.thread_scratch(ith) + FA_SPLIT_FLOATS(D, Dv, H));
             for (int64_t r = 0; r < mrows; ++r) starts[r * (nchmax + 1)] = -1;
             auto table = [&](int64_t iq, int64_t h, int64_t b) -> const int32_t* {
                 int32_t* tb = starts + ((b * Nq + iq) * Hm + h % Hm) * (nchmax + 1);
@@ -547,32 +656,55 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                 *je = c + 1 < tb[0] ? 8 * (int64_t)tb[2 + c] : Nkv;
             };
             float* qf = (float*)ctx.thread_scratch(ith);
-            if (rep >= 2 && rep <= 4 && one_mask) {
-                // the heads sharing a KV head together (fa_rows_gqa): units are (chunk, query row, KV head)
+            if (rep <= 4 && one_mask) {
+                // a query row's chunk for a block of consecutive KV heads (all of them once there are enough chunks
+                // to keep the threads busy) tile by tile, heads inner (fa_chunk_heads): units are (chunk, row,
+                // head block), chunk-major, so each thread streams its own range of cache rows
+                const int64_t rows = Nq * B, per_row = nchmax * rows;
+                const int64_t nhb = imin(Hk, imax(1, (4 * nth + per_row - 1) / per_row)), hper = (Hk + nhb - 1) / nhb;
+                float* acc = qf + H * D;
+                double* S = (double*)(acc + H * Dv);
+                float* M = (float*)(S + H);
+                float* slope = M + H;
+                __m256* part = (__m256*)(((uintptr_t)(slope + H) + 31) & ~(uintptr_t)31);
                 int64_t u0, u1;
-                split_range(gunits * nchmax, ith, nth, &u0, &u1);
+                split_range(per_row * nhb, ith, nth, &u0, &u1);
                 for (int64_t u = u0; u < u1; ++u) {
-                    const int64_t gu = u % gunits, c = u / gunits;
-                    const int64_t hk = gu % Hk, iq = (gu / Hk) % Nq, b = gu / (Hk * Nq), h0 = hk * rep;
+                    const int64_t c = u / (rows * nhb), r = (u / nhb) % rows, hb = u % nhb;
+                    const int64_t iq = r % Nq, b = r / Nq, hk0 = hb * hper, nh = imin(Hk, hk0 + hper) - hk0;
+                    if (nh <= 0) continue;
+                    const int64_t h0 = hk0 * rep, nq = nh * rep;
                     const int32_t* tb = table(iq, h0, b);
-                    const int64_t hu0 = (b * Nq + iq) * H + h0;  // as phase 1 numbers the heads
+                    float* p0 = parts + (((b * Nq + iq) * H + h0) * nchmax + c) * FA_PART(Dv);  // head h0's part
                     if (c >= tb[0]) {
-                        for (int64_t g = 0; g < rep; ++g) empty(parts + ((hu0 + g) * nchmax + c) * FA_PART(Dv));
+                        for (int64_t g = 0; g < nq; ++g) empty(p0 + g * nchmax * FA_PART(Dv));
                         continue;
                     }
                     int64_t jb, je;
                     keys(tb, c, &jb, &je);
-                    float slope[4];
-                    for (int64_t g = 0; g < rep; ++g) {
+                    for (int64_t g = 0; g < nq; ++g) {
                         const uint8_t* qp = q.data + iq * q.nb[1] + (h0 + g) * q.nb[2] + b * q.nb[3];
                         for (int64_t i = 0; i < D; ++i) qf[g * D + i] = *(const float*)(qp + i * q.nb[0]);
                         slope[g] = alibi_slope_fa(max_bias, h0 + g, H);
+                        for (int64_t i = 0; i < Dv; ++i) acc[g * Dv + i] = 0.0f;
+                        M[g] = -INFINITY;
+                        S[g] = 0.0;
                     }
                     const uint8_t* mp = mask_of(iq, h0, b);
-                    fa_rows_group(rep, qf, D, k.data + hk * k.nb[2] + b * k.nb[3] + jb * k.nb[1], k.nb[1], kf,
-                                  v.data + hk * v.nb[2] + b * v.nb[3] + jb * v.nb[1], v.nb[1], vf, je - jb,
-                                  mp ? mp + jb * mk.nb[0] : nullptr, has_mask ? mk.nb[0] : 0, mk.type, slope, scale,
-                                  softcap, Dv, parts + (hu0 * nchmax + c) * FA_PART(Dv), nchmax * FA_PART(Dv));
+                    fa_chunk_group(rep, qf, D, k.data + hk0 * k.nb[2] + b * k.nb[3] + jb * k.nb[1], k.nb[1], k.nb[2],
+                                   kf, v.data + hk0 * v.nb[2] + b * v.nb[3] + jb * v.nb[1], v.nb[1], v.nb[2], vf,
+                                   je - jb, nh, mp ? mp + jb * mk.nb[0] : nullptr, has_mask ? mk.nb[0] : 0, mk.type,
+                                   slope, scale, softcap, Dv, acc, M, S, part);
+                    for (int64_t g = 0; g < nq; ++g) {  // as fa_merge into an empty part: the chunk as it is
+                        float* pg = p0 + g * nchmax * FA_PART(Dv);
+                        if (!(M[g] > -INFINITY)) {
+                            empty(pg);
+                            continue;
+                        }
+                        memcpy(pg, acc + g * Dv, sizeof(float) * Dv);
+                        pg[Dv] = M[g];
+                        memcpy(pg + Dv + 2, &S[g], sizeof(double));
+                    }
                 }
                 return;
             }

@@ -64,9 +64,12 @@ static uint8_t* scratch_alloc(size_t size) {
     return (uint8_t*)p;
 }
 
-// a decode step's attention (few query rows x KV heads) splits the keys across threads (k_flash_attn_ext)
+// A decode step's attention splits the keys across threads (k_flash_attn_ext) for up to this many query rows: when
+// rows x KV heads < 8 (too few units for the threads otherwise), and for 1-2 rows whatever the heads (each chunk of
+// keys then reads the cache rows of all heads in address order: fa_chunk_heads)
+static int64_t fa_split_max_rows(const Node& n) { return std::max<int64_t>(7 / n.src[1].ne[2], 2); }
 static bool fa_splits_keys(const Node& n) {
-    return n.op == GGML_PY_OP_FLASH_ATTN_EXT && n.src[0].ne[1] * n.src[1].ne[2] * n.src[0].ne[3] < 8;
+    return n.op == GGML_PY_OP_FLASH_ATTN_EXT && n.src[0].ne[1] * n.src[0].ne[3] <= fa_split_max_rows(n);
 }
 
 static int64_t env_rows(const char* name, long long dflt) {
@@ -122,11 +125,11 @@ Scratch node_scratch(const Node& n) {
             s.per_thread = pad64(single > group ? single : group);
             if (fa_splits_keys(n)) {
                 // every (query row, head, chunk)'s partial result, and in each thread its mask rows' chunk tables,
-                // for as many rows as a split may have whatever the (symbolic) row count: rows x KV heads < 8
+                // for as many rows as a split may have whatever the (symbolic) row count
                 const int64_t nch = ((n.src[1].ne[1] + 7) / 8 + FA_CHUNK_TILES - 1) / FA_CHUNK_TILES;
-                const int64_t rows = 7 / n.src[1].ne[2], mrows = rows * (n.has[3] ? n.src[3].ne[2] : 1);
+                const int64_t rows = fa_split_max_rows(n), mrows = rows * (n.has[3] ? n.src[3].ne[2] : 1);
                 s.shared = (size_t)(rows * H * nch * FA_PART(Dv)) * 4;
-                const size_t split = (size_t)(FA_SPLIT_FLOATS(D, Dv, H / n.src[1].ne[2]) + mrows * (nch + 1)) * 4;
+                const size_t split = (size_t)(FA_SPLIT_FLOATS(D, Dv, H) + mrows * (nch + 1)) * 4;
                 if (pad64(split) > s.per_thread) s.per_thread = pad64(split);
             }
             break;
