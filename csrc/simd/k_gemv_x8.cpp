@@ -45,6 +45,88 @@ static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 static inline __m256i dpbusd(__m256i acc, __m256i, __m256i) { return acc; }  // never instantiated below avx512
 #endif
 
+#if GP_AVX512
+// Two 256-bit halves as one 512-bit vector: lo in lanes 0-7 (32-bit), hi in 8-15.
+static inline __m512i join256(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+static inline __m512i dpbusd512(__m512i acc, __m512i u, __m512i s) {
+    asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+    return acc;
+}
+
+// gemv_x8_q45_K's VNNI path for two groups of 8 rows at once (groups g and g + 1 in the low and high halves of
+// 512-bit vectors): each record pair is unpacked with half the instructions and the activations' broadcasts serve
+// both. Lane by lane, the same integer sums and float operations as the 8-row kernel, so the same bits per row.
+template <bool Five, int R>
+static void gemv_x8_q45_K_pair(const uint8_t* rec, const uint8_t* act, size_t astride, int64_t k, float* out,
+                               size_t ostride) {
+    constexpr int64_t size = Five ? 1440 : 1184, meta = Five ? 1280 : 1024;
+    const int64_t nb = k / 256;
+    A256Parts a[R];
+    for (int r = 0; r < R; ++r) a[r] = a256_parts(act + r * astride, k);
+    const __m512i m4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
+    const uint8_t* p = rec;
+    const uint8_t* p1 = rec + nb * size;  // the next group's records
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < nb; ++s, p += size, p1 += size) {
+        __m512i sumi[R], mi[R];
+        for (int r = 0; r < R; ++r) sumi[r] = mi[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; ++j) {
+            const uint8_t* q = p + 128 * j;
+            const uint8_t* q1 = p1 + 128 * j;
+            _mm_prefetch((const char*)(q + 2 * size), _MM_HINT_T0);
+            _mm_prefetch((const char*)(q + 2 * size + 64), _MM_HINT_T0);
+            _mm_prefetch((const char*)(q1 + 2 * size), _MM_HINT_T0);
+            _mm_prefetch((const char*)(q1 + 2 * size + 64), _MM_HINT_T0);
+            __m512i h = Five ? join256(_mm256_loadu_si256((const __m256i*)(p + 1024 + 32 * j)),
+                                       _mm256_loadu_si256((const __m256i*)(p1 + 1024 + 32 * j)))
+                             : _mm512_setzero_si512();
+            __m512i d32[R];
+            for (int r = 0; r < R; ++r) d32[r] = _mm512_setzero_si512();
+            for (int c = 0; c < 4; ++c) {
+                const __m512i L = join256(_mm256_loadu_si256((const __m256i*)(q + 32 * c)),
+                                          _mm256_loadu_si256((const __m256i*)(q1 + 32 * c)));
+                __m512i lo = _mm512_and_si512(L, m4);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(L, 4), m4);
+                if constexpr (Five) {
+                    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(h, 4), bit4));
+                    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(h, 3), bit4));
+                    h = _mm512_srli_epi16(h, 2);
+                }
+                for (int r = 0; r < R; ++r) {
+                    const int32_t* a32 = (const int32_t*)(a[r].qs + 256 * s) + 8 * j + 2 * c;
+                    d32[r] = dpbusd512(d32[r], lo, _mm512_set1_epi32(a32[0]));
+                    d32[r] = dpbusd512(d32[r], hi, _mm512_set1_epi32(a32[1]));
+                }
+            }
+            const __m128i sc8 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)(p + meta + 8 * j)),
+                                                   _mm_loadl_epi64((const __m128i*)(p1 + meta + 8 * j)));
+            const __m128i mn8 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)(p + meta + 64 + 8 * j)),
+                                                   _mm_loadl_epi64((const __m128i*)(p1 + meta + 64 + 8 * j)));
+            const __m512i sc = _mm512_cvtepu8_epi32(sc8), mn = _mm512_cvtepu8_epi32(mn8);
+            for (int r = 0; r < R; ++r) {
+                sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(d32[r], sc));
+                const int16_t* b = a[r].bsums + 16 * s;
+                const int pair = (int)b[2 * j] + (int)b[2 * j + 1];
+                mi[r] = _mm512_add_epi32(mi[r], _mm512_madd_epi16(mn, _mm512_set1_epi32(pair & 0xffff)));
+            }
+        }
+        const __m512 dws = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(p + meta + 128))),
+            _mm_loadu_si128((const __m128i*)(p1 + meta + 128)), 1));
+        const __m512 mws = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(p + meta + 144))),
+            _mm_loadu_si128((const __m128i*)(p1 + meta + 144)), 1));
+        for (int r = 0; r < R; ++r) {
+            const __m512 vda = _mm512_set1_ps(a[r].d[s]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_mul_ps(dws, vda), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mi[r]), _mm512_mul_ps(mws, vda), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out_row(out, r, ostride), acc[r]);  // groups g and g + 1: 16 rows
+}
+#endif
+
 // Q4_K / Q5_K x8 (common.h). Q5_K's fifth bit makes the quants 0..31, so one 16-bit sum holds only two of a
 // sub-block's four chunks (2 x 2 x 31 x 127 < 2^15): it takes two madds with the scale where Q4_K takes one.
 // With VNNI a sub-block's products go straight into 32-bit sums (vpdpbusd), then times its scale: the same integers
@@ -57,7 +139,16 @@ static void gemv_x8_q45_K(const uint8_t* rec, int64_t ngroups, const uint8_t* ac
     const int64_t nb = k / 256;
     A256Parts a[R];
     for (int r = 0; r < R; ++r) a[r] = a256_parts(act + r * astride, k);
-    for (int64_t g = 0; g < ngroups; ++g) {
+    int64_t g = 0;
+#if GP_AVX512
+    // two groups at a time in 512-bit vectors (the same bits) for several activation rows, whose records come from
+    // L2 after the first row: prefill of SmolLM2-1.7B-shaped Q4_K_M 128 tokens +23%, 512 +18%. Not for one row (a
+    // decode step), whose records stream from DRAM: two streams a thread read 25-27 GB/s where one read 28-31.
+    if constexpr (Vnni && R >= 2)
+        for (; g + 1 < ngroups; g += 2)
+            gemv_x8_q45_K_pair<Five, R>(rec + g * nb * size, act, astride, k, out + 8 * g, ostride);
+#endif
+    for (; g < ngroups; ++g) {
         const uint8_t* p = rec + g * nb * size;
         __m256 acc[R];
         for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -113,6 +204,71 @@ static void gemv_x8_q45_K(const uint8_t* rec, int64_t ngroups, const uint8_t* ac
     }
 }
 
+#if GP_AVX512
+// gemv_x8_q6_K's VNNI path for two groups of 8 rows at once (gemv_x8_q45_K_pair's scheme): lane by lane the same
+// integer sums and float operations, so the same bits per row.
+template <int R>
+static void gemv_x8_q6_K_pair(const uint8_t* rec, const uint8_t* act, size_t astride, int64_t k, float* out,
+                              size_t ostride) {
+    const int64_t nb = k / 256;
+    A256Parts a[R];
+    for (int r = 0; r < R; ++r) a[r] = a256_parts(act + r * astride, k);
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    const __m512i dup0 = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13));
+    const __m512i dup1 = _mm512_broadcast_i32x4(_mm_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15));
+    const uint8_t* p = rec;
+    const uint8_t* p1 = rec + nb * 1680;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < nb; ++s, p += 1680, p1 += 1680) {
+        __m512i sumi[R];
+        for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
+        for (int jp = 0; jp < 8; ++jp) {
+            const uint8_t* q = p + 192 * jp;
+            const uint8_t* q1 = p1 + 192 * jp;
+            const __m512i sc2 = join256(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 1536 + 16 * jp))),
+                                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p1 + 1536 + 16 * jp))));
+            for (int r = 0; r < R; ++r) {
+                int32_t bpair;
+                memcpy(&bpair, a[r].bsums + 16 * s + 2 * jp, 4);
+                const __m512i mi = _mm512_madd_epi16(sc2, _mm512_set1_epi32(bpair));
+                sumi[r] = _mm512_sub_epi32(sumi[r], _mm512_slli_epi32(mi, 5));
+            }
+            for (int h = 0; h < 2; ++h) {
+                const uint8_t* u = q + 96 * h;
+                const uint8_t* u1 = q1 + 96 * h;
+                const int j = 2 * jp + h;
+                const __m512i L0 = join256(_mm256_loadu_si256((const __m256i*)u), _mm256_loadu_si256((const __m256i*)u1));
+                const __m512i L1 = join256(_mm256_loadu_si256((const __m256i*)(u + 32)),
+                                           _mm256_loadu_si256((const __m256i*)(u1 + 32)));
+                const __m512i H = join256(_mm256_loadu_si256((const __m256i*)(u + 64)),
+                                          _mm256_loadu_si256((const __m256i*)(u1 + 64)));
+                const __m512i q0 = _mm512_or_si512(_mm512_and_si512(L0, m4), _mm512_and_si512(_mm512_slli_epi16(H, 4), m30));
+                const __m512i q1v = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L0, 4), m4),
+                                                    _mm512_and_si512(_mm512_slli_epi16(H, 2), m30));
+                const __m512i q2 = _mm512_or_si512(_mm512_and_si512(L1, m4), _mm512_and_si512(H, m30));
+                const __m512i q3 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L1, 4), m4),
+                                                   _mm512_and_si512(_mm512_srli_epi16(H, 2), m30));
+                const __m512i sc32 = _mm512_srai_epi32(_mm512_shuffle_epi8(sc2, h ? dup1 : dup0), 16);
+                for (int r = 0; r < R; ++r) {
+                    const int32_t* a32 = (const int32_t*)(a[r].qs + 256 * s) + 4 * j;
+                    __m512i d = dpbusd512(_mm512_setzero_si512(), q0, _mm512_set1_epi32(a32[0]));
+                    d = dpbusd512(d, q1v, _mm512_set1_epi32(a32[1]));
+                    d = dpbusd512(d, q2, _mm512_set1_epi32(a32[2]));
+                    d = dpbusd512(d, q3, _mm512_set1_epi32(a32[3]));
+                    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(d, sc32));
+                }
+            }
+        }
+        const __m512 dws = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(p + 1664))), _mm_loadu_si128((const __m128i*)(p1 + 1664)), 1));
+        for (int r = 0; r < R; ++r)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_mul_ps(dws, _mm512_set1_ps(a[r].d[s])), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out_row(out, r, ostride), acc[r]);
+}
+#endif
+
 // Q6_K x8 (common.h): the unsigned 6-bit quants enter maddubs as they are (0..63, so two maddubs results still fit
 // in i16); their -32 offset is applied through the activations' 16-sums, as the row kernel does. With VNNI a
 // sub-block's four chunks go into one 32-bit sum each (vpdpbusd), times the sub-block's scale. R activation rows
@@ -130,7 +286,12 @@ static void gemv_x8_q6_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act
                                           0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
     const __m256i dup1 = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
                                           2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
-    for (int64_t g = 0; g < ngroups; ++g) {
+    int64_t g = 0;
+#if GP_AVX512
+    if constexpr (Vnni && R >= 2)  // gemv_x8_q45_K's rule
+        for (; g + 1 < ngroups; g += 2) gemv_x8_q6_K_pair<R>(rec + g * nb * 1680, act, astride, k, out + 8 * g, ostride);
+#endif
+    for (; g < ngroups; ++g) {
         const uint8_t* p = rec + g * nb * 1680;
         __m256 acc[R];
         for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -196,6 +357,97 @@ static void gemv_x8_q6_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act
     }
 }
 
+#if GP_AVX512
+// gemv_x8_q45_01's VNNI path for two groups of 8 rows at once (gemv_x8_q45_K_pair's scheme): the same bits per row.
+template <int T, int R>
+static void gemv_x8_q45_01_pair(const uint8_t* rec, const uint8_t* act, size_t astride, int64_t k, float* out,
+                                size_t ostride) {
+    constexpr bool five = T == T_Q5_0 || T == T_Q5_1, has_m = T == T_Q4_1 || T == T_Q5_1;
+    constexpr int64_t size = 8 * Blk<T>::size, doff = five ? 160 : 128;
+    constexpr float offset = T == T_Q4_0 ? -8.0f : -16.0f;  // unused by Q4_1 / Q5_1
+    const int64_t nb = k / 32;
+    A32Parts a[R];
+    for (int r = 0; r < R; ++r) a[r] = a32_parts(act + r * astride, k);
+    const __m512i m4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
+    const uint8_t* p = rec;
+    const uint8_t* p1 = rec + nb * size;
+    __m512 acc[R], accm[R];
+    for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b, p += size, p1 += size) {
+        __m512i h = five ? join256(_mm256_loadu_si256((const __m256i*)(p + 128)), _mm256_loadu_si256((const __m256i*)(p1 + 128)))
+                         : _mm512_setzero_si512();
+        __m512i s32[R];
+        for (int r = 0; r < R; ++r) s32[r] = _mm512_setzero_si512();
+        for (int c = 0; c < 4; ++c) {
+            const __m512i L = join256(_mm256_loadu_si256((const __m256i*)(p + 32 * c)),
+                                      _mm256_loadu_si256((const __m256i*)(p1 + 32 * c)));
+            __m512i lo = _mm512_and_si512(L, m4);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(L, 4), m4);
+            if constexpr (five) {
+                lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(h, 4), bit4));
+                hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(h, 3), bit4));
+                h = _mm512_srli_epi16(h, 2);
+            }
+            for (int r = 0; r < R; ++r) {
+                const int32_t* a32 = (const int32_t*)(a[r].qs + 32 * b);
+                s32[r] = dpbusd512(s32[r], lo, _mm512_set1_epi32(a32[2 * c]));
+                s32[r] = dpbusd512(s32[r], hi, _mm512_set1_epi32(a32[2 * c + 1]));
+            }
+        }
+        auto halves = [&](int64_t off) {
+            return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(p + off))),
+                                                           _mm_loadu_si128((const __m128i*)(p1 + off)), 1));
+        };
+        const __m512 dw = halves(doff);
+        [[maybe_unused]] const __m512 mw = has_m ? halves(doff + 16) : _mm512_setzero_ps();
+        for (int r = 0; r < R; ++r) {
+            const __m512 sf = _mm512_cvtepi32_ps(s32[r]);
+            if constexpr (has_m) {
+                acc[r] = _mm512_fmadd_ps(sf, _mm512_mul_ps(dw, _mm512_set1_ps(a[r].d[b])), acc[r]);
+                accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a[r].s[b]), accm[r]);
+            } else {
+                const __m512 t = _mm512_fmadd_ps(sf, _mm512_set1_ps(a[r].d[b]), _mm512_set1_ps(offset * a[r].s[b]));
+                acc[r] = _mm512_fmadd_ps(t, dw, acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out_row(out, r, ostride), _mm512_add_ps(acc[r], accm[r]));
+}
+
+// gemv_x8_q8_0's VNNI path for two groups of 8 rows at once: |w| and the activations carrying w's sign (AVX-512 has
+// no vpsignb: negated under w's sign mask; where w is 0 the product is 0 either way), the same bits per row.
+template <int R>
+static void gemv_x8_q8_0_pair(const uint8_t* rec, const uint8_t* act, size_t astride, int64_t k, float* out,
+                              size_t ostride) {
+    const int64_t nb = k / 32;
+    A32Parts a[R];
+    for (int r = 0; r < R; ++r) a[r] = a32_parts(act + r * astride, k);
+    const uint8_t* p = rec;
+    const uint8_t* p1 = rec + nb * 272;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b, p += 272, p1 += 272) {
+        __m512i s32[R];
+        for (int r = 0; r < R; ++r) s32[r] = _mm512_setzero_si512();
+        for (int kk = 0; kk < 8; ++kk) {
+            const __m512i w = join256(_mm256_loadu_si256((const __m256i*)(p + 32 * kk)),
+                                      _mm256_loadu_si256((const __m256i*)(p1 + 32 * kk)));
+            const __m512i aw = _mm512_abs_epi8(w);
+            const __mmask64 neg = _mm512_movepi8_mask(w);
+            for (int r = 0; r < R; ++r) {
+                const __m512i av = _mm512_set1_epi32(((const int32_t*)(a[r].qs + 32 * b))[kk]);
+                s32[r] = dpbusd512(s32[r], aw, _mm512_mask_sub_epi8(av, neg, _mm512_setzero_si512(), av));
+            }
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(p + 256))), _mm_loadu_si128((const __m128i*)(p1 + 256)), 1));
+        for (int r = 0; r < R; ++r)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[r]), _mm512_mul_ps(dw, _mm512_set1_ps(a[r].d[b])), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out_row(out, r, ostride), acc[r]);
+}
+#endif
+
 // Q4_0 / Q4_1 / Q5_0 / Q5_1 x8 (common.h): the unsigned quants (Q5: the fifth bit ORed in as bit 4) against the
 // activations; the offset (Q4_1/Q5_1: m, Q4_0: -8 d, Q5_0: -16 d) is applied through the activations' block sums.
 // Q5's quants are 0..31, so one 16-bit sum holds two of the four chunks (4 x 2 x 31 x 127 < 2^15); Q4's hold all
@@ -210,7 +462,13 @@ static void gemv_x8_q45_01(const uint8_t* rec, int64_t ngroups, const uint8_t* a
     A32Parts a[R];
     for (int r = 0; r < R; ++r) a[r] = a32_parts(act + r * astride, k);
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t g = 0; g < ngroups; ++g) {
+    int64_t g = 0;
+#if GP_AVX512
+    if constexpr (Vnni && R >= 2)  // gemv_x8_q45_K's rule
+        for (; g + 1 < ngroups; g += 2)
+            gemv_x8_q45_01_pair<T, R>(rec + g * nb * size, act, astride, k, out + 8 * g, ostride);
+#endif
+    for (; g < ngroups; ++g) {
         const uint8_t* p = rec + g * nb * size;
         __m256 acc[R], accm[R];
         for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
@@ -264,7 +522,12 @@ static void gemv_x8_q8_0(const uint8_t* rec, int64_t ngroups, const uint8_t* act
     A32Parts a[R];
     for (int r = 0; r < R; ++r) a[r] = a32_parts(act + r * astride, k);
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t g = 0; g < ngroups; ++g) {
+    int64_t g = 0;
+#if GP_AVX512
+    if constexpr (Vnni && R >= 2)  // gemv_x8_q45_K's rule
+        for (; g + 1 < ngroups; g += 2) gemv_x8_q8_0_pair<R>(rec + g * nb * 272, act, astride, k, out + 8 * g, ostride);
+#endif
+    for (; g < ngroups; ++g) {
         const uint8_t* p = rec + g * nb * 272;
         __m256 acc[R];
         for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
