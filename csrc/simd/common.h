@@ -188,11 +188,9 @@ bool cpu_has_avx512_vnni();
 // ranges, which kept two threads busy), and a chunk's partial result per head is FA_PART(Dv) floats (acc[Dv], M,
 // pad, S as a double)
 enum { FA_CHUNK_TILES = 16 };
-// a split-key call's thread scratch for h query heads: their query rows, their chunk's state (acc, S as a double, M),
-// slopes, a tile's score sums (8 vectors) and weights (8), then its mask rows' chunk tables
-static inline int64_t FA_SPLIT_FLOATS(int64_t d, int64_t dv, int64_t h) {
-    return (h * (d + dv + 4 + 64 + 8) + 8 + 15) & ~(int64_t)15;
-}
+// a split-key call's thread scratch for h query heads: their query rows, their chunk's state (acc, S as a double, M)
+// and slopes, then its mask rows' chunk tables
+static inline int64_t FA_SPLIT_FLOATS(int64_t d, int64_t dv, int64_t h) { return (h * (d + dv + 4) + 15) & ~(int64_t)15; }
 static inline int64_t FA_PART(int64_t dv) { return dv + 4; }
 
 // Interleaved weight layout "x8" (GEMV of constant Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights): groups

@@ -329,74 +329,29 @@ static void fa_rows_gqa(const float* qf, int64_t D, const uint8_t* kb, int64_t k
     if (chunks.vis) flush();
 }
 
-// One chunk of a decode step's keys (n of them, from kb / vb) for the NH KV heads [0, NH) of one query row (khs /
-// vhs bytes apart in a key / value row, G query heads each): tile by tile, every head's step (fa_tile_gqa) before the
-// next tile, so that a cache whose rows hold all KV heads side by side is read in address order, one stream the
-// hardware prefetcher follows (head by head, the reads were 128 bytes every 4 KB: 9 against 21 GB/s in cache). The
-// heads' chunk state (acc[NH * G * Dv], M, S) is the caller's, set to 0 / -inf / 0; each head's arithmetic is
-// fa_row_tiles' over the same tiles, so the result is the same as head by head.
-// One chunk of a decode step's keys (n of them, rows ks / vs bytes apart from kb / vb) for the NH KV heads
-// [0, NH) of one query row (khs / vhs bytes apart within a row; G query heads each), a tile of 8 keys at a time:
-// the scores key row by key row for every head, each head's softmax step, then the values row by row. A cache whose
-// rows hold all KV heads side by side is so read in address order, one stream the hardware prefetcher follows (head
-// by head, a tile's reads were 128 bytes every 4 KB: a 1000-key decode step ran at 9 GB/s from DRAM). Every head's
-// arithmetic is fa_row_tiles' (the same sums in the same order, its state in memory between keys), so the result is
-// the same. State: acc[NH * G * Dv], M, S (the caller sets 0, -inf, 0); part: NH * G * 8 vectors of scratch.
+// One chunk of a decode step's keys (n of them, rows ks / vs bytes apart from kb / vb) for the NH KV heads [0, NH)
+// of one query row (khs / vhs bytes apart within a row; G query heads each): tile by tile, every head's step
+// (fa_tile_gqa, its rows of the tile after next prefetched) before the next tile. A cache whose rows hold all KV
+// heads side by side is so read as 8 rows advancing together; head by head over all keys, the reads were 128 bytes
+// every 4 KB (SmolLM2-1.7B's 32 KV heads, 1000 keys, 2 threads: 0.92 -> 0.57-0.58 ms a layer from DRAM; without the
+// prefetch 0.60-0.69, and SmolLM2-135M's decode at a 1000-token context 10% slower than head by head). Keys row by
+// row (each head's accumulator in memory between keys) was 0.85 ms, and 15-20% slower for SmolLM2-135M.
+// Each head's arithmetic is fa_row_tiles' over the same tiles, so the result is the same as head by head. The
+// heads' chunk state (acc[NH * G * Dv], M, S) is the caller's, set to 0, -inf, 0.
 template <int DV8, int G>
 static void fa_chunk_heads(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, int64_t khs, bool kf16,
                            const uint8_t* vb, int64_t vs, int64_t vhs, bool vf16, int64_t n, int64_t NH,
                            const uint8_t* mp, int64_t ms_stride, int mtype, const float* slope, float scale,
-                           float softcap, float* acc, float* M, double* S, __m256* part) {
+                           float softcap, float* acc, float* M, double* S) {
     constexpr int64_t Dv = DV8 * 8;
-    const int64_t kes = kf16 ? 2 : 4, ves = vf16 ? 2 : 4, nq = NH * G;
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
         alignas(32) float mraw[8];
         if (!fa_tile_mask(mp, ms_stride, mtype, j0, n, mraw)) continue;
-        for (int t = 0; t < 8; ++t) {  // fa_scores8's two chains per head, key row by key row
-            const uint8_t* kr = kb + (j0 + t) * ks;
-            for (int64_t hk = 0; hk < NH; ++hk) {
-                const float* qh = qf + hk * G * D;
-                __m256 a0[G], a1[G];
-                for (int g = 0; g < G; ++g) a0[g] = a1[g] = _mm256_setzero_ps();
-                if (mraw[t] != -INFINITY) {
-                    const uint8_t* kh = kr + hk * khs;
-                    int64_t i = 0;
-                    for (; i + 16 <= D; i += 16) {
-                        const __m256 k0 = load8(kh + i * kes, kf16), k1 = load8(kh + (i + 8) * kes, kf16);
-                        for (int g = 0; g < G; ++g) {
-                            a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + i), k0, a0[g]);
-                            a1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + i + 8), k1, a1[g]);
-                        }
-                    }
-                    for (; i < D; i += 8) {
-                        const __m256 k0 = load8(kh + i * kes, kf16);
-                        for (int g = 0; g < G; ++g) a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + i), k0, a0[g]);
-                    }
-                }
-                for (int g = 0; g < G; ++g) part[(hk * G + g) * 8 + t] = _mm256_add_ps(a0[g], a1[g]);
-            }
-        }
-        const __m256 vmr = _mm256_load_ps(mraw);
-        alignas(32) float pv[8];
-        float* pw = (float*)(part + 8 * nq);  // the heads' weights, 8 each
-        for (int64_t h = 0; h < nq; ++h) {
-            fa_softmax_step<DV8>(part + 8 * h, vmr, slope[h], scale, softcap, acc + h * Dv, M + h, S + h, pv);
-            memcpy(pw + 8 * h, pv, sizeof pv);
-        }
-        for (int t = 0; t < 8; ++t) {  // key by key, one FMA each (fa_row_tiles' order), value row by value row
-            if (mraw[t] == -INFINITY) continue;  // a masked row may hold anything (never written)
-            const uint8_t* vr = vb + (j0 + t) * vs;
-            for (int64_t hk = 0; hk < NH; ++hk) {
-                const uint8_t* vh = vr + hk * vhs;
-                for (int i = 0; i < DV8; ++i) {
-                    const __m256 vv = load8(vh + 8 * i * ves, vf16);
-                    for (int g = 0; g < G; ++g) {
-                        float* a = acc + (hk * G + g) * Dv + 8 * i;
-                        _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_broadcast_ss(pw + 8 * (hk * G + g) + t), vv,
-                                                           _mm256_load_ps(a)));
-                    }
-                }
-            }
+        for (int64_t hk = 0; hk < NH; ++hk) {
+            prefetch_kv_rows(kb + hk * khs, ks, D * (kf16 ? 2 : 4), vb + hk * vhs, vs, Dv * (vf16 ? 2 : 4), j0 + 16,
+                             imin(j0 + 24, n));  // the tile after next
+            fa_tile_gqa<DV8, G>(qf + hk * G * D, D, kb + hk * khs + j0 * ks, ks, kf16, vb + hk * vhs + j0 * vs, vs,
+                                vf16, mraw, slope + hk * G, scale, softcap, acc + hk * G * Dv, M + hk * G, S + hk * G);
         }
     }
 }
@@ -405,11 +360,11 @@ static void fa_chunk_heads(const float* qf, int64_t D, const uint8_t* kb, int64_
 static bool fa_chunk_group(int64_t G, const float* qf, int64_t D, const uint8_t* kb, int64_t ks, int64_t khs,
                            bool kf16, const uint8_t* vb, int64_t vs, int64_t vhs, bool vf16, int64_t n, int64_t NH,
                            const uint8_t* mp, int64_t ms_stride, int mtype, const float* slope, float scale,
-                           float softcap, int64_t Dv, float* acc, float* M, double* S, __m256* part) {
+                           float softcap, int64_t Dv, float* acc, float* M, double* S) {
 #define GP_FA_CH(DV8, GG)                                                                                           \
     if (Dv == DV8 * 8 && G == GG) {                                                                                 \
         fa_chunk_heads<DV8, GG>(qf, D, kb, ks, khs, kf16, vb, vs, vhs, vf16, n, NH, mp, ms_stride, mtype, slope,   \
-                                scale, softcap, acc, M, S, part);                                                   \
+                                scale, softcap, acc, M, S);                                                         \
         return true;                                                                                                \
     }
     GP_FA_CH(4, 1) GP_FA_CH(4, 2) GP_FA_CH(4, 3) GP_FA_CH(4, 4)
@@ -666,7 +621,6 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                 double* S = (double*)(acc + H * Dv);
                 float* M = (float*)(S + H);
                 float* slope = M + H;
-                __m256* part = (__m256*)(((uintptr_t)(slope + H) + 31) & ~(uintptr_t)31);
                 int64_t u0, u1;
                 split_range(per_row * nhb, ith, nth, &u0, &u1);
                 for (int64_t u = u0; u < u1; ++u) {
@@ -694,7 +648,7 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                     fa_chunk_group(rep, qf, D, k.data + hk0 * k.nb[2] + b * k.nb[3] + jb * k.nb[1], k.nb[1], k.nb[2],
                                    kf, v.data + hk0 * v.nb[2] + b * v.nb[3] + jb * v.nb[1], v.nb[1], v.nb[2], vf,
                                    je - jb, nh, mp ? mp + jb * mk.nb[0] : nullptr, has_mask ? mk.nb[0] : 0, mk.type,
-                                   slope, scale, softcap, Dv, acc, M, S, part);
+                                   slope, scale, softcap, Dv, acc, M, S);
                     for (int64_t g = 0; g < nq; ++g) {  // as fa_merge into an empty part: the chunk as it is
                         float* pg = p0 + g * nchmax * FA_PART(Dv);
                         if (!(M[g] > -INFINITY)) {
