@@ -53,6 +53,24 @@ static inline __m512i dpbusd512(__m512i acc, __m512i u, __m512i s) {
     return acc;
 }
 
+// unpack_x8_q45 for chunk c of two records at once: q's in the low half, q1's in the high half; with Five, h holds
+// both records' fifth bits (consumed two bits per chunk)
+template <bool Five>
+static inline void unpack_x8_q45_pair(const uint8_t* q, const uint8_t* q1, int c, __m512i& h, __m512i& lo,
+                                      __m512i& hi) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i L = join256(_mm256_loadu_si256((const __m256i*)(q + 32 * c)),
+                              _mm256_loadu_si256((const __m256i*)(q1 + 32 * c)));
+    lo = _mm512_and_si512(L, m4);
+    hi = _mm512_and_si512(_mm512_srli_epi16(L, 4), m4);
+    if constexpr (Five) {
+        const __m512i bit4 = _mm512_set1_epi8(0x10);
+        lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(h, 4), bit4));
+        hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(h, 3), bit4));
+        h = _mm512_srli_epi16(h, 2);
+    }
+}
+
 // gemv_x8_q45_K's VNNI path for two groups of 8 rows at once (groups g and g + 1 in the low and high halves of
 // 512-bit vectors): each record pair is unpacked with half the instructions and the activations' broadcasts serve
 // both. Lane by lane, the same integer sums and float operations as the 8-row kernel, so the same bits per row.
@@ -63,7 +81,6 @@ static void gemv_x8_q45_K_pair(const uint8_t* rec, const uint8_t* act, size_t as
     const int64_t nb = k / 256;
     A256Parts a[R];
     for (int r = 0; r < R; ++r) a[r] = a256_parts(act + r * astride, k);
-    const __m512i m4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
     const uint8_t* p = rec;
     const uint8_t* p1 = rec + nb * size;  // the next group's records
     __m512 acc[R];
@@ -84,15 +101,8 @@ static void gemv_x8_q45_K_pair(const uint8_t* rec, const uint8_t* act, size_t as
             __m512i d32[R];
             for (int r = 0; r < R; ++r) d32[r] = _mm512_setzero_si512();
             for (int c = 0; c < 4; ++c) {
-                const __m512i L = join256(_mm256_loadu_si256((const __m256i*)(q + 32 * c)),
-                                          _mm256_loadu_si256((const __m256i*)(q1 + 32 * c)));
-                __m512i lo = _mm512_and_si512(L, m4);
-                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(L, 4), m4);
-                if constexpr (Five) {
-                    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(h, 4), bit4));
-                    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(h, 3), bit4));
-                    h = _mm512_srli_epi16(h, 2);
-                }
+                __m512i lo, hi;
+                unpack_x8_q45_pair<Five>(q, q1, c, h, lo, hi);
                 for (int r = 0; r < R; ++r) {
                     const int32_t* a32 = (const int32_t*)(a[r].qs + 256 * s) + 8 * j + 2 * c;
                     d32[r] = dpbusd512(d32[r], lo, _mm512_set1_epi32(a32[0]));
@@ -370,7 +380,6 @@ static void gemv_x8_q45_01_pair(const uint8_t* rec, const uint8_t* act, size_t a
     const int64_t nb = k / 32;
     A32Parts a[R];
     for (int r = 0; r < R; ++r) a[r] = a32_parts(act + r * astride, k);
-    const __m512i m4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
     const uint8_t* p = rec;
     const uint8_t* p1 = rec + nb * size;
     __m512 acc[R], accm[R];
@@ -381,15 +390,8 @@ static void gemv_x8_q45_01_pair(const uint8_t* rec, const uint8_t* act, size_t a
         __m512i s32[R];
         for (int r = 0; r < R; ++r) s32[r] = _mm512_setzero_si512();
         for (int c = 0; c < 4; ++c) {
-            const __m512i L = join256(_mm256_loadu_si256((const __m256i*)(p + 32 * c)),
-                                      _mm256_loadu_si256((const __m256i*)(p1 + 32 * c)));
-            __m512i lo = _mm512_and_si512(L, m4);
-            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(L, 4), m4);
-            if constexpr (five) {
-                lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(h, 4), bit4));
-                hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(h, 3), bit4));
-                h = _mm512_srli_epi16(h, 2);
-            }
+            __m512i lo, hi;
+            unpack_x8_q45_pair<five>(p, p1, c, h, lo, hi);
             for (int r = 0; r < R; ++r) {
                 const int32_t* a32 = (const int32_t*)(a[r].qs + 32 * b);
                 s32[r] = dpbusd512(s32[r], lo, _mm512_set1_epi32(a32[2 * c]));
