@@ -280,55 +280,6 @@ GP_INLINE void fa_tile_gqa(const float* qf, int64_t D, const uint8_t* kt, int64_
     }
 }
 
-// fa_row_tiles for the G query heads that share one KV head (one query row), tile by tile (fa_tile_gqa); head g's
-// result (acc[Dv], M, pad, S), merged chunk by chunk, goes to out + g * ostride.
-template <int DV8, int G>
-static void fa_rows_gqa(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bool kf16, const uint8_t* vb,
-                        int64_t vs, bool vf16, int64_t Nkv, const uint8_t* mp, int64_t ms_stride, int mtype,
-                        const float* slope, float scale, float softcap, float* out, int64_t ostride) {
-    constexpr int64_t Dv = DV8 * 8;
-    alignas(32) float acc[G * Dv];
-    float M[G];
-    double S[G];
-    FaChunks chunks;
-    for (int g = 0; g < G; ++g) {
-        float* pg = out + g * ostride;
-        pg[Dv] = -INFINITY;
-        const double zero = 0.0;
-        memcpy(pg + Dv + 2, &zero, sizeof(double));
-    }
-    auto clear = [&]() {
-        for (int64_t i = 0; i < G * Dv; ++i) acc[i] = 0.0f;
-        for (int g = 0; g < G; ++g) {
-            M[g] = -INFINITY;
-            S[g] = 0.0;
-        }
-    };
-    auto flush = [&]() {
-        for (int g = 0; g < G; ++g) {
-            float* pg = out + g * ostride;
-            double St;
-            memcpy(&St, pg + Dv + 2, sizeof(double));
-            fa_merge(pg, pg + Dv, &St, acc + g * Dv, M[g], S[g], Dv);
-            memcpy(pg + Dv + 2, &St, sizeof(double));
-        }
-    };
-    clear();
-    const int64_t kbytes = D * (kf16 ? 2 : 4), vbytes = Dv * (vf16 ? 2 : 4);
-    for (int64_t j0 = 0; j0 < Nkv; j0 += 8) {
-        prefetch_kv_rows(kb, ks, kbytes, vb, vs, vbytes, j0 + 16, imin(j0 + 24, Nkv));  // the tile after next
-        alignas(32) float mraw[8];
-        if (!fa_tile_mask(mp, ms_stride, mtype, j0, Nkv, mraw)) continue;
-        if (chunks.later()) {
-            flush();
-            clear();
-        }
-        fa_tile_gqa<DV8, G>(qf, D, kb + j0 * ks, ks, kf16, vb + j0 * vs, vs, vf16, mraw, slope, scale, softcap, acc, M,
-                            S);
-    }
-    if (chunks.vis) flush();
-}
-
 // One chunk of a decode step's keys (n of them, rows ks / vs bytes apart from kb / vb) for the NH KV heads [0, NH)
 // of one query row (khs / vhs bytes apart within a row; G query heads each): tile by tile, every head's step
 // (fa_tile_gqa, its rows of the tile after next prefetched) before the next tile. A cache whose rows hold all KV
@@ -372,23 +323,6 @@ static bool fa_chunk_group(int64_t G, const float* qf, int64_t D, const uint8_t*
     GP_FA_CH(16, 1) GP_FA_CH(16, 2) GP_FA_CH(16, 3) GP_FA_CH(16, 4)
 #undef GP_FA_CH
     return false;
-}
-
-// fa_rows_gqa for Dv in {32, 64, 128} and G in {2, 3, 4} (the caller's condition)
-static void fa_rows_group(int64_t G, const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bool kf16,
-                          const uint8_t* vb, int64_t vs, bool vf16, int64_t Nkv, const uint8_t* mp, int64_t ms_stride,
-                          int mtype, const float* slope, float scale, float softcap, int64_t Dv, float* out,
-                          int64_t ostride) {
-#define GP_FA_GQA(DV8, GG)                                                                                          \
-    if (Dv == DV8 * 8 && G == GG) {                                                                                 \
-        fa_rows_gqa<DV8, GG>(qf, D, kb, ks, kf16, vb, vs, vf16, Nkv, mp, ms_stride, mtype, slope, scale, softcap,   \
-                             out, ostride);                                                                         \
-        return;                                                                                                     \
-    }
-    GP_FA_GQA(4, 2) GP_FA_GQA(4, 3) GP_FA_GQA(4, 4)
-    GP_FA_GQA(8, 2) GP_FA_GQA(8, 3) GP_FA_GQA(8, 4)
-    GP_FA_GQA(16, 2) GP_FA_GQA(16, 3) GP_FA_GQA(16, 4)
-#undef GP_FA_GQA
 }
 
 // fa_row_tiles: the chunk in registers for Dv in {32, 64, 128}, in cbuf[Dv] for other Dv. The head's result goes
