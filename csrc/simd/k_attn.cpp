@@ -583,15 +583,12 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                                    kf, v.data + hk0 * v.nb[2] + b * v.nb[3] + jb * v.nb[1], v.nb[1], v.nb[2], vf,
                                    je - jb, nh, mp ? mp + jb * mk.nb[0] : nullptr, has_mask ? mk.nb[0] : 0, mk.type,
                                    slope, scale, softcap, Dv, acc, M, S);
-                    for (int64_t g = 0; g < nq; ++g) {  // as fa_merge into an empty part: the chunk as it is
+                    for (int64_t g = 0; g < nq; ++g) {  // each head's chunk merged into its empty part
                         float* pg = p0 + g * nchmax * FA_PART(Dv);
-                        if (!(M[g] > -INFINITY)) {
-                            empty(pg);
-                            continue;
-                        }
-                        memcpy(pg, acc + g * Dv, sizeof(float) * Dv);
-                        pg[Dv] = M[g];
-                        memcpy(pg + Dv + 2, &S[g], sizeof(double));
+                        empty(pg);
+                        double St = 0.0;
+                        fa_merge(pg, pg + Dv, &St, acc + g * Dv, M[g], S[g], Dv);
+                        memcpy(pg + Dv + 2, &St, sizeof(double));
                     }
                 }
                 return;
