@@ -209,7 +209,7 @@ std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w, int n
     }
     auto buf = std::make_shared<RepackBuf>();
     buf->size = (size_t)(w.ne[1] / gr) * gr * (size_t)repack_row_bytes(w.type, w.ne[0]);
-    buf->data = aligned_alloc_bytes(buf->size, &buf->mmapped);
+    buf->data = aligned_alloc_bytes(buf->size, &buf->mmapped, /*zeroed=*/false);  // the repacking writes all of it
     // by slices of 1024 rows, each slice's original released as soon as it is repacked: at no time are both copies
     // of a whole large weight (a 49k-token embedding) resident. The slices are independent (disjoint input and
     // output): the plan's threads take them in turn, so a model's first plan (its time to first token) waits on the
