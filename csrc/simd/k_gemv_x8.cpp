@@ -83,6 +83,8 @@ static void gemv_x8_q45_K_pair(const uint8_t* rec, const uint8_t* act, size_t as
     for (int r = 0; r < R; ++r) a[r] = a256_parts(act + r * astride, k);
     const uint8_t* p = rec;
     const uint8_t* p1 = rec + nb * size;  // the next group's records
+    // bytes 2, 3 of each 32-bit lane from its bytes 0, 1 (the other bytes are masked off where it is used)
+    const __m512i low_to_high = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 1, 0, 0, 4, 5, 0, 0, 8, 9, 0, 0, 12, 13));
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t s = 0; s < nb; ++s, p += size, p1 += size) {
@@ -98,15 +100,19 @@ static void gemv_x8_q45_K_pair(const uint8_t* rec, const uint8_t* act, size_t as
             __m512i h = Five ? join256(_mm256_loadu_si256((const __m256i*)(p + 1024 + 32 * j)),
                                        _mm256_loadu_si256((const __m256i*)(p1 + 1024 + 32 * j)))
                              : _mm512_setzero_si512();
-            __m512i d32[R];
-            for (int r = 0; r < R; ++r) d32[r] = _mm512_setzero_si512();
+            // Q4_K: each half of the sub-block (16 quants of 0..15 against activations of -127..127) sums within
+            // an i16, so the halves go into the two i16s of a lane and one madd applies the scale to both, where
+            // a 32-bit multiply takes two uops of the port the dot products need; Q5_K's halves do not fit
+            __m512i d32[R], d32b[R];
+            for (int r = 0; r < R; ++r) d32[r] = d32b[r] = _mm512_setzero_si512();
             for (int c = 0; c < 4; ++c) {
                 __m512i lo, hi;
                 unpack_x8_q45_pair<Five>(q, q1, c, h, lo, hi);
                 for (int r = 0; r < R; ++r) {
                     const int32_t* a32 = (const int32_t*)(a[r].qs + 256 * s) + 8 * j + 2 * c;
-                    d32[r] = dpbusd512(d32[r], lo, _mm512_set1_epi32(a32[0]));
-                    d32[r] = dpbusd512(d32[r], hi, _mm512_set1_epi32(a32[1]));
+                    __m512i& d = Five || c < 2 ? d32[r] : d32b[r];
+                    d = dpbusd512(d, lo, _mm512_set1_epi32(a32[0]));
+                    d = dpbusd512(d, hi, _mm512_set1_epi32(a32[1]));
                 }
             }
             const __m128i sc8 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)(p + meta + 8 * j)),
@@ -114,8 +120,13 @@ static void gemv_x8_q45_K_pair(const uint8_t* rec, const uint8_t* act, size_t as
             const __m128i mn8 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)(p + meta + 64 + 8 * j)),
                                                    _mm_loadl_epi64((const __m128i*)(p1 + meta + 64 + 8 * j)));
             const __m512i sc = _mm512_cvtepu8_epi32(sc8), mn = _mm512_cvtepu8_epi32(mn8);
+            const __m512i sc16 = Five ? sc : _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));  // (scale, scale)
             for (int r = 0; r < R; ++r) {
-                sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(d32[r], sc));
+                if constexpr (Five)
+                    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(d32[r], sc));
+                else  // lane: (low i16 of the first half's sum, low i16 of the second's)
+                    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_madd_epi16(_mm512_mask_shuffle_epi8(
+                        d32[r], (__mmask64)0xCCCCCCCCCCCCCCCCull, d32b[r], low_to_high), sc16));
                 const int16_t* b = a[r].bsums + 16 * s;
                 const int pair = (int)b[2 * j] + (int)b[2 * j + 1];
                 mi[r] = _mm512_add_epi32(mi[r], _mm512_madd_epi16(mn, _mm512_set1_epi32(pair & 0xffff)));
@@ -240,12 +251,6 @@ static void gemv_x8_q6_K_pair(const uint8_t* rec, const uint8_t* act, size_t ast
             const uint8_t* q1 = p1 + 192 * jp;
             const __m512i sc2 = join256(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 1536 + 16 * jp))),
                                         _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p1 + 1536 + 16 * jp))));
-            for (int r = 0; r < R; ++r) {
-                int32_t bpair;
-                memcpy(&bpair, a[r].bsums + 16 * s + 2 * jp, 4);
-                const __m512i mi = _mm512_madd_epi16(sc2, _mm512_set1_epi32(bpair));
-                sumi[r] = _mm512_sub_epi32(sumi[r], _mm512_slli_epi32(mi, 5));
-            }
             for (int h = 0; h < 2; ++h) {
                 const uint8_t* u = q + 96 * h;
                 const uint8_t* u1 = q1 + 96 * h;
@@ -263,8 +268,11 @@ static void gemv_x8_q6_K_pair(const uint8_t* rec, const uint8_t* act, size_t ast
                                                    _mm512_and_si512(_mm512_srli_epi16(H, 2), m30));
                 const __m512i sc32 = _mm512_srai_epi32(_mm512_shuffle_epi8(sc2, h ? dup1 : dup0), 16);
                 for (int r = 0; r < R; ++r) {
+                    // the -32 offset enters as the sum's start, -32 x the activations' 16-sum: the same integer as
+                    // the 256-bit kernel's, without its per-row multiply on the port the dot products need
                     const int32_t* a32 = (const int32_t*)(a[r].qs + 256 * s) + 4 * j;
-                    __m512i d = dpbusd512(_mm512_setzero_si512(), q0, _mm512_set1_epi32(a32[0]));
+                    __m512i d = dpbusd512(_mm512_set1_epi32(-32 * (int32_t)a[r].bsums[16 * s + j]), q0,
+                                          _mm512_set1_epi32(a32[0]));
                     d = dpbusd512(d, q1v, _mm512_set1_epi32(a32[1]));
                     d = dpbusd512(d, q2, _mm512_set1_epi32(a32[2]));
                     d = dpbusd512(d, q3, _mm512_set1_epi32(a32[3]));
