@@ -120,9 +120,9 @@ Scratch node_scratch(const Node& n) {
         }
         case GGML_PY_OP_FLASH_ATTN_EXT: {
             const int64_t D = a.ne[0], Dv = n.src[2].ne[0], H = a.ne[2];
-            const size_t single = (size_t)(((Dv + 15) & ~15) + ((D + 15) & ~15) + Dv + 64) * 4;
-            const size_t group = (size_t)(8 * D + 8 * Dv + H * (D + 2 * Dv) + 6 * H + 64) * 4;  // GQA tiles
-            s.per_thread = pad64(single > group ? single : group);
+            const bool copies = a.ne[1] >= FA_COPY_MIN_ROWS;
+            s.per_thread = pad64((size_t)(FA_TILE_FLOATS(D, Dv, H) +
+                                          (copies ? FA_COPY_FLOATS(n.src[1].ne[1], D, Dv) : 0)) * 4);
             if (fa_splits_keys(n)) {
                 // every (query row, head, chunk)'s partial result, and in each thread its mask rows' chunk tables,
                 // for as many rows as a split may have whatever the (symbolic) row count
