@@ -107,6 +107,17 @@ def test_bench_matrix(tiny_f32, tmp_path, monkeypatch):
     assert decode_bytes(row["model"], 16) - weights == decode_bytes(row["model"], 32) - decode_bytes(row["model"], 16)
 
 
+@pytest.mark.parametrize("args, error", [
+    (["--contexts", "16,0"], "--contexts must be positive integers"),
+    (["--prefill", "128,x"], "--prefill must be comma-separated integers"),
+    (["--shape", "smollm2-1.7b", "-m", "model.gguf"], "a model (-m) or a shape (--shape), not both"),
+])
+def test_bench_matrix_bad_arguments(args: list[str], error: str) -> None:
+    """The matrix's lists and its model source are checked before anything is run or written."""
+    r = subprocess.run([GGML_PY, "bench", "matrix", *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and error in r.stderr, r.stderr
+
+
 @pytest.mark.skipif(not llamacpp_peer.available(), reason=llamacpp_peer.NOT_AVAILABLE)
 def test_bench_ttft() -> None:
     """Time to first token, both runtimes in fresh processes: the parts add up to the whole, the first tokens agree

@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="repetitions (reuse)")
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--types", default=None, help="matrix: weight types (default: Q4_0,Q4_1,Q5_K_M,Q8_0,Q4_K_M,Q6_K)")
+    p.add_argument("--prefill", default=None, help="matrix: prompt sizes to time (default: 32,128,512)")
+    p.add_argument("--contexts", default=None,
+                   help="matrix: contexts to decode after (default: 16,1000; the model's n_ctx must hold them)")
     p.add_argument("--thread-counts", default=None, help="matrix: thread counts (default: 1,2)")
     p.add_argument("--vs-llamacpp", action="store_true",
                    help="model, serve: also run llama-cpp-python side by side")
@@ -48,9 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=None,
                    help="serve, matrix, ttft: interleaved rounds (per concurrency for serve; best kept); chat: turns")
     p.add_argument("--shape", default=None,
-                   help="write-model: the model shape (smollm2-135m, smollm2-1.7b, llama3.2-1b: random weights, "
-                   "SmolLM2's tokenizer; llama3.2-1b's 128256-token vocabulary is SmolLM2's 49152 tokens and unused "
-                   "filler tokens)")
+                   help="write-model, matrix: the model shape (smollm2-135m, smollm2-1.7b, llama3.2-1b: random "
+                   "weights, SmolLM2's tokenizer; llama3.2-1b's 128256-token vocabulary is SmolLM2's 49152 tokens "
+                   "and unused filler tokens)")
     p.add_argument("--type", default=None, dest="type_name",
                    help="write-model: file type (F16, Q4_0, Q8_0, Q4_K_M, Q6_K, ...: as ggml-py quantize)")
     p.add_argument("-o", "--output", default=None, help="write-model: the GGUF file to write")
@@ -85,11 +88,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         opts["model"] = args.model
     if args.types:
         opts["types"] = tuple(x.strip() for x in args.types.split(",") if x.strip())
-    if args.thread_counts:
-        try:
-            opts["threads_list"] = tuple(int(x) for x in args.thread_counts.split(","))
-        except ValueError:
-            raise GgmlPyError(f"--thread-counts must be comma-separated integers, got {args.thread_counts!r}") from None
+    for flag, key in (("thread_counts", "threads_list"), ("prefill", "prefill"), ("contexts", "contexts")):
+        text, name = getattr(args, flag), "--" + flag.replace("_", "-")
+        if text:
+            try:
+                opts[key] = tuple(int(x) for x in text.split(","))
+            except ValueError:
+                raise GgmlPyError(f"{name} must be comma-separated integers, got {text!r}") from None
+            if not opts[key] or min(opts[key]) < 1:
+                raise GgmlPyError(f"{name} must be positive integers, got {text!r}")
     if args.streams:
         try:
             opts["concurrency"] = tuple(int(x) for x in args.streams.split(","))

@@ -111,6 +111,24 @@ def variant(model: str, type_name: str) -> str:
     return out
 
 
+def shape_file(shape: str, type_name: str) -> str:
+    """The random-weight model of a named shape (`bench write-model`) in `type_name`, written into the benchmark
+    cache the first time it is asked for."""
+    from ggml_py.commands.bench_write_model import get_shape, write_model
+    from ggml_py.formats.quantize_policy import file_type
+
+    s, ft = get_shape(shape), file_type(type_name)
+    out = os.path.join(CACHE, f"{s.name}.{ft.name}.gguf")
+    if not os.path.exists(out):
+        os.makedirs(CACHE, exist_ok=True)
+        _log(f"  writing {s.name} ({s.like}, random weights) in {ft.name} ...")
+        t0 = time.perf_counter()
+        write_model(s, ft.name, out + ".part", force=True)
+        os.replace(out + ".part", out)
+        _log(f"  ... {out} ({time.perf_counter() - t0:.0f} s)")
+    return out
+
+
 def decode_bytes(path: str, context: int, kv_bytes: int = 2) -> int:
     """Bytes a decode step reads at `context` tokens of context: every weight but the token embedding (of which it
     reads one row; all of it when it is also the output matrix), and the K and V cache rows of every layer (F16)."""
@@ -167,19 +185,23 @@ def _figures(r: dict[str, Any]) -> dict[str, float]:
 
 def run(model: str | None = None, types: tuple[str, ...] = TYPES, threads_list: tuple[int, ...] = THREADS,
         prefill: tuple[int, ...] = PREFILL, contexts: tuple[int, ...] = CONTEXTS, n_gen: int = 32, rounds: int = 3,
-        backend: str | None = None, quick: bool = False, json: bool = False, **_: Any) -> dict[str, Any]:
-    """Measure the matrix (see the module docstring); progress on stderr. `quick`: one type, tiny sizes, one
-    round, a functional smoke run."""
+        backend: str | None = None, quick: bool = False, json: bool = False, shape: str | None = None,
+        **_: Any) -> dict[str, Any]:
+    """Measure the matrix (see the module docstring); progress on stderr. `shape`: instead of requantizing `model`,
+    the random-weight files of that shape (`bench write-model`, written once into the cache) of each type. `quick`:
+    one type, tiny sizes, one round, a functional smoke run."""
     from ggml_py.models import default_model_path
 
     if quick:
         types, threads_list, prefill, contexts, n_gen, rounds = types[:1], threads_list[-1:], (32,), (16,), 4, 1
-    src = model or default_model_path()
+    if shape and model:
+        raise GgmlPyError("bench matrix takes a model (-m) or a shape (--shape), not both")
+    src = shape or model or default_model_path()
     llama_py = os.environ.get("LLAMA_CPP_PYTHON") or ensure_llamacpp()
     rows: list[dict[str, Any]] = []
     bandwidth = {th: read_bandwidth(th) for th in threads_list}  # measured here, before the runtimes, quiet
     for type_name in types:
-        path = variant(src, type_name)
+        path = shape_file(shape, type_name) if shape else variant(src, type_name)
         for th in threads_list:
             job = {"model": path, "threads": th, "prefill": list(prefill), "contexts": list(contexts),
                    "n_gen": n_gen, "n_ctx": max(*prefill, *contexts) + n_gen + 8, "text": BENCH_TEXT,
@@ -206,7 +228,7 @@ def run(model: str | None = None, types: tuple[str, ...] = TYPES, threads_list: 
                             (weights + per_token * c) * row[f"{who}.decode_ctx_{c}"] / bandwidth[th])
             rows.append(row)
             _log(_row_text(row))
-    res = {"benchmark": "matrix", "source": src, "rows": rows, "prefill": list(prefill),
+    res = {"benchmark": "matrix", "source": src, "shape": shape, "rows": rows, "prefill": list(prefill),
            "contexts": list(contexts), "n_gen": n_gen, "rounds": rounds}
     res["decode_thread_scaling"] = {f"1->{t} {fig}": v for (t, fig), v in thread_scaling(res).items()}
     return res
@@ -219,7 +241,9 @@ def _row_text(row: dict[str, Any]) -> str:
 
 
 def report(r: dict[str, Any]) -> str:
-    lines = [f"bench matrix: {os.path.basename(r['source'])} requantized, ggml_py vs llama.cpp, best of "
+    what = (f"the {r['shape']} shape (random weights)" if r.get("shape")
+            else f"{os.path.basename(r['source'])} requantized")
+    lines = [f"bench matrix: {what}, ggml_py vs llama.cpp, best of "
              f"{r['rounds']} interleaved rounds (ratio > 1: ggml_py faster; for peak RSS: ggml_py larger)"]
     if not r["rows"]:
         return "\n".join(lines)
