@@ -559,10 +559,11 @@ def test_mul_mat_repacked_q45_01(arena, t, m, k, n, rng):
 
 @pytest.mark.skipif("avx2" not in LEVELS, reason="no avx2 on this CPU")
 @pytest.mark.parametrize("t", REPACKED_TYPES)
-@pytest.mark.parametrize("n", [2, 4, 7])
+@pytest.mark.parametrize("n", [2, 4, 7, 11])
 def test_mul_mat_repacked_rows_together_equal_rows_alone(arena, t, n, rng):
-    """The x8 kernels take up to 4 activation rows per pass over the weights; each row's result is bit-identical to
-    the row computed alone (what makes a batched decode step equal single steps), at 2 threads."""
+    """The x8 kernels take up to 4 activation rows per pass over the weights (Q6_K with VNNI: 8); each row's result
+    is bit-identical to the row computed alone (what makes a batched decode step equal single steps), at 2
+    threads."""
     m, k = 40, 576 if QBLOCK[t][0] == 32 else 512
     wd, _ = _weight(arena, rng.standard_normal((m, k)).astype(np.float32), t)
     x = rng.standard_normal((n, k)).astype(np.float32)
