@@ -138,12 +138,12 @@ struct TensorDesc {
     bool present = false;
 };
 
-// A weight repacked for the GEMV kernels, shared by every plan that uses that weight.
+// A weight repacked for the GEMV kernels, shared by every plan that uses that weight; its bytes are in a repack
+// arena (repack.cpp), which lives as long as a weight in it does.
 struct RepackBuf {
     uint8_t* data = nullptr;
     size_t size = 0;
-    bool mmapped = false;  // aligned_alloc_bytes
-    ~RepackBuf();
+    std::shared_ptr<void> arena;
 };
 std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w, int n_threads = 1);
 
