@@ -52,6 +52,12 @@ static uint8_t* arena_alloc(size_t n, std::shared_ptr<void>* owner) {
     return p;
 }
 
+RepackBuf::~RepackBuf() {
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t a = ((uintptr_t)data + page - 1) & ~(page - 1), b = ((uintptr_t)data + size) & ~(page - 1);
+    if (b > a) madvise((void*)a, b - a, MADV_DONTNEED);  // a weight freed while others of its arena live
+}
+
 // Q4_0 / Q4_1 / Q5_0 / Q5_1: the nibbles as Q4_1's qs[128], Q5's fifth bits in qh[32] after them, then d[8] and
 // (Q4_1, Q5_1) m[8] (see common.h)
 template <typename Block>

@@ -144,6 +144,7 @@ struct RepackBuf {
     uint8_t* data = nullptr;
     size_t size = 0;
     std::shared_ptr<void> arena;
+    ~RepackBuf();  // its whole pages given back (the arena may live on for other weights)
 };
 std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w, int n_threads = 1);
 
