@@ -341,7 +341,6 @@ static void fa_row(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bo
 }
 #endif
 
-#if GP_AVX2
 // One KV head's keys and values: rows ks / vs bytes apart, F16 or F32 elements side by side.
 struct FaKV {
     const uint8_t* kb;
@@ -352,6 +351,7 @@ struct FaKV {
     bool vf16;
 };
 
+#if GP_AVX2
 // All G query heads that share one KV head, for one query row: each tile of 8 keys and values is converted to F32
 // once and used by every head (GQA); each head's arithmetic is fa_row_tiles'. scratch: 8*D + 8*Dv + G*(D + 2*Dv)
 // floats + 2*G floats + 2*G doubles.
@@ -505,10 +505,69 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
     const float max_bias = n.params.f[GGML_PY_P_FLASH_ATTN_EXT_MAX_BIAS];
     const float softcap = n.params.f[GGML_PY_P_FLASH_ATTN_EXT_SOFTCAP];
     if (softcap != 0.0f) scale /= softcap;
-
-#if GP_AVX2
+    // the vector kernels' condition: blocks of 8 elements, elements side by side
     const bool groupable = (D % 8) == 0 && (Dv % 8) == 0 && k.nb[0] == type_size(k.type) &&
                            v.nb[0] == type_size(v.type);
+    float* const ts = (float*)ctx.thread_scratch(ith);
+    auto kv_of = [&](int64_t hk, int64_t b) {
+        return FaKV{k.data + hk * k.nb[2] + b * k.nb[3], k.nb[1], k.type == T_F16,
+                    v.data + hk * v.nb[2] + b * v.nb[3], v.nb[1], v.type == T_F16};
+    };
+    // one head of one query row, its result to dst: with the vector kernels (fa_row) when vec, else key by key in
+    // double (any layout; kv's elements of k's and v's types, k.nb[0] / v.nb[0] apart)
+    auto row_head = [&](int64_t iq, int64_t h, int64_t b, const FaKV& kv, bool vec) {
+        float* acc = ts;
+        float* qf = acc + ((Dv + 15) & ~15);
+        float* kt = qf + ((D + 15) & ~15);  // fa_row's chunk, or one converted value row
+        const uint8_t* qp = q.data + iq * q.nb[1] + h * q.nb[2] + b * q.nb[3];
+        for (int64_t i = 0; i < D; ++i) qf[i] = *(const float*)(qp + i * q.nb[0]);
+        const uint8_t* mp = has_mask ? mk.data + iq * mk.nb[1] + (h % mk.ne[2]) * mk.nb[2] + (b % mk.ne[3]) * mk.nb[3]
+                                     : nullptr;
+        const float slope = alibi_slope_fa(max_bias, h, H);
+        for (int64_t i = 0; i < Dv; ++i) acc[i] = 0.0f;
+        float M = -INFINITY;
+        double S = 0.0;
+#if GP_AVX2
+        if (vec) {
+            fa_row(qf, D, kv.kb, kv.ks, kv.kf16, kv.vb, kv.vs, kv.vf16, Nkv, mp, has_mask ? mk.nb[0] : 0, mk.type,
+                   slope, scale, softcap, Dv, kt, acc, &M, &S);
+            if (!(M > -INFINITY)) S = 0.0;  // no key: acc was never written
+        } else
+#else
+        (void)vec;
+#endif
+        {
+            for (int64_t j = 0; j < Nkv; ++j) {
+                const float mvj = mp ? slope * load_elem(mp + j * mk.nb[0], mk.type) : 0.0f;
+                if (mvj == -INFINITY) continue;
+                const uint8_t* kr = kv.kb + j * kv.ks;
+                double s = 0.0;
+                for (int64_t i = 0; i < D; ++i) s += (double)qf[i] * load_elem(kr + i * k.nb[0], k.type);
+                float sf = (float)s * scale;
+                if (softcap != 0.0f) sf = softcap * tanhf(sf);
+                sf += mvj;
+                float w;
+                if (sf > M) {
+                    const float ms = M == -INFINITY ? 0.0f : expf(M - sf);
+                    M = sf;
+                    S *= ms;
+                    for (int64_t i = 0; i < Dv; ++i) acc[i] *= ms;
+                    w = 1.0f;
+                } else {
+                    w = expf(sf - M);
+                }
+                S += w;
+                const uint8_t* vr = kv.vb + j * kv.vs;
+                for (int64_t i = 0; i < Dv; ++i) kt[i] = load_elem(vr + i * v.nb[0], v.type);
+                for (int64_t i = 0; i < Dv; ++i) acc[i] += w * kt[i];
+            }
+        }
+        const float inv = S == 0.0 ? 0.0f : (float)(1.0 / S);
+        uint8_t* op = dst.data + h * dst.nb[1] + iq * dst.nb[2] + b * dst.nb[3];
+        for (int64_t i = 0; i < Dv; ++i) *(float*)(op + i * dst.nb[0]) = S == 0.0 ? 0.0f : acc[i] * inv;
+    };
+
+#if GP_AVX2
     const int64_t gunits = Nq * Hk * B;
     // the grouped-heads kernels read one mask for the heads of a group: the mask must not differ by head
     const bool one_mask = !has_mask || mk.ne[2] == 1;
@@ -528,7 +587,7 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
         if (phase == 0) {
             // where each mask row's chunks start (its count, then the first tile of each), found by this call for
             // the rows it needs, in its own scratch after the query rows and the chunk buffer
-            int32_t* starts = (int32_t*)((float*)ctx.thread_scratch(ith) + FA_SPLIT_FLOATS(D, Dv, H));
+            int32_t* starts = (int32_t*)(ts + FA_SPLIT_FLOATS(D, Dv, H));
             for (int64_t r = 0; r < mrows; ++r) starts[r * (nchmax + 1)] = -1;
             auto table = [&](int64_t iq, int64_t h, int64_t b) -> const int32_t* {
                 int32_t* tb = starts + ((b * Nq + iq) * Hm + h % Hm) * (nchmax + 1);
@@ -553,7 +612,7 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                 *jb = 8 * (int64_t)tb[1 + c];
                 *je = c + 1 < tb[0] ? 8 * (int64_t)tb[2 + c] : Nkv;
             };
-            float* qf = (float*)ctx.thread_scratch(ith);
+            float* qf = ts;
             if (rep <= 4 && one_mask) {
                 // a query row's chunk for a block of consecutive KV heads (all of them once there are enough chunks
                 // to keep the threads busy) tile by tile, heads inner (fa_chunk_heads): units are (chunk, row,
@@ -634,7 +693,7 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
         }
         int64_t u0, u1;
         split_range(heads, ith, nth, &u0, &u1);
-        float* acc = (float*)ctx.thread_scratch(ith);
+        float* acc = ts;
         for (int64_t hu = u0; hu < u1; ++hu) {  // one head of one query row: merge its chunks, in order
             const int64_t h = hu % H, iq = (hu / H) % Nq, b = hu / (H * Nq);
             const float* p0 = parts + hu * nchmax * FA_PART(Dv);
@@ -653,29 +712,6 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
         return;
     }
     if (phase != n.n_phases - 1) return;  // the split-key phases run only with the vector kernels
-    float* const ts = (float*)ctx.thread_scratch(ith);
-    auto kv_of = [&](int64_t hk, int64_t b) {
-        return FaKV{k.data + hk * k.nb[2] + b * k.nb[3], k.nb[1], k.type == T_F16,
-                    v.data + hk * v.nb[2] + b * v.nb[3], v.nb[1], v.type == T_F16};
-    };
-    // one head of one query row (fa_row): its result to dst
-    auto row_head = [&](int64_t iq, int64_t h, int64_t b, const FaKV& kv) {
-        float* acc = ts;
-        float* qf = acc + ((Dv + 15) & ~15);
-        const uint8_t* qp = q.data + iq * q.nb[1] + h * q.nb[2] + b * q.nb[3];
-        for (int64_t i = 0; i < D; ++i) qf[i] = *(const float*)(qp + i * q.nb[0]);
-        const uint8_t* mp = has_mask ? mk.data + iq * mk.nb[1] + (h % mk.ne[2]) * mk.nb[2] + (b % mk.ne[3]) * mk.nb[3]
-                                     : nullptr;
-        for (int64_t i = 0; i < Dv; ++i) acc[i] = 0.0f;
-        float M = -INFINITY;
-        double S = 0.0;
-        fa_row(qf, D, kv.kb, kv.ks, kv.kf16, kv.vb, kv.vs, kv.vf16, Nkv, mp, has_mask ? mk.nb[0] : 0, mk.type,
-               alibi_slope_fa(max_bias, h, H), scale, softcap, Dv, qf + ((D + 15) & ~15), acc, &M, &S);
-        if (!(M > -INFINITY)) S = 0.0;  // no key: acc was never written
-        const float inv = S == 0.0 ? 0.0f : (float)(1.0 / S);
-        uint8_t* op = dst.data + h * dst.nb[1] + iq * dst.nb[2] + b * dst.nb[3];
-        for (int64_t i = 0; i < Dv; ++i) *(float*)(op + i * dst.nb[0]) = S == 0.0 ? 0.0f : acc[i] * inv;
-    };
     const bool grouped = rep >= 2 && groupable && one_mask;
     if (groupable && Nq >= FA_COPY_MIN_ROWS) {
         // many query rows (a prefill): units are (KV head, block of query rows), the rows inner; a thread converts
@@ -704,7 +740,7 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                 if (grouped) {
                     fa_group(n, iq, hk, b, ts, copy);
                 } else {
-                    for (int64_t h = hk * rep; h < (hk + 1) * rep; ++h) row_head(iq, h, b, copy);
+                    for (int64_t h = hk * rep; h < (hk + 1) * rep; ++h) row_head(iq, h, b, copy, true);
                 }
             }
         }
@@ -727,57 +763,9 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
     const int64_t units = Nq * H * B;
     int64_t u0, u1;
     split_range(units, ith, nth, &u0, &u1);
-    float* acc = (float*)ctx.thread_scratch(ith);
-    float* qf = acc + ((Dv + 15) & ~15);
-    float* kt = qf + ((D + 15) & ~15);  // one converted row (the generic path)
     for (int64_t u = u0; u < u1; ++u) {
         const int64_t h = u % H, iq = (u / H) % Nq, b = u / (H * Nq);
-#if GP_AVX2
-        if (groupable) {
-            row_head(iq, h, b, kv_of(h / rep, b));
-            continue;
-        }
-#endif
-        const int64_t hk = h / rep;
-        const uint8_t* qp = q.data + iq * q.nb[1] + h * q.nb[2] + b * q.nb[3];
-        for (int64_t i = 0; i < D; ++i) qf[i] = *(const float*)(qp + i * q.nb[0]);
-        const uint8_t* kb = k.data + hk * k.nb[2] + b * k.nb[3];
-        const uint8_t* vb = v.data + hk * v.nb[2] + b * v.nb[3];
-        const uint8_t* mp = has_mask ? mk.data + iq * mk.nb[1] + (h % mk.ne[2]) * mk.nb[2] + (b % mk.ne[3]) * mk.nb[3]
-                                     : nullptr;
-        const float slope = alibi_slope_fa(max_bias, h, H);
-        for (int64_t i = 0; i < Dv; ++i) acc[i] = 0.0f;
-        float M = -INFINITY;
-        double S = 0.0;
-        {
-            for (int64_t j = 0; j < Nkv; ++j) {
-                const float mvj = mp ? slope * load_elem(mp + j * mk.nb[0], mk.type) : 0.0f;
-                if (mvj == -INFINITY) continue;
-                const uint8_t* kr = kb + j * k.nb[1];
-                double s = 0.0;
-                for (int64_t i = 0; i < D; ++i) s += (double)qf[i] * load_elem(kr + i * k.nb[0], k.type);
-                float sf = (float)s * scale;
-                if (softcap != 0.0f) sf = softcap * tanhf(sf);
-                sf += mvj;
-                float w;
-                if (sf > M) {
-                    const float ms = M == -INFINITY ? 0.0f : expf(M - sf);
-                    M = sf;
-                    S *= ms;
-                    for (int64_t i = 0; i < Dv; ++i) acc[i] *= ms;
-                    w = 1.0f;
-                } else {
-                    w = expf(sf - M);
-                }
-                S += w;
-                const uint8_t* vr = vb + j * v.nb[1];
-                for (int64_t i = 0; i < Dv; ++i) kt[i] = load_elem(vr + i * v.nb[0], v.type);
-                for (int64_t i = 0; i < Dv; ++i) acc[i] += w * kt[i];
-            }
-        }
-        const float inv = S == 0.0 ? 0.0f : (float)(1.0 / S);
-        uint8_t* op = dst.data + h * dst.nb[1] + iq * dst.nb[2] + b * dst.nb[3];
-        for (int64_t i = 0; i < Dv; ++i) *(float*)(op + i * dst.nb[0]) = S == 0.0 ? 0.0f : acc[i] * inv;
+        row_head(iq, h, b, kv_of(h / rep, b), groupable);
     }
 }
 

@@ -36,7 +36,7 @@ static uint8_t* map_bytes(size_t size) {
     return p;
 }
 
-uint8_t* aligned_alloc_bytes(size_t size, bool* mmapped, bool zeroed) {
+uint8_t* aligned_alloc_bytes(size_t size, bool* mmapped) {
     if (size == 0) size = 64;
     if (size >= (1u << 20)) {
         *mmapped = true;
@@ -44,7 +44,7 @@ uint8_t* aligned_alloc_bytes(size_t size, bool* mmapped, bool zeroed) {
     }
     void* p = nullptr;
     if (posix_memalign(&p, 64, (size + 63) & ~(size_t)63) != 0) throw std::bad_alloc();
-    if (zeroed) memset(p, 0, size);
+    memset(p, 0, size);
     *mmapped = false;
     return (uint8_t*)p;
 }

@@ -43,7 +43,7 @@ static uint8_t* arena_alloc(size_t n, std::shared_ptr<void>* owner) {
     if (!a || a->size - a->used < n) {
         a = std::make_shared<RepackArena>();
         a->size = n > ARENA_BYTES ? n : ARENA_BYTES;
-        a->base = aligned_alloc_bytes(a->size, &a->mmapped, /*zeroed=*/false);  // the repacking writes every byte
+        a->base = aligned_alloc_bytes(a->size, &a->mmapped);  // mmap'd: zero pages, none written until used
         current = a;
     }
     uint8_t* p = a->base + a->used;

@@ -296,8 +296,8 @@ inline int64_t tensor_extent(const Tensor& t) {
     return (int64_t)e;
 }
 
-// 64-byte aligned (from 1 MiB mmap'd, from 2 MiB on huge pages); zeroed unless the caller overwrites every byte
-uint8_t* aligned_alloc_bytes(size_t size, bool* mmapped, bool zeroed = true);
+// 64-byte aligned and zeroed (from 1 MiB mmap'd, from 2 MiB on huge pages)
+uint8_t* aligned_alloc_bytes(size_t size, bool* mmapped);
 void aligned_free_bytes(uint8_t* p, size_t size, bool mmapped);
 
 }  // namespace gp
