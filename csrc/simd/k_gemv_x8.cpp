@@ -28,6 +28,10 @@ static inline void unpack_x8_q45(const uint8_t* qs, int c, __m256i& h, __m256i& 
     }
 }
 
+// the compiler may not move work across it: keeps each activation row's sums in one register, in source order (GCC
+// otherwise reassociates the 16-bit adds into trees and spills the products of all rows)
+static inline void keep(__m256i& v) { asm("" : "+x"(v)); }
+
 // output row r of rows `ostride` bytes apart
 static inline float* out_row(float* out, int r, size_t ostride) { return (float*)((uint8_t*)out + r * ostride); }
 
@@ -174,8 +178,8 @@ static void gemv_x8_q45_K(const uint8_t* rec, int64_t ngroups, const uint8_t* ac
         __m256 acc[R];
         for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
         for (int64_t s = 0; s < nb; ++s, p += size) {
-            __m256i sumi[R], mi[R];
-            for (int r = 0; r < R; ++r) sumi[r] = mi[r] = _mm256_setzero_si256();
+            __m256i sumi[R];
+            for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
             for (int j = 0; j < 8; ++j) {
                 const uint8_t* q = p + 128 * j;
                 _mm_prefetch((const char*)(q + 2 * size), _MM_HINT_T0);
@@ -198,11 +202,11 @@ static void gemv_x8_q45_K(const uint8_t* rec, int64_t ngroups, const uint8_t* ac
                         __m256i& t = s16[r][Five ? c / 2 : 0];
                         t = _mm256_add_epi16(t, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a32[0])));
                         t = _mm256_add_epi16(t, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a32[1])));
+                        keep(t);
                     }
                 }
                 const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + meta + 8 * j)));
                 const __m256i sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
-                const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + meta + 64 + 8 * j)));
                 for (int r = 0; r < R; ++r) {
                     if constexpr (Vnni) {
                         sumi[r] = _mm256_add_epi32(sumi[r], _mm256_mullo_epi32(s16[r][0], sc));
@@ -210,17 +214,28 @@ static void gemv_x8_q45_K(const uint8_t* rec, int64_t ngroups, const uint8_t* ac
                         sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(s16[r][0], sc2));
                         if constexpr (Five) sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(s16[r][1], sc2));
                     }
-                    const int16_t* b = a[r].bsums + 16 * s;
-                    const int pair = (int)b[2 * j] + (int)b[2 * j + 1];
-                    mi[r] = _mm256_add_epi32(mi[r], _mm256_madd_epi16(mn, _mm256_set1_epi32(pair & 0xffff)));
                 }
             }
+            // the mins, once per super-block: lane i16 pairs (min of sub-block 2jp, of 2jp + 1) against the
+            // activations' 32-sums of those sub-blocks
+            __m256i mn2[4];
+            for (int jp = 0; jp < 4; ++jp)
+                mn2[jp] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i*)(p + meta + 64 + 16 * jp)),
+                                                                 _mm_loadl_epi64((const __m128i*)(p + meta + 72 + 16 * jp))));
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + meta + 128)));
             const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + meta + 144)));
             for (int r = 0; r < R; ++r) {
+                // i32 pairs of the 16-sums as i16 pairs: (s0+s1, s2+s3), (s4+s5, s6+s7) in e0, e1, e4, e5
+                const __m256i b32 = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(a[r].bsums + 16 * s)),
+                                                      _mm256_set1_epi16(1));
+                const __m256i b16 = _mm256_packs_epi32(b32, b32);
+                __m256i mi = _mm256_madd_epi16(mn2[0], _mm256_permutevar8x32_epi32(b16, _mm256_set1_epi32(0)));
+                mi = _mm256_add_epi32(mi, _mm256_madd_epi16(mn2[1], _mm256_permutevar8x32_epi32(b16, _mm256_set1_epi32(1))));
+                mi = _mm256_add_epi32(mi, _mm256_madd_epi16(mn2[2], _mm256_permutevar8x32_epi32(b16, _mm256_set1_epi32(4))));
+                mi = _mm256_add_epi32(mi, _mm256_madd_epi16(mn2[3], _mm256_permutevar8x32_epi32(b16, _mm256_set1_epi32(5))));
                 const __m256 vda = _mm256_set1_ps(a[r].d[s]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(dw, vda), acc[r]);
-                acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mi[r]), _mm256_mul_ps(mw, vda), acc[r]);
+                acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mi), _mm256_mul_ps(mw, vda), acc[r]);
             }
         }
         for (int r = 0; r < R; ++r) _mm256_storeu_ps(out_row(out, r, ostride) + 8 * g, acc[r]);
@@ -365,6 +380,7 @@ static void gemv_x8_q6_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act
                                                              _mm256_maddubs_epi16(q3, _mm256_set1_epi32(a32[3])));
                         sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(s01, sc));
                         sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(s23, sc));
+                        keep(sumi[r]);
                     }
                 }
             }
@@ -504,6 +520,7 @@ static void gemv_x8_q45_01(const uint8_t* rec, int64_t ngroups, const uint8_t* a
                     __m256i& t = s16[r][five ? c / 2 : 0];
                     t = _mm256_add_epi16(t, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a32[2 * c])));
                     t = _mm256_add_epi16(t, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a32[2 * c + 1])));
+                    keep(t);
                 }
             }
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + doff)));
@@ -561,6 +578,7 @@ static void gemv_x8_q8_0(const uint8_t* rec, int64_t ngroups, const uint8_t* act
                     }
                     const __m256i pr = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(av, w));
                     s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(pr, ones));
+                    keep(s32[r]);
                 }
             }
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 256)));
@@ -592,14 +610,12 @@ static void gemv_x8_r(int type, const uint8_t* rec, int64_t ngroups, const uint8
 template <bool Vnni>
 static void gemv_x8_rows(int type, const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int nrows,
                          int64_t k, float* out, size_t ostride) {
-#if GP_AVX512
-    // Q6_K with VNNI: 8 rows a pass halve each row's share of the unpacking (the 6-bit quants' shifts run on the port
-    // the dot products need); the 32 zmm registers hold 8 rows' sums
-    if constexpr (Vnni)
-        if (type == T_Q6_K)
-            for (; nrows >= 8; nrows -= 8, act += 8 * astride, out = out_row(out, 8, ostride))
-                gemv_x8_q6_K<8, true>(rec, ngroups, act, astride, k, out, ostride);
-#endif
+    // Q6_K: 8 rows a pass halve each row's share of the unpacking (with VNNI the 6-bit quants' shifts run on the port
+    // the dot products need; at AVX2 the unpacking is a third of the instructions: Zen 3, 73 -> 80 GMAC/s a thread).
+    // A row's state is its sums alone, so 8 fit in the registers even at AVX2's 16.
+    if (type == T_Q6_K)
+        for (; nrows >= 8; nrows -= 8, act += 8 * astride, out = out_row(out, 8, ostride))
+            gemv_x8_q6_K<8, Vnni>(rec, ngroups, act, astride, k, out, ostride);
     for (; nrows >= 4; nrows -= 4, act += 4 * astride, out = out_row(out, 4, ostride))
         gemv_x8_r<4, Vnni>(type, rec, ngroups, act, astride, k, out, ostride);
     if (nrows == 3) gemv_x8_r<3, Vnni>(type, rec, ngroups, act, astride, k, out, ostride);
