@@ -33,12 +33,15 @@ GP_INLINE __m256 hsum_lanes8(const __m256* part) {
 
 #if GP_AVX2
 // Prefetch the key and value rows [t0, t1) (kbytes / vbytes each): a decode step reads strided rows of a cache that
-// is cold after the weights' stream, whose latency the hardware prefetcher does not hide.
+// is cold after the weights' stream, whose latency the hardware prefetcher does not hide. Into L2, not L1: on an AMD
+// EPYC (Zen 3) the L1 prefetch two tiles ahead of 32 heads (64 KB) evicted what was in use and made one decode
+// layer's attention (32 KV heads of 64, 2000 keys, 2 threads) slower than none at all (0.88 ms against 0.69); into
+// L2 0.73. (On the Intel machine the L1 prefetch had taken it from 0.92 to 0.57 ms; L2 not measured there.)
 GP_INLINE void prefetch_kv_rows(const uint8_t* kb, int64_t ks, int64_t kbytes, const uint8_t* vb, int64_t vs,
                                 int64_t vbytes, int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-        for (int64_t o = 0; o < kbytes; o += 64) _mm_prefetch((const char*)(kb + t * ks + o), _MM_HINT_T0);
-        for (int64_t o = 0; o < vbytes; o += 64) _mm_prefetch((const char*)(vb + t * vs + o), _MM_HINT_T0);
+        for (int64_t o = 0; o < kbytes; o += 64) _mm_prefetch((const char*)(kb + t * ks + o), _MM_HINT_T1);
+        for (int64_t o = 0; o < vbytes; o += 64) _mm_prefetch((const char*)(vb + t * vs + o), _MM_HINT_T1);
     }
 }
 
@@ -237,12 +240,22 @@ GP_INLINE void fa_softmax_step(const __m256* part, __m256 vmr, float slope, floa
 // M[g], S[g]) in memory. Each block of 8 key or value elements is converted from F16 once and used by all G heads,
 // which cuts the conversions, the larger part of the per-key work, to 1/G; the arithmetic of each head is
 // fa_row_tiles' (G = 1 included).
-template <int DV8, int G>
+// Fixed: D == Dv and F16 keys and values (every model's decode), known at compile time, so the loops unroll fully.
+template <int DV8, int G, bool Fixed>
 GP_INLINE void fa_tile_gqa(const float* qf, int64_t D, const uint8_t* kt, int64_t ks, bool kf16, const uint8_t* vt,
                            int64_t vs, bool vf16, const float* mraw, const float* slope, float scale, float softcap,
                            float* acc, float* M, double* S) {
     constexpr int64_t Dv = DV8 * 8;
+    if constexpr (Fixed) {
+        D = Dv;
+        kf16 = vf16 = true;
+    }
     const int64_t kes = kf16 ? 2 : 4, ves = vf16 ? 2 : 4;
+    // one head's query in registers while its 8 keys pass (Fixed, one head of at most 64 elements)
+    constexpr bool qregs = Fixed && G == 1 && DV8 <= 8;
+    __m256 qv[qregs ? DV8 : 1];
+    if constexpr (qregs)
+        for (int i = 0; i < DV8; ++i) qv[i] = _mm256_loadu_ps(qf + 8 * i);
     __m256 part[G][8];
     for (int t = 0; t < 8; ++t) {  // fa_scores8's two chains, for G heads at once
         __m256 a0[G], a1[G];
@@ -252,6 +265,11 @@ GP_INLINE void fa_tile_gqa(const float* qf, int64_t D, const uint8_t* kt, int64_
             int64_t i = 0;
             for (; i + 16 <= D; i += 16) {
                 const __m256 k0 = load8(kr + i * kes, kf16), k1 = load8(kr + (i + 8) * kes, kf16);
+                if constexpr (qregs) {
+                    a0[0] = _mm256_fmadd_ps(qv[i / 8], k0, a0[0]);
+                    a1[0] = _mm256_fmadd_ps(qv[i / 8 + 1], k1, a1[0]);
+                    continue;
+                }
                 for (int g = 0; g < G; ++g) {
                     a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + i), k0, a0[g]);
                     a1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + i + 8), k1, a1[g]);
@@ -268,15 +286,28 @@ GP_INLINE void fa_tile_gqa(const float* qf, int64_t D, const uint8_t* kt, int64_
     alignas(32) float pv[G][8];
     for (int g = 0; g < G; ++g)
         fa_softmax_step<DV8>(part[g], vmr, slope[g], scale, softcap, acc + g * Dv, M + g, S + g, pv[g]);
-    for (int i = 0; i < DV8; ++i) {
-        __m256 a[G];
-        for (int g = 0; g < G; ++g) a[g] = _mm256_load_ps(acc + g * Dv + 8 * i);
-        for (int t = 0; t < 8; ++t) {
-            if (mraw[t] == -INFINITY) continue;  // a masked row may hold anything (never written)
-            const __m256 vv = load8(vt + t * vs + 8 * i * ves, vf16);
-            for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(&pv[g][t]), vv, a[g]);
+    // the values: NB blocks of 8 elements of the G heads' sums in registers at a time (8 registers), key by key
+    // inside, so that the NB x G sums advance side by side (one block at a time was a chain of 8 dependent FMAs)
+    int vis[8], nv = 0;  // a masked row may hold anything (never written): skipped
+    for (int t = 0; t < 8; ++t)
+        if (mraw[t] != -INFINITY) vis[nv++] = t;
+    constexpr int NB = G >= 8 ? 1 : 8 / G;
+    for (int i0 = 0; i0 < DV8; i0 += NB) {
+        constexpr int nb = NB < DV8 ? NB : DV8;
+        __m256 a[G][nb];
+        for (int g = 0; g < G; ++g)
+            for (int i = 0; i < nb; ++i) a[g][i] = _mm256_load_ps(acc + g * Dv + 8 * (i0 + i));
+        for (int u = 0; u < nv; ++u) {
+            const int t = vis[u];
+            __m256 vv[nb];
+            for (int i = 0; i < nb; ++i) vv[i] = load8(vt + t * vs + 8 * (i0 + i) * ves, vf16);
+            for (int g = 0; g < G; ++g) {
+                const __m256 w = _mm256_broadcast_ss(&pv[g][t]);
+                for (int i = 0; i < nb; ++i) a[g][i] = _mm256_fmadd_ps(w, vv[i], a[g][i]);
+            }
         }
-        for (int g = 0; g < G; ++g) _mm256_store_ps(acc + g * Dv + 8 * i, a[g]);
+        for (int g = 0; g < G; ++g)
+            for (int i = 0; i < nb; ++i) _mm256_store_ps(acc + g * Dv + 8 * (i0 + i), a[g][i]);
     }
 }
 
@@ -295,14 +326,25 @@ static void fa_chunk_heads(const float* qf, int64_t D, const uint8_t* kb, int64_
                            const uint8_t* mp, int64_t ms_stride, int mtype, const float* slope, float scale,
                            float softcap, float* acc, float* M, double* S) {
     constexpr int64_t Dv = DV8 * 8;
+    const bool fixed = D == Dv && kf16 && vf16;
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
         alignas(32) float mraw[8];
         if (!fa_tile_mask(mp, ms_stride, mtype, j0, n, mraw)) continue;
         for (int64_t hk = 0; hk < NH; ++hk) {
-            prefetch_kv_rows(kb + hk * khs, ks, D * (kf16 ? 2 : 4), vb + hk * vhs, vs, Dv * (vf16 ? 2 : 4), j0 + 16,
-                             imin(j0 + 24, n));  // the tile after next
-            fa_tile_gqa<DV8, G>(qf + hk * G * D, D, kb + hk * khs + j0 * ks, ks, kf16, vb + hk * vhs + j0 * vs, vs,
-                                vf16, mraw, slope + hk * G, scale, softcap, acc + hk * G * Dv, M + hk * G, S + hk * G);
+            // the tile after next (Fixed: its row sizes known, the loops unrolled)
+            if (fixed)
+                prefetch_kv_rows(kb + hk * khs, ks, 2 * Dv, vb + hk * vhs, vs, 2 * Dv, j0 + 16, imin(j0 + 24, n));
+            else
+                prefetch_kv_rows(kb + hk * khs, ks, D * (kf16 ? 2 : 4), vb + hk * vhs, vs, Dv * (vf16 ? 2 : 4),
+                                 j0 + 16, imin(j0 + 24, n));
+            if (fixed)
+                fa_tile_gqa<DV8, G, true>(qf + hk * G * D, D, kb + hk * khs + j0 * ks, ks, kf16, vb + hk * vhs + j0 * vs,
+                                          vs, vf16, mraw, slope + hk * G, scale, softcap, acc + hk * G * Dv, M + hk * G,
+                                          S + hk * G);
+            else
+                fa_tile_gqa<DV8, G, false>(qf + hk * G * D, D, kb + hk * khs + j0 * ks, ks, kf16, vb + hk * vhs + j0 * vs,
+                                           vs, vf16, mraw, slope + hk * G, scale, softcap, acc + hk * G * Dv, M + hk * G,
+                                           S + hk * G);
         }
     }
 }
