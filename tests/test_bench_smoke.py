@@ -97,6 +97,8 @@ def test_bench_matrix(tiny_f32, tmp_path, monkeypatch):
     from ggml_py.formats.gguf import open_gguf
 
     assert 1 < row["read_gbps"] < 1000
+    lo, hi = row["read_gbps.spread"]  # measured before and after the row's runs, the better kept
+    assert 1 < lo <= hi == row["read_gbps"]
     for who in ("ggml_py", "llama.cpp"):
         assert row[f"{who}.decode_ctx_16.of_bandwidth"] == pytest.approx(
             decode_bytes(row["model"], 16) * row[f"{who}.decode_ctx_16"] / (row["read_gbps"] * 1e9))
