@@ -281,19 +281,11 @@ class Tokenizer:
             "".join(vocab).encode("utf-8")
         except UnicodeEncodeError:  # entries that are not valid UTF-8 cannot be handed to tokenizers; never matched
             vocab = {t: i for t, i in vocab.items() if not any("\udc80" <= c <= "\udcff" for c in t)}
-        all_merges: list[tuple[str, str]] = []
-        merges: list[tuple[str, str]] = []
-        seen: set[tuple[str, str]] = set()
-        for s in merges_raw:
-            pos = s.find(" ", 1)
-            pair = (s[:pos], s[pos + 1 :]) if pos >= 0 else ("", "")
-            if pair in seen:
-                continue
-            seen.add(pair)
-            all_merges.append(pair)
-            a, b = pair
-            if a in vocab and b in vocab and a + b in vocab:
-                merges.append(pair)
+        # "a b" -> (a, b), split at the first space after the first character (a may be a space); duplicates keep
+        # their first place. Comprehensions: half the time of one loop doing all of it (49k merges, on every load)
+        all_merges = list(dict.fromkeys((s[:p], s[p + 1:]) if (p := s.find(" ", 1)) >= 0 else ("", "")
+                                        for s in merges_raw))
+        merges = [m for m in all_merges if m[0] in vocab and m[1] in vocab and m[0] + m[1] in vocab]
         self._merges = all_merges
         # tokenizers drops characters missing from the vocab *before* merging, and cannot merge into a missing token;
         # llama.cpp keeps such symbols in the chain (they only vanish from the output). Those words go through the

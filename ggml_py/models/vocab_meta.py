@@ -23,8 +23,11 @@ def str_list(meta: Mapping[str, Any], key: str) -> list[str] | None:
     v = meta.get(key)
     if v is None:
         return None
-    if isinstance(v, list | tuple) and all(isinstance(x, str | bytes) for x in v):
-        return [x if type(x) is str else as_str(x) for x in v]
+    if isinstance(v, list | tuple):
+        if all(type(x) is str for x in v):  # the parser's usual output: checked at C speed (map), copied as is
+            return list(v)
+        if all(isinstance(x, str | bytes) for x in v):
+            return [x if type(x) is str else as_str(x) for x in v]
     raise ModelError(f"tokenizer metadata {key!r} must be an array of strings, got {describe_value(v)}")
 
 
