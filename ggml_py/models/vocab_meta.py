@@ -24,7 +24,7 @@ def str_list(meta: Mapping[str, Any], key: str) -> list[str] | None:
     if v is None:
         return None
     if isinstance(v, list | tuple):
-        if all(type(x) is str for x in v):  # the parser's usual output: checked at C speed (map), copied as is
+        if all(type(x) is str for x in v):  # the parser's usual output: copied as is, no per-item conversion
             return list(v)
         if all(isinstance(x, str | bytes) for x in v):
             return [x if type(x) is str else as_str(x) for x in v]
