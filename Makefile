@@ -137,8 +137,9 @@ test-asan: models $(LLAMACPP_PEER)
 		$(or $(PYTEST_ARGS),$(ASAN_TESTS)); rc=$$?; $(SAN_RESTORE); exit $$rc
 
 # The thread tests under ThreadSanitizer: the SIMD extension rebuilt with -fsanitize=thread, tests/tsan_check.py runs
-# each target in a process of its own and fails on any ThreadSanitizer report (races, lock inversions) or test failure.
-TSAN_TESTS ?= tests/test_concurrency.py tests/test_interrupt.py \
+# each target in a process of its own, SAN_JOBS at a time (the longest first), and fails on any ThreadSanitizer report
+# (races, lock inversions) or test failure.
+TSAN_TESTS ?= tests/test_interrupt.py tests/test_concurrency.py \
 	tests/test_native_plugin.py::test_cancel_from_another_thread \
 	tests/test_native_plugin.py::test_plans_sharing_a_backend_across_threads \
 	tests/test_native_plugin.py::test_ctrl_c_stops_a_long_native_compute_at_once \
@@ -147,7 +148,8 @@ TSAN_TESTS ?= tests/test_concurrency.py tests/test_interrupt.py \
 test-tsan: models $(LLAMACPP_PEER)
 	rm -f $(INSTALL_STAMP)
 	GGML_PY_SANITIZE=thread $(PIP) install ".[test,server,cluster]" --config-settings=build-dir=build/tsan
-	$(TEST_ENV) $(PY) tests/tsan_check.py $(CURDIR)/build/tsan $(or $(PYTEST_ARGS),$(TSAN_TESTS)); rc=$$?; \
+	$(TEST_ENV) $(PY) tests/tsan_check.py --jobs $(SAN_JOBS) $(CURDIR)/build/tsan $(or $(PYTEST_ARGS),$(TSAN_TESTS)); \
+		rc=$$?; \
 		$(SAN_RESTORE); exit $$rc
 
 bench: install

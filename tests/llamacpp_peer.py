@@ -40,7 +40,11 @@ def run(worker: str, *args: Any) -> Any:
     if not python:
         return None
     code = worker + "\nimport json, sys\njson.dump(run(*json.load(sys.stdin)), sys.stdout)\n"
-    out = subprocess.run([python, "-c", code], input=json.dumps(list(args)), capture_output=True, text=True)
+    # the peer runs none of our native code: under make test-asan / test-tsan it goes without the preloaded sanitizer
+    # runtime (whose exit-time leak scan of a process holding a model cost seconds a call)
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS", "TSAN_OPTIONS")}
+    out = subprocess.run([python, "-c", code], input=json.dumps(list(args)), capture_output=True, text=True,
+                         env=env)
     if out.returncode:
         raise RuntimeError(f"llama.cpp worker failed ({python}, exit {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout)

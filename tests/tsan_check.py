@@ -8,6 +8,7 @@ Each target (a test file or node id) runs in a process of its own; reports go to
 
     python tests/tsan_check.py build/tsan tests/test_concurrency.py tests/test_interrupt.py ...
     python tests/tsan_check.py build/tsan tests/test_native_plugin.py::test_cancel_from_another_thread
+    python tests/tsan_check.py --jobs 2 build/tsan ...  (two targets at a time, each one's output when it ends)
 """
 
 from __future__ import annotations
@@ -51,25 +52,37 @@ def reports(prefix: str) -> tuple[list[str], int]:
     return ours, others
 
 
-def run(log_dir: str, targets: list[str]) -> int:
-    """pytest on each target (a file, or file::test) in a process of its own; 1 if a test fails or TSan reports."""
-    failed = 0
-    for target in targets:
-        name = re.sub(r"\W+", "_", os.path.basename(target).replace(".py", ""))
-        prefix = os.path.join(log_dir, name, "log")
-        os.makedirs(os.path.dirname(prefix), exist_ok=True)
-        for old in glob.glob(glob.escape(prefix) + ".*"):
-            os.remove(old)
-        rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", target],
-                            env=tsan_env(prefix)).returncode
-        found, others = reports(prefix)
-        print(f"tsan: {target}: pytest exit {rc}, {len(found)} ThreadSanitizer report(s) in our code "
-              f"({others} in uninstrumented libraries only, not counted)")
-        for r in found:
-            print("\n" + r)
-        failed |= rc != 0 or bool(found)
-    return int(failed)
+def run_target(log_dir: str, target: str, quiet: bool = False) -> int:
+    """pytest on one target (a file, or file::test) in a process of its own; 1 if a test fails or TSan reports.
+    `quiet`: pytest's output is captured and printed with the verdict (parallel runs)."""
+    name = re.sub(r"\W+", "_", os.path.basename(target).replace(".py", ""))
+    prefix = os.path.join(log_dir, name, "log")
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    for old in glob.glob(glob.escape(prefix) + ".*"):
+        os.remove(old)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", target],
+                       env=tsan_env(prefix), capture_output=quiet, text=True)
+    found, others = reports(prefix)
+    lines = [p.stdout + p.stderr] if quiet else []
+    lines.append(f"tsan: {target}: pytest exit {p.returncode}, {len(found)} ThreadSanitizer report(s) in our code "
+                 f"({others} in uninstrumented libraries only, not counted)")
+    lines += ["\n" + r for r in found]
+    print("\n".join(lines), flush=True)
+    return int(p.returncode != 0 or bool(found))
+
+
+def run(log_dir: str, targets: list[str], jobs: int = 1) -> int:
+    """Each target in a process of its own, `jobs` at a time; 1 if any fails."""
+    if jobs <= 1:
+        return int(any([run_target(log_dir, t) for t in targets]))
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(jobs) as ex:
+        return int(any(list(ex.map(lambda t: run_target(log_dir, t, quiet=True), targets))))
 
 
 if __name__ == "__main__":
-    sys.exit(run(sys.argv[1], sys.argv[2:]))
+    args, jobs = sys.argv[1:], 1
+    if args[:1] == ["--jobs"]:
+        jobs, args = int(args[1]), args[2:]
+    sys.exit(run(args[0], args[1:], jobs))
