@@ -126,8 +126,8 @@ ASAN_SKIP ?= tests/test_gguf.py tests/test_gguf_fuzz.py tests/test_quants.py tes
 	tests/test_prefix_cache.py tests/test_serve_logprobs.py tests/test_eos.py tests/test_bench_smoke.py \
 	tests/test_schema.py tests/test_llamacpp_venv.py
 # the longest first, so that the jobs end together
-ASAN_FIRST := tests/test_serve.py tests/test_hostile_inputs.py tests/test_architectures.py \
-	tests/test_native_plugin.py tests/test_model.py
+ASAN_FIRST := tests/test_native_plugin.py tests/test_hostile_inputs.py tests/test_architectures.py tests/test_serve.py \
+	tests/test_determinism_ops.py tests/test_model.py
 ASAN_TESTS ?= $(ASAN_FIRST) $(filter-out $(ASAN_FIRST) $(ASAN_SKIP),$(sort $(wildcard tests/test_*.py)))
 test-asan: models $(LLAMACPP_PEER)
 	rm -f $(INSTALL_STAMP)

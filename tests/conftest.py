@@ -32,6 +32,14 @@ os.environ.setdefault("PYTHONSAFEPATH", "1")
 # ASan's allocator keeps freed memory in quarantine. Latency bounds are scaled; RSS tests are deselected there.
 SANITIZED = bool(os.environ.get("GGML_PY_SANITIZE"))
 SLOWDOWN = 20.0 if SANITIZED else 1.0
+# the variables that preload a sanitizer runtime into every subprocess (tests/lsan_check.py, tests/tsan_check.py)
+SANITIZER_RUNTIME_VARS = ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS", "TSAN_OPTIONS")
+
+
+def tool_env() -> dict[str, str]:
+    """The environment for a subprocess that runs none of our native code (a compiler, llama.cpp): without the
+    preloaded sanitizer runtime, whose leak scan at each such process's exit cost a second or more under ASan."""
+    return {k: v for k, v in os.environ.items() if k not in SANITIZER_RUNTIME_VARS}
 
 
 def expected_backends() -> list[str]:

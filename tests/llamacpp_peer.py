@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from conftest import tool_env
+
 NOT_AVAILABLE = "llama_cpp not importable (set LLAMA_CPP_PYTHON to an interpreter with llama-cpp-python)"
 
 
@@ -40,11 +42,10 @@ def run(worker: str, *args: Any) -> Any:
     if not python:
         return None
     code = worker + "\nimport json, sys\njson.dump(run(*json.load(sys.stdin)), sys.stdout)\n"
-    # the peer runs none of our native code: under make test-asan / test-tsan it goes without the preloaded sanitizer
-    # runtime (whose exit-time leak scan of a process holding a model cost seconds a call)
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS", "TSAN_OPTIONS")}
+    # the peer runs none of our native code: under make test-asan / test-tsan it goes without the sanitizer runtime
+    # (LSan's exit scan of a process holding a model: test_architectures under ASan 140 -> 77 s)
     out = subprocess.run([python, "-c", code], input=json.dumps(list(args)), capture_output=True, text=True,
-                         env=env)
+                         env=tool_env())
     if out.returncode:
         raise RuntimeError(f"llama.cpp worker failed ({python}, exit {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout)

@@ -30,7 +30,7 @@ from ggml_py.runtime import native
 from ggml_py.runtime import registry as registry_mod
 from ggml_py.runtime.registry import Registry, registry
 
-from conftest import SLOWDOWN, sigint_default
+from conftest import SLOWDOWN, sigint_default, tool_env
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = Path(gp.get_include()) / "ggml_py" / "backend_abi.h"
@@ -50,7 +50,7 @@ def build(src: Path | str, out: Path, *defines: str, sanitize: bool = True) -> P
     are planted (reads out of bounds among them) uninstrumented under the sanitizer runs."""
     cmd = [CC, "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", f"-I{HEADER.parents[1]}",
            *(SANITIZE if sanitize else []), *defines, "-o", str(out), str(src)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=tool_env())
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
     return out
 
@@ -99,12 +99,12 @@ def test_header_is_plain_c99_and_cxx(tmp_path: Path) -> None:
     src = tmp_path / "h.c"
     src.write_text('#include "ggml_py/backend_abi.h"\nint main(void) { return (int)sizeof(ggml_py_plugin) * 0; }\n')
     r = subprocess.run([CC, "-std=c99", "-pedantic", "-Wall", "-Wextra", "-Werror", f"-I{HEADER.parents[1]}",
-                        "-c", str(src), "-o", str(tmp_path / "h.o")], capture_output=True, text=True)
+                        "-c", str(src), "-o", str(tmp_path / "h.o")], capture_output=True, text=True, env=tool_env())
     assert r.returncode == 0, r.stderr
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx:
         r = subprocess.run([cxx, "-x", "c++", "-Wall", "-Werror", f"-I{HEADER.parents[1]}", "-c", str(src), "-o",
-                            str(tmp_path / "h2.o")], capture_output=True, text=True)
+                            str(tmp_path / "h2.o")], capture_output=True, text=True, env=tool_env())
         assert r.returncode == 0, r.stderr
 
 
@@ -703,7 +703,7 @@ def test_plugin_built_against_the_installed_header_passes_the_kit(tmp_path: Path
     lib = tmp_path / "libggml_py_cexample.so"
     cmd = [CC, "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", f"-I{include}", "-o", str(lib),
            str(EXAMPLE)]
-    b = subprocess.run(cmd, capture_output=True, text=True)
+    b = subprocess.run(cmd, capture_output=True, text=True, env=tool_env())
     assert b.returncode == 0, b.stderr
     r = subprocess.run([sys.executable, "-I", "-m", "ggml_py", "test-backend", "cexample", "--json"],
                        capture_output=True, text=True, cwd=tmp_path, env={**env, "GGML_PY_BACKEND_PATH": str(lib)},
