@@ -235,28 +235,25 @@ GP_INLINE void fa_softmax_step(const __m256* part, __m256 vmr, float slope, floa
     *S += (double)hsum(p);
 }
 
-// One tile of 8 keys (rows kt, vt: the tile's first key and value, ks / vs bytes apart) for the G query heads that
-// share one KV head: fa_row_tiles' step of the online softmax for each head, its chunk's state (acc[g * Dv ...],
-// M[g], S[g]) in memory. Each block of 8 key or value elements is converted from F16 once and used by all G heads,
-// which cuts the conversions, the larger part of the per-key work, to 1/G; the arithmetic of each head is
-// fa_row_tiles' (G = 1 included).
+// One tile of 8 keys for the G query heads that share one KV head, in two halves: fa_tile_scores, the partial sums of
+// q.k (rows kt, ks bytes apart), then fa_tile_values, fa_row_tiles' step of the online softmax for each head and the
+// values (rows vt) weighted into its chunk's state (acc[g * Dv ...], M[g], S[g]) in memory. Each block of 8 key or
+// value elements is converted from F16 once and used by all G heads, which cuts the conversions, the larger part of
+// the per-key work, to 1/G; the arithmetic of each head is fa_row_tiles' (G = 1 included).
 // Fixed: D == Dv and F16 keys and values (every model's decode), known at compile time, so the loops unroll fully.
 template <int DV8, int G, bool Fixed>
-GP_INLINE void fa_tile_gqa(const float* qf, int64_t D, const uint8_t* kt, int64_t ks, bool kf16, const uint8_t* vt,
-                           int64_t vs, bool vf16, const float* mraw, const float* slope, float scale, float softcap,
-                           float* acc, float* M, double* S) {
-    constexpr int64_t Dv = DV8 * 8;
+GP_INLINE void fa_tile_scores(const float* qf, int64_t D, const uint8_t* kt, int64_t ks, bool kf16, const float* mraw,
+                              __m256 (*part)[8]) {
     if constexpr (Fixed) {
-        D = Dv;
-        kf16 = vf16 = true;
+        D = DV8 * 8;
+        kf16 = true;
     }
-    const int64_t kes = kf16 ? 2 : 4, ves = vf16 ? 2 : 4;
+    const int64_t kes = kf16 ? 2 : 4;
     // one head's query in registers while its 8 keys pass (Fixed, one head of at most 64 elements)
     constexpr bool qregs = Fixed && G == 1 && DV8 <= 8;
     __m256 qv[qregs ? DV8 : 1];
     if constexpr (qregs)
         for (int i = 0; i < DV8; ++i) qv[i] = _mm256_loadu_ps(qf + 8 * i);
-    __m256 part[G][8];
     for (int t = 0; t < 8; ++t) {  // fa_scores8's two chains, for G heads at once
         __m256 a0[G], a1[G];
         for (int g = 0; g < G; ++g) a0[g] = a1[g] = _mm256_setzero_ps();
@@ -282,6 +279,14 @@ GP_INLINE void fa_tile_gqa(const float* qf, int64_t D, const uint8_t* kt, int64_
         }
         for (int g = 0; g < G; ++g) part[g][t] = _mm256_add_ps(a0[g], a1[g]);
     }
+}
+
+template <int DV8, int G, bool Fixed>
+GP_INLINE void fa_tile_values(const __m256 (*part)[8], const uint8_t* vt, int64_t vs, bool vf16, const float* mraw,
+                              const float* slope, float scale, float softcap, float* acc, float* M, double* S) {
+    constexpr int64_t Dv = DV8 * 8;
+    if constexpr (Fixed) vf16 = true;
+    const int64_t ves = vf16 ? 2 : 4;
     const __m256 vmr = _mm256_load_ps(mraw);
     alignas(32) float pv[G][8];
     for (int g = 0; g < G; ++g)
@@ -312,41 +317,51 @@ GP_INLINE void fa_tile_gqa(const float* qf, int64_t D, const uint8_t* kt, int64_
 }
 
 // One chunk of a decode step's keys (n of them, rows ks / vs bytes apart from kb / vb) for the NH KV heads [0, NH)
-// of one query row (khs / vhs bytes apart within a row; G query heads each): tile by tile, every head's step
-// (fa_tile_gqa, its rows of the tile after next prefetched) before the next tile. A cache whose rows hold all KV
-// heads side by side is so read as 8 rows advancing together; head by head over all keys, the reads were 128 bytes
-// every 4 KB (SmolLM2-1.7B's 32 KV heads, 1000 keys, 2 threads: 0.92 -> 0.57-0.58 ms a layer from DRAM; without the
-// prefetch 0.60-0.69, and SmolLM2-135M's decode at a 1000-token context 10% slower than head by head). Keys row by
-// row (each head's accumulator in memory between keys) was 0.85 ms, and 15-20% slower for SmolLM2-135M.
+// of one query row (khs / vhs bytes apart within a row; G query heads each): tile by tile, every head's step before
+// the next tile. A cache whose rows hold all KV heads side by side is so read as 8 rows advancing together; head by
+// head over all keys, the reads were 128 bytes every 4 KB (SmolLM2-1.7B's 32 KV heads, 1000 keys, 2 threads: 0.92 ->
+// 0.57-0.58 ms a layer from DRAM; without the prefetch of the tile after next 0.60-0.69, and SmolLM2-135M's decode
+// at a 1000-token context 10% slower than head by head). Keys row by row (each head's accumulator in memory between
+// keys) was 0.85 ms, and 15-20% slower for SmolLM2-135M.
+// Within a tile the heads are pipelined: the next head's scores (independent work) are computed before this head's
+// softmax and values, whose chain of dependent steps (sums, maximum, exp, the weighted values) otherwise ran alone.
 // Each head's arithmetic is fa_row_tiles' over the same tiles, so the result is the same as head by head. The
 // heads' chunk state (acc[NH * G * Dv], M, S) is the caller's, set to 0, -inf, 0.
+template <int DV8, int G, bool Fixed>
+static void fa_chunk_heads_t(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, int64_t khs, bool kf16,
+                             const uint8_t* vb, int64_t vs, int64_t vhs, bool vf16, int64_t n, int64_t NH,
+                             const uint8_t* mp, int64_t ms_stride, int mtype, const float* slope, float scale,
+                             float softcap, float* acc, float* M, double* S) {
+    constexpr int64_t Dv = DV8 * 8;
+    if constexpr (Fixed) D = Dv;
+    const int64_t kbytes = Fixed ? 2 * Dv : D * (kf16 ? 2 : 4), vbytes = Fixed ? 2 * Dv : Dv * (vf16 ? 2 : 4);
+    __m256 part[2][G][8];
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        alignas(32) float mraw[8];
+        if (!fa_tile_mask(mp, ms_stride, mtype, j0, n, mraw)) continue;
+        fa_tile_scores<DV8, G, Fixed>(qf, D, kb + j0 * ks, ks, kf16, mraw, part[0]);
+        for (int64_t hk = 0; hk < NH; ++hk) {
+            prefetch_kv_rows(kb + hk * khs, ks, kbytes, vb + hk * vhs, vs, vbytes, j0 + 16, imin(j0 + 24, n));
+            if (hk + 1 < NH)
+                fa_tile_scores<DV8, G, Fixed>(qf + (hk + 1) * G * D, D, kb + (hk + 1) * khs + j0 * ks, ks, kf16, mraw,
+                                              part[(hk + 1) & 1]);
+            fa_tile_values<DV8, G, Fixed>(part[hk & 1], vb + hk * vhs + j0 * vs, vs, vf16, mraw, slope + hk * G, scale,
+                                          softcap, acc + hk * G * Dv, M + hk * G, S + hk * G);
+        }
+    }
+}
+
 template <int DV8, int G>
 static void fa_chunk_heads(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, int64_t khs, bool kf16,
                            const uint8_t* vb, int64_t vs, int64_t vhs, bool vf16, int64_t n, int64_t NH,
                            const uint8_t* mp, int64_t ms_stride, int mtype, const float* slope, float scale,
                            float softcap, float* acc, float* M, double* S) {
-    constexpr int64_t Dv = DV8 * 8;
-    const bool fixed = D == Dv && kf16 && vf16;
-    for (int64_t j0 = 0; j0 < n; j0 += 8) {
-        alignas(32) float mraw[8];
-        if (!fa_tile_mask(mp, ms_stride, mtype, j0, n, mraw)) continue;
-        for (int64_t hk = 0; hk < NH; ++hk) {
-            // the tile after next (Fixed: its row sizes known, the loops unrolled)
-            if (fixed)
-                prefetch_kv_rows(kb + hk * khs, ks, 2 * Dv, vb + hk * vhs, vs, 2 * Dv, j0 + 16, imin(j0 + 24, n));
-            else
-                prefetch_kv_rows(kb + hk * khs, ks, D * (kf16 ? 2 : 4), vb + hk * vhs, vs, Dv * (vf16 ? 2 : 4),
-                                 j0 + 16, imin(j0 + 24, n));
-            if (fixed)
-                fa_tile_gqa<DV8, G, true>(qf + hk * G * D, D, kb + hk * khs + j0 * ks, ks, kf16, vb + hk * vhs + j0 * vs,
-                                          vs, vf16, mraw, slope + hk * G, scale, softcap, acc + hk * G * Dv, M + hk * G,
-                                          S + hk * G);
-            else
-                fa_tile_gqa<DV8, G, false>(qf + hk * G * D, D, kb + hk * khs + j0 * ks, ks, kf16, vb + hk * vhs + j0 * vs,
-                                           vs, vf16, mraw, slope + hk * G, scale, softcap, acc + hk * G * Dv, M + hk * G,
-                                           S + hk * G);
-        }
-    }
+    if (D == DV8 * 8 && kf16 && vf16)
+        fa_chunk_heads_t<DV8, G, true>(qf, D, kb, ks, khs, kf16, vb, vs, vhs, vf16, n, NH, mp, ms_stride, mtype, slope,
+                                       scale, softcap, acc, M, S);
+    else
+        fa_chunk_heads_t<DV8, G, false>(qf, D, kb, ks, khs, kf16, vb, vs, vhs, vf16, n, NH, mp, ms_stride, mtype,
+                                        slope, scale, softcap, acc, M, S);
 }
 
 // fa_chunk_heads for Dv in {32, 64, 128} and G in {1, 2, 3, 4}; false for others
