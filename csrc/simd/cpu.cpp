@@ -96,6 +96,7 @@ const CpuFeatures& cpu_features() {
 }
 
 bool cpu_has_avx512_vnni() { return cpu_features().avx512vnni; }
+bool cpu_is_amd() { return cpu_features().vendor == "AuthenticAMD"; }
 
 const char* level_name(int level) {
     switch (level) {

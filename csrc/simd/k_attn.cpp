@@ -32,13 +32,18 @@ GP_INLINE __m256 hsum_lanes8(const __m256* part) {
 #endif
 
 #if GP_AVX2
-// Prefetch the key and value rows [t0, t1) (kbytes / vbytes each): a decode step reads strided rows of a cache that
-// is cold after the weights' stream, whose latency the hardware prefetcher does not hide. Into L2, not L1: on an AMD
-// EPYC (Zen 3) the L1 prefetch two tiles ahead of 32 heads (64 KB) evicted what was in use and made one decode
-// layer's attention (32 KV heads of 64, 2000 keys, 2 threads) slower than none at all (0.88 ms against 0.69); into
-// L2 0.73. (On the Intel machine the L1 prefetch had taken it from 0.92 to 0.57 ms; L2 not measured there.)
+// Prefetch the key and value rows [t0, t1) (kbytes / vbytes each) into L2: a decode step reads strided rows of a
+// cache that is cold after the weights' stream. On Intel (a Xeon with AVX-512) the hardware prefetcher did not hide
+// their latency: an L1 prefetch of the tile after next took one layer (32 KV heads of 64, 2000 keys, 2 threads)
+// from 0.92 to 0.57 ms (L2 not measured there). On AMD every software prefetch made it slower: on an EPYC (Zen 3),
+// L1 0.88 ms and L2 0.73 against 0.69 without; prefetching to L1, L2, L3 or non-temporally, 2 to 8 tiles ahead, all
+// slower than none; SmolLM2-1.7B-shaped Q4_K_M decode at a 2000-token context, two rounds, attention per step
+// 46.7 / 58.8 -> 30.7 / 30.9 ms at 1 thread (8.0 / 6.5 -> 11.1 / 11.0 tok/s), 28.8 / 21.7 -> 22.0 / 20.5 at 2: none
+// there.
+static const bool kPrefetchKV = !cpu_is_amd();
 GP_INLINE void prefetch_kv_rows(const uint8_t* kb, int64_t ks, int64_t kbytes, const uint8_t* vb, int64_t vs,
                                 int64_t vbytes, int64_t t0, int64_t t1) {
+    if (!kPrefetchKV) return;
     for (int64_t t = t0; t < t1; ++t) {
         for (int64_t o = 0; o < kbytes; o += 64) _mm_prefetch((const char*)(kb + t * ks + o), _MM_HINT_T1);
         for (int64_t o = 0; o < vbytes; o += 64) _mm_prefetch((const char*)(vb + t * vs + o), _MM_HINT_T1);
