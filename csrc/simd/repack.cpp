@@ -1,7 +1,6 @@
 // Interleaved ("x8") layouts of constant Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights for the GEMV
 // kernels and panel ("p16") layouts of constant F32 / F16 / BF16 weights for the GEMM (see common.h), made once per
 // weight and shared by every plan through a cache keyed by the weight's unique id, address and shape.
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #if defined(__linux__)
@@ -209,38 +208,11 @@ static void repack_panels(const Tensor& w, uint8_t* out, int64_t g0, int64_t g1)
     }
 }
 
-// Whether [p, p + n) lies in one shared mapping (MAP_SHARED: a mapped file such as the GGUF, or shared memory), from
-// /proc/self/maps. Dropping such pages from this process (MADV_DONTNEED) loses nothing: they stay in the page cache.
-static bool in_shared_mapping(const uint8_t* p, size_t n) {
-#if defined(__linux__)
-    FILE* f = fopen("/proc/self/maps", "r");
-    if (!f) return false;
-    bool shared = false;
-    unsigned long lo, hi;
-    char perms[8];
-    while (fscanf(f, "%lx-%lx %7s%*[^\n]", &lo, &hi, perms) == 3) {
-        if ((uintptr_t)p >= lo && (uintptr_t)p < hi) {
-            shared = perms[3] == 's' && (uintptr_t)p + n <= hi;
-            break;
-        }
-    }
-    fclose(f);
-    return shared;
-#else
-    (void)p;
-    (void)n;
-    return false;
-#endif
-}
-
-// The original of a weight whose every reader now uses the repacked copy: give its whole pages back to the OS, so
-// peak RSS does not hold both copies. Pages of a shared mapping (the mapped GGUF) are only unmapped from this process
-// (MADV_DONTNEED): they stay in the page cache for the next process that loads the file, and a later read (GET_ROWS of
-// a tied embedding, another backend) maps them again. MADV_PAGEOUT, used for those too until 2026-12-06, also evicted
-// them from the page cache: the next process read about half of SmolLM2's file from disk again (its first plan
-// 0.18 -> 0.29 s). Other memory (a private copy of the weights) gets MADV_PAGEOUT: swapped out if there is swap,
-// else it stays; nothing is lost either way. Linux only; elsewhere, and on older kernels, a no-op.
-static void release_pages(const uint8_t* p, size_t n, bool shared) {
+// The original of a weight whose every reader now uses the repacked copy: give its whole pages back to the OS
+// (MADV_PAGEOUT: clean pages of a mapped file are dropped and re-read from the file if ever touched again, e.g. by
+// GET_ROWS of a tied embedding or another backend; anonymous pages go to swap, or stay). Nothing is lost either way;
+// without this, peak RSS holds both copies. Linux only; elsewhere, and on older kernels, a no-op.
+static void release_pages(const uint8_t* p, size_t n) {
 #if defined(__linux__) && defined(MADV_PAGEOUT)
     static const bool enabled = [] {
         const char* e = getenv("GGML_PY_SIMD_KEEP_ORIGINALS");
@@ -248,11 +220,10 @@ static void release_pages(const uint8_t* p, size_t n, bool shared) {
     }();
     const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     const uintptr_t a = ((uintptr_t)p + page - 1) & ~(page - 1), b = ((uintptr_t)p + n) & ~(page - 1);
-    if (enabled && b > a) madvise((void*)a, b - a, shared ? MADV_DONTNEED : MADV_PAGEOUT);
+    if (enabled && b > a) madvise((void*)a, b - a, MADV_PAGEOUT);
 #else
     (void)p;
     (void)n;
-    (void)shared;
 #endif
 }
 
@@ -280,7 +251,6 @@ std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w, int n
     // output): the plan's threads take them in turn, so a model's first plan (its time to first token) waits on the
     // repacking of its weights n_threads times less.
     const int64_t groups = w.ne[1] / gr, slice = 1024 / gr, nslices = (groups + slice - 1) / slice;
-    const bool shared = in_shared_mapping(w.data, (size_t)groups * gr * (size_t)w.nb[1]);
     std::atomic<int64_t> next{0};
     auto work = [&] {
         for (int64_t k; (k = next.fetch_add(1)) < nslices;) {
@@ -294,7 +264,7 @@ std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w, int n
             else if (w.type == T_Q5_K) repack_q45_K<blk_q5_K>(w, buf->data, g0, g1);
             else if (w.type == T_Q6_K) repack_q6_K(w, buf->data, g0, g1);
             else repack_panels(w, buf->data, g0, g1);
-            release_pages(w.data + g0 * gr * w.nb[1], (size_t)(g1 - g0) * gr * (size_t)w.nb[1], shared);
+            release_pages(w.data + g0 * gr * w.nb[1], (size_t)(g1 - g0) * gr * (size_t)w.nb[1]);
         }
     };
     const int64_t nth = n_threads < nslices ? n_threads : nslices;
