@@ -678,9 +678,12 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
             if (rep <= 4 && one_mask) {
                 // a query row's chunk for a block of consecutive KV heads (all of them once there are enough chunks
                 // to keep the threads busy) tile by tile, heads inner (fa_chunk_heads): units are (chunk, row,
-                // head block), chunk-major, so each thread streams its own range of cache rows
+                // head block), chunk-major, so each thread streams its own range of cache rows. One unit each: nth
+                // already counts several units a thread (Plan::schedule_tasks), and a block of one head loses the
+                // pipelining of its heads (at 4 units a thread, SmolLM2-1.7B's 32 heads at a 16-token context ran one
+                // head a unit: 1.7-1.9 ms of attention a decode step at 2 threads, 1.0 ms with 4 heads a unit)
                 const int64_t rows = Nq * B, per_row = nchmax * rows;
-                const int64_t nhb = imin(Hk, imax(1, (4 * nth + per_row - 1) / per_row)), hper = (Hk + nhb - 1) / nhb;
+                const int64_t nhb = imin(Hk, imax(1, (nth + per_row - 1) / per_row)), hper = (Hk + nhb - 1) / nhb;
                 float* acc = qf + H * D;
                 double* S = (double*)(acc + H * Dv);
                 float* M = (float*)(S + H);
