@@ -205,6 +205,11 @@ static inline int64_t FA_TILE_FLOATS(int64_t d, int64_t dv, int64_t h) {
     return ((single > group ? single : group) + 15) & ~(int64_t)15;
 }
 enum { FA_COPY_MIN_ROWS = 8 };
+// a prefill's rows through the split kernel (GQA): FA_SPLIT_FLOATS, then the row's totals per head (acc, S as a
+// double, M) and its chunks' first tiles
+static inline int64_t FA_ROWS_FLOATS(int64_t d, int64_t dv, int64_t h, int64_t nkv) {
+    return FA_SPLIT_FLOATS(d, dv, h) + h * (dv + 3) + ((nkv + 7) / 8 + FA_CHUNK_TILES - 1) / FA_CHUNK_TILES + 16;
+}
 static inline int64_t FA_COPY_FLOATS(int64_t nkv, int64_t d, int64_t dv) { return nkv * (d + dv); }
 
 // Interleaved weight layout "x8" (GEMV of constant Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights): groups

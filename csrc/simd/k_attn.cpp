@@ -778,6 +778,60 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
     }
     if (phase != n.n_phases - 1) return;  // the split-key phases run only with the vector kernels
     const bool grouped = rep >= 2 && groupable && one_mask;
+    if (groupable && Nq >= FA_COPY_MIN_ROWS && rep >= 2 && rep <= 4 && one_mask && (Dv == 32 || Dv == 64 || Dv == 128)) {
+        // many query rows with GQA (a prefill): each row over all KV heads in place, chunk by chunk, with the decode
+        // path's kernel (fa_chunk_heads, which reads a row's heads side by side and pipelines them), its chunks merged
+        // in order as the split decode path does: the same bits. It ran 2.3x the per-row grouped kernel's MACs a
+        // second (Llama-3.2-1B shape, 128 rows over 512 keys, 1 thread: 7.3 GMAC/s before).
+        const int64_t ntiles = (Nkv + 7) / 8, nchmax = (ntiles + FA_CHUNK_TILES - 1) / FA_CHUNK_TILES;
+        float* qf = ts;
+        float* acc = qf + H * D;
+        double* S = (double*)(acc + H * Dv);
+        float* M = (float*)(S + H);
+        float* slope = M + H;
+        float* acc_t = ts + FA_SPLIT_FLOATS(D, Dv, H);
+        double* S_t = (double*)(acc_t + H * Dv);
+        float* M_t = (float*)(S_t + H);
+        int32_t* starts = (int32_t*)(M_t + H);
+        for (int64_t h = 0; h < H; ++h) slope[h] = alibi_slope_fa(max_bias, h, H);
+        int64_t r0, r1;
+        split_range(Nq * B, ith, nth, &r0, &r1);
+        for (int64_t r = r0; r < r1; ++r) {
+            const int64_t iq = r % Nq, b = r / Nq;
+            const uint8_t* mp = has_mask ? mk.data + iq * mk.nb[1] + (b % mk.ne[3]) * mk.nb[3] : nullptr;
+            int64_t nch = 0;
+            FaChunks chunks;
+            for (int64_t t = 0; t < ntiles; ++t)
+                if (fa_tile_visible(mp, has_mask ? mk.nb[0] : 0, mk.type, 8 * t, Nkv) && chunks.next())
+                    starts[nch++] = (int32_t)t;
+            for (int64_t h = 0; h < H; ++h) {
+                const uint8_t* qp = q.data + iq * q.nb[1] + h * q.nb[2] + b * q.nb[3];
+                for (int64_t i = 0; i < D; ++i) qf[h * D + i] = *(const float*)(qp + i * q.nb[0]);
+                M_t[h] = -INFINITY;
+                S_t[h] = 0.0;
+            }
+            for (int64_t c = 0; c < nch && c < nchmax; ++c) {
+                const int64_t jb = 8 * (int64_t)starts[c], je = c + 1 < nch ? 8 * (int64_t)starts[c + 1] : Nkv;
+                for (int64_t h = 0; h < H; ++h) {
+                    for (int64_t i = 0; i < Dv; ++i) acc[h * Dv + i] = 0.0f;
+                    M[h] = -INFINITY;
+                    S[h] = 0.0;
+                }
+                fa_chunk_group(rep, qf, D, k.data + b * k.nb[3] + jb * k.nb[1], k.nb[1], k.nb[2], k.type == T_F16,
+                               v.data + b * v.nb[3] + jb * v.nb[1], v.nb[1], v.nb[2], v.type == T_F16, je - jb, Hk,
+                               mp ? mp + jb * mk.nb[0] : nullptr, has_mask ? mk.nb[0] : 0, mk.type, slope, scale,
+                               softcap, Dv, acc, M, S);
+                for (int64_t h = 0; h < H; ++h) fa_merge(acc_t + h * Dv, M_t + h, S_t + h, acc + h * Dv, M[h], S[h], Dv);
+            }
+            for (int64_t h = 0; h < H; ++h) {
+                const float inv = S_t[h] == 0.0 ? 0.0f : (float)(1.0 / S_t[h]);
+                uint8_t* op = dst.data + h * dst.nb[1] + iq * dst.nb[2] + b * dst.nb[3];
+                for (int64_t i = 0; i < Dv; ++i)
+                    *(float*)(op + i * dst.nb[0]) = M_t[h] > -INFINITY ? acc_t[h * Dv + i] * inv : 0.0f;
+            }
+        }
+        return;
+    }
     if (groupable && Nq >= FA_COPY_MIN_ROWS) {
         // many query rows (a prefill): units are (KV head, block of query rows), the rows inner; a thread converts
         // its KV head's keys and values to F32 once (FA_COPY_FLOATS), and its rows read them from there: the
