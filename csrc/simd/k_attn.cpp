@@ -778,7 +778,7 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
     }
     if (phase != n.n_phases - 1) return;  // the split-key phases run only with the vector kernels
     const bool grouped = rep >= 2 && groupable && one_mask;
-    if (groupable && Nq >= FA_COPY_MIN_ROWS && rep >= 2 && rep <= 4 && one_mask && (Dv == 32 || Dv == 64 || Dv == 128)) {
+    if (grouped && rep <= 4 && Nq >= FA_COPY_MIN_ROWS && (Dv == 32 || Dv == 64 || Dv == 128)) {
         // many query rows with GQA (a prefill): each row over all KV heads in place, chunk by chunk, with the decode
         // path's kernel (fa_chunk_heads, which reads a row's heads side by side and pipelines them), its chunks merged
         // in order as the split decode path does: the same bits. Twice the MACs a second of the per-row grouped

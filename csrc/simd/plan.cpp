@@ -123,8 +123,8 @@ Scratch node_scratch(const Node& n) {
             const bool copies = a.ne[1] >= FA_COPY_MIN_ROWS;
             s.per_thread = pad64((size_t)(FA_TILE_FLOATS(D, Dv, H) +
                                           (copies ? FA_COPY_FLOATS(n.src[1].ne[1], D, Dv) : 0)) * 4);
-            if (copies && pad64((size_t)FA_ROWS_FLOATS(D, Dv, H, n.src[1].ne[1]) * 4) > s.per_thread)
-                s.per_thread = pad64((size_t)FA_ROWS_FLOATS(D, Dv, H, n.src[1].ne[1]) * 4);
+            if (copies)
+                s.per_thread = std::max(s.per_thread, pad64((size_t)FA_ROWS_FLOATS(D, Dv, H, n.src[1].ne[1]) * 4));
             if (fa_splits_keys(n)) {
                 // every (query row, head, chunk)'s partial result, and in each thread its mask rows' chunk tables,
                 // for as many rows as a split may have whatever the (symbolic) row count
