@@ -82,6 +82,20 @@ GP_INLINE void fa_merge(float* acc, float* M, double* S, const float* acc_c, flo
     *M = Mn;
 }
 
+// h query heads' results over a run of keys (acc[h][Dv] unnormalised, S as a double, M), laid out from p
+struct FaState {
+    float* acc;
+    double* S;
+    float* M;
+    FaState(float* p, int64_t h, int64_t dv) : acc(p), S((double*)(p + h * dv)), M((float*)(S + h)) {}
+    float* end(int64_t h) const { return M + h; }  // the floats after it
+    void clear(int64_t g, int64_t dv) const {  // head g before its first key
+        memset(acc + g * dv, 0, sizeof(float) * dv);
+        M[g] = -INFINITY;
+        S[g] = 0.0;
+    }
+};
+
 // q.k for the 8 keys of a tile (masked keys: 0): two FMA chains over alternate blocks of 8 elements, then the 8
 // horizontal sums. Every kernel computes a key's score this way.
 GP_INLINE __m256 fa_scores8(const float* qf, int64_t D, const uint8_t* const* kr, int64_t kes, bool kf16) {
@@ -135,6 +149,21 @@ GP_INLINE bool fa_tile_visible(const uint8_t* mp, int64_t ms_stride, int mtype, 
     }
     alignas(32) float mraw[8];
     return fa_tile_mask(mp, ms_stride, mtype, j0, nkv, mraw);
+}
+
+// The first tile of each chunk of a mask row (FaChunks' rule) into starts[1..], their count into starts[0]
+GP_INLINE void fa_chunk_starts(const uint8_t* mp, int64_t ms_stride, int mtype, int64_t nkv, int32_t* starts) {
+    int32_t nch = 0;
+    FaChunks chunks;
+    for (int64_t t = 0; t < (nkv + 7) / 8; ++t)
+        if (fa_tile_visible(mp, ms_stride, mtype, 8 * t, nkv) && chunks.next()) starts[1 + nch++] = (int32_t)t;
+    starts[0] = nch;
+}
+
+// Chunk c's keys [*jb, *je): from its first visible tile to the next chunk's (or the end)
+GP_INLINE void fa_chunk_keys(const int32_t* starts, int64_t c, int64_t nkv, int64_t* jb, int64_t* je) {
+    *jb = 8 * (int64_t)starts[1 + c];
+    *je = c + 1 < starts[0] ? 8 * (int64_t)starts[2 + c] : nkv;
 }
 
 // One head's softmax over keys [0, Nkv) (a whole row, or one chunk of it), its result merged into (tot, *M_tot,
@@ -571,6 +600,20 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
     const bool groupable = (D % 8) == 0 && (Dv % 8) == 0 && k.nb[0] == type_size(k.type) &&
                            v.nb[0] == type_size(v.type);
     float* const ts = (float*)ctx.thread_scratch(ith);
+    const int64_t mstride = has_mask ? mk.nb[0] : 0;
+    auto mask_of = [&](int64_t iq, int64_t h, int64_t b) -> const uint8_t* {
+        return has_mask ? mk.data + iq * mk.nb[1] + (h % mk.ne[2]) * mk.nb[2] + (b % mk.ne[3]) * mk.nb[3] : nullptr;
+    };
+    // a head's result normalised into dst (0 where no key was visible: any false)
+    auto out_head = [&](int64_t iq, int64_t h, int64_t b, const float* acc, double S, bool any) {
+        const float inv = S == 0.0 ? 0.0f : (float)(1.0 / S);
+        uint8_t* op = dst.data + h * dst.nb[1] + iq * dst.nb[2] + b * dst.nb[3];
+        for (int64_t i = 0; i < Dv; ++i) *(float*)(op + i * dst.nb[0]) = any ? acc[i] * inv : 0.0f;
+    };
+    auto query_of = [&](int64_t iq, int64_t h, int64_t b, float* qf) {
+        const uint8_t* qp = q.data + iq * q.nb[1] + h * q.nb[2] + b * q.nb[3];
+        for (int64_t i = 0; i < D; ++i) qf[i] = *(const float*)(qp + i * q.nb[0]);
+    };
     auto kv_of = [&](int64_t hk, int64_t b) {
         return FaKV{k.data + hk * k.nb[2] + b * k.nb[3], k.nb[1], k.type == T_F16,
                     v.data + hk * v.nb[2] + b * v.nb[3], v.nb[1], v.type == T_F16};
@@ -581,17 +624,15 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
         float* acc = ts;
         float* qf = acc + ((Dv + 15) & ~15);
         float* kt = qf + ((D + 15) & ~15);  // fa_row's chunk, or one converted value row
-        const uint8_t* qp = q.data + iq * q.nb[1] + h * q.nb[2] + b * q.nb[3];
-        for (int64_t i = 0; i < D; ++i) qf[i] = *(const float*)(qp + i * q.nb[0]);
-        const uint8_t* mp = has_mask ? mk.data + iq * mk.nb[1] + (h % mk.ne[2]) * mk.nb[2] + (b % mk.ne[3]) * mk.nb[3]
-                                     : nullptr;
+        query_of(iq, h, b, qf);
+        const uint8_t* mp = mask_of(iq, h, b);
         const float slope = alibi_slope_fa(max_bias, h, H);
         for (int64_t i = 0; i < Dv; ++i) acc[i] = 0.0f;
         float M = -INFINITY;
         double S = 0.0;
 #if GP_AVX2
         if (vec) {
-            fa_row(qf, D, kv.kb, kv.ks, kv.kf16, kv.vb, kv.vs, kv.vf16, Nkv, mp, has_mask ? mk.nb[0] : 0, mk.type,
+            fa_row(qf, D, kv.kb, kv.ks, kv.kf16, kv.vb, kv.vs, kv.vf16, Nkv, mp, mstride, mk.type,
                    slope, scale, softcap, Dv, kt, acc, &M, &S);
             if (!(M > -INFINITY)) S = 0.0;  // no key: acc was never written
         } else
@@ -624,9 +665,7 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                 for (int64_t i = 0; i < Dv; ++i) acc[i] += w * kt[i];
             }
         }
-        const float inv = S == 0.0 ? 0.0f : (float)(1.0 / S);
-        uint8_t* op = dst.data + h * dst.nb[1] + iq * dst.nb[2] + b * dst.nb[3];
-        for (int64_t i = 0; i < Dv; ++i) *(float*)(op + i * dst.nb[0]) = S == 0.0 ? 0.0f : acc[i] * inv;
+        out_head(iq, h, b, acc, S, S != 0.0);
     };
 
 #if GP_AVX2
@@ -642,10 +681,6 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
         const int64_t heads = Nq * H * B, Hm = has_mask ? mk.ne[2] : 1, mrows = B * Nq * Hm;
         float* parts = (float*)ctx.wdata;
         const bool kf = k.type == T_F16, vf = v.type == T_F16;
-        auto mask_of = [&](int64_t iq, int64_t h, int64_t b) -> const uint8_t* {
-            return has_mask ? mk.data + iq * mk.nb[1] + (h % mk.ne[2]) * mk.nb[2] + (b % mk.ne[3]) * mk.nb[3]
-                            : nullptr;
-        };
         if (phase == 0) {
             // where each mask row's chunks start (its count, then the first tile of each), found by this call for
             // the rows it needs, in its own scratch after the query rows and the chunk buffer
@@ -653,26 +688,13 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
             for (int64_t r = 0; r < mrows; ++r) starts[r * (nchmax + 1)] = -1;
             auto table = [&](int64_t iq, int64_t h, int64_t b) -> const int32_t* {
                 int32_t* tb = starts + ((b * Nq + iq) * Hm + h % Hm) * (nchmax + 1);
-                if (tb[0] < 0) {
-                    const uint8_t* mp = mask_of(iq, h, b);
-                    int32_t nch = 0;
-                    FaChunks chunks;
-                    for (int64_t t = 0; t < ntiles; ++t)
-                        if (fa_tile_visible(mp, has_mask ? mk.nb[0] : 0, mk.type, 8 * t, Nkv) && chunks.next())
-                            tb[1 + nch++] = (int32_t)t;
-                    tb[0] = nch;
-                }
+                if (tb[0] < 0) fa_chunk_starts(mask_of(iq, h, b), mstride, mk.type, Nkv, tb);
                 return tb;
             };
             auto empty = [&](float* pg) {  // a chunk past the row's last: merging it changes nothing
                 pg[Dv] = -INFINITY;
                 const double zero = 0.0;
                 memcpy(pg + Dv + 2, &zero, sizeof(double));
-            };
-            // a chunk's keys: from its first visible tile to the next chunk's (or the end)
-            auto keys = [&](const int32_t* tb, int64_t c, int64_t* jb, int64_t* je) {
-                *jb = 8 * (int64_t)tb[1 + c];
-                *je = c + 1 < tb[0] ? 8 * (int64_t)tb[2 + c] : Nkv;
             };
             float* qf = ts;
             if (rep <= 4 && one_mask) {
@@ -684,10 +706,8 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                 // head a unit: 1.7-1.9 ms of attention a decode step at 2 threads, 1.0 ms with 4 heads a unit)
                 const int64_t rows = Nq * B, per_row = nchmax * rows;
                 const int64_t nhb = imin(Hk, imax(1, (nth + per_row - 1) / per_row)), hper = (Hk + nhb - 1) / nhb;
-                float* acc = qf + H * D;
-                double* S = (double*)(acc + H * Dv);
-                float* M = (float*)(S + H);
-                float* slope = M + H;
+                const FaState st(qf + H * D, H, Dv);
+                float* slope = st.end(H);
                 int64_t u0, u1;
                 split_range(per_row * nhb, ith, nth, &u0, &u1);
                 for (int64_t u = u0; u < u1; ++u) {
@@ -702,25 +722,22 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                         continue;
                     }
                     int64_t jb, je;
-                    keys(tb, c, &jb, &je);
+                    fa_chunk_keys(tb, c, Nkv, &jb, &je);
                     for (int64_t g = 0; g < nq; ++g) {
-                        const uint8_t* qp = q.data + iq * q.nb[1] + (h0 + g) * q.nb[2] + b * q.nb[3];
-                        for (int64_t i = 0; i < D; ++i) qf[g * D + i] = *(const float*)(qp + i * q.nb[0]);
+                        query_of(iq, h0 + g, b, qf + g * D);
                         slope[g] = alibi_slope_fa(max_bias, h0 + g, H);
-                        for (int64_t i = 0; i < Dv; ++i) acc[g * Dv + i] = 0.0f;
-                        M[g] = -INFINITY;
-                        S[g] = 0.0;
+                        st.clear(g, Dv);
                     }
                     const uint8_t* mp = mask_of(iq, h0, b);
                     fa_chunk_group(rep, qf, D, k.data + hk0 * k.nb[2] + b * k.nb[3] + jb * k.nb[1], k.nb[1], k.nb[2],
                                    kf, v.data + hk0 * v.nb[2] + b * v.nb[3] + jb * v.nb[1], v.nb[1], v.nb[2], vf,
-                                   je - jb, nh, mp ? mp + jb * mk.nb[0] : nullptr, has_mask ? mk.nb[0] : 0, mk.type,
-                                   slope, scale, softcap, Dv, acc, M, S);
+                                   je - jb, nh, mp ? mp + jb * mk.nb[0] : nullptr, mstride, mk.type, slope, scale,
+                                   softcap, Dv, st.acc, st.M, st.S);
                     for (int64_t g = 0; g < nq; ++g) {  // each head's chunk merged into its empty part
                         float* pg = p0 + g * nchmax * FA_PART(Dv);
                         empty(pg);
                         double St = 0.0;
-                        fa_merge(pg, pg + Dv, &St, acc + g * Dv, M[g], S[g], Dv);
+                        fa_merge(pg, pg + Dv, &St, st.acc + g * Dv, st.M[g], st.S[g], Dv);
                         memcpy(pg + Dv + 2, &St, sizeof(double));
                     }
                 }
@@ -742,16 +759,14 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                     continue;
                 }
                 int64_t jb, je;
-                keys(tb, c, &jb, &je);
-                const uint8_t* qp = q.data + iq * q.nb[1] + h * q.nb[2] + b * q.nb[3];
-                for (int64_t i = 0; i < D; ++i) qf[i] = *(const float*)(qp + i * q.nb[0]);
+                fa_chunk_keys(tb, c, Nkv, &jb, &je);
+                query_of(iq, h, b, qf);
                 const uint8_t* mp = mask_of(iq, h, b);
                 pg[Dv] = -INFINITY;
                 double S = 0.0;
                 fa_row(qf, D, k.data + hk * k.nb[2] + b * k.nb[3] + jb * k.nb[1], k.nb[1], kf,
                        v.data + hk * v.nb[2] + b * v.nb[3] + jb * v.nb[1], v.nb[1], vf, je - jb,
-                       mp ? mp + jb * mk.nb[0] : nullptr, has_mask ? mk.nb[0] : 0, mk.type,
-                       alibi_slope_fa(max_bias, h, H), scale, softcap, Dv, cbuf, pg, pg + Dv, &S);
+                       mp ? mp + jb * mk.nb[0] : nullptr, mstride, mk.type, alibi_slope_fa(max_bias, h, H), scale, softcap, Dv, cbuf, pg, pg + Dv, &S);
                 memcpy(pg + Dv + 2, &S, sizeof(double));
             }
             return;
@@ -770,9 +785,7 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                 memcpy(&s, pg + Dv + 2, sizeof(double));
                 fa_merge(acc, &M, &S, pg, pg[Dv], s, Dv);
             }
-            const float inv = S == 0.0 ? 0.0f : (float)(1.0 / S);
-            uint8_t* op = dst.data + h * dst.nb[1] + iq * dst.nb[2] + b * dst.nb[3];
-            for (int64_t i = 0; i < Dv; ++i) *(float*)(op + i * dst.nb[0]) = M > -INFINITY ? acc[i] * inv : 0.0f;
+            out_head(iq, h, b, acc, S, M > -INFINITY);
         }
         return;
     }
@@ -783,52 +796,34 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
         // path's kernel (fa_chunk_heads, which reads a row's heads side by side and pipelines them), its chunks merged
         // in order as the split decode path does: the same bits. Twice the MACs a second of the per-row grouped
         // kernel over F32 copies (Llama-3.2-1B shape, 128 rows over 512 keys, 1 thread: 7.3 -> 14.2 GMAC/s).
-        const int64_t ntiles = (Nkv + 7) / 8, nchmax = (ntiles + FA_CHUNK_TILES - 1) / FA_CHUNK_TILES;
         float* qf = ts;
-        float* acc = qf + H * D;
-        double* S = (double*)(acc + H * Dv);
-        float* M = (float*)(S + H);
-        float* slope = M + H;
-        float* acc_t = ts + FA_SPLIT_FLOATS(D, Dv, H);
-        double* S_t = (double*)(acc_t + H * Dv);
-        float* M_t = (float*)(S_t + H);
-        int32_t* starts = (int32_t*)(M_t + H);
+        const FaState st(qf + H * D, H, Dv), tot(ts + FA_SPLIT_FLOATS(D, Dv, H), H, Dv);  // a chunk's, the row's
+        float* slope = st.end(H);
+        int32_t* starts = (int32_t*)tot.end(H);
         for (int64_t h = 0; h < H; ++h) slope[h] = alibi_slope_fa(max_bias, h, H);
         int64_t r0, r1;
         split_range(Nq * B, ith, nth, &r0, &r1);
         for (int64_t r = r0; r < r1; ++r) {
             const int64_t iq = r % Nq, b = r / Nq;
-            const uint8_t* mp = has_mask ? mk.data + iq * mk.nb[1] + (b % mk.ne[3]) * mk.nb[3] : nullptr;
-            int64_t nch = 0;
-            FaChunks chunks;
-            for (int64_t t = 0; t < ntiles; ++t)
-                if (fa_tile_visible(mp, has_mask ? mk.nb[0] : 0, mk.type, 8 * t, Nkv) && chunks.next())
-                    starts[nch++] = (int32_t)t;
+            const uint8_t* mp = mask_of(iq, 0, b);
+            fa_chunk_starts(mp, mstride, mk.type, Nkv, starts);
             for (int64_t h = 0; h < H; ++h) {
-                const uint8_t* qp = q.data + iq * q.nb[1] + h * q.nb[2] + b * q.nb[3];
-                for (int64_t i = 0; i < D; ++i) qf[h * D + i] = *(const float*)(qp + i * q.nb[0]);
-                M_t[h] = -INFINITY;
-                S_t[h] = 0.0;
+                query_of(iq, h, b, qf + h * D);
+                tot.M[h] = -INFINITY;
+                tot.S[h] = 0.0;
             }
-            for (int64_t c = 0; c < nch && c < nchmax; ++c) {
-                const int64_t jb = 8 * (int64_t)starts[c], je = c + 1 < nch ? 8 * (int64_t)starts[c + 1] : Nkv;
-                for (int64_t h = 0; h < H; ++h) {
-                    for (int64_t i = 0; i < Dv; ++i) acc[h * Dv + i] = 0.0f;
-                    M[h] = -INFINITY;
-                    S[h] = 0.0;
-                }
+            for (int64_t c = 0; c < starts[0]; ++c) {
+                int64_t jb, je;
+                fa_chunk_keys(starts, c, Nkv, &jb, &je);
+                for (int64_t h = 0; h < H; ++h) st.clear(h, Dv);
                 fa_chunk_group(rep, qf, D, k.data + b * k.nb[3] + jb * k.nb[1], k.nb[1], k.nb[2], k.type == T_F16,
                                v.data + b * v.nb[3] + jb * v.nb[1], v.nb[1], v.nb[2], v.type == T_F16, je - jb, Hk,
-                               mp ? mp + jb * mk.nb[0] : nullptr, has_mask ? mk.nb[0] : 0, mk.type, slope, scale,
-                               softcap, Dv, acc, M, S);
-                for (int64_t h = 0; h < H; ++h) fa_merge(acc_t + h * Dv, M_t + h, S_t + h, acc + h * Dv, M[h], S[h], Dv);
+                               mp ? mp + jb * mk.nb[0] : nullptr, mstride, mk.type, slope, scale, softcap, Dv, st.acc,
+                               st.M, st.S);
+                for (int64_t h = 0; h < H; ++h)
+                    fa_merge(tot.acc + h * Dv, tot.M + h, tot.S + h, st.acc + h * Dv, st.M[h], st.S[h], Dv);
             }
-            for (int64_t h = 0; h < H; ++h) {
-                const float inv = S_t[h] == 0.0 ? 0.0f : (float)(1.0 / S_t[h]);
-                uint8_t* op = dst.data + h * dst.nb[1] + iq * dst.nb[2] + b * dst.nb[3];
-                for (int64_t i = 0; i < Dv; ++i)
-                    *(float*)(op + i * dst.nb[0]) = M_t[h] > -INFINITY ? acc_t[h * Dv + i] * inv : 0.0f;
-            }
+            for (int64_t h = 0; h < H; ++h) out_head(iq, h, b, tot.acc + h * Dv, tot.S[h], tot.M[h] > -INFINITY);
         }
         return;
     }
