@@ -103,7 +103,7 @@ ASAN_EXPECT_BACKENDS ?= simd
 # test_determinism_ops, test_simd_kernels and test_batch run; test_chat_page (a browser), test_clients (HTTP
 # client libraries), test_lm_eval (lm-eval, with pyarrow and pandas, where the preloaded sanitizer runtime
 # checks nothing of ours) and test_structured (llguidance's Rust masks, 200 constrained requests), driving a server
-# whose native paths test_serve and test_serve_logprobs run; test_rope_scaling_vs_llamacpp, test_moe_vs_llamacpp
+# whose native paths are the model's (test_model, test_batch); test_rope_scaling_vs_llamacpp, test_moe_vs_llamacpp
 # and test_dense_specs_vs_llamacpp, numerics against llama.cpp on tiny families whose kernels (ROPE's factors and
 # YaRN, MUL_MAT_ID of every type) test_simd_conformance and test_determinism_ops run and whose graphs
 # test_architectures, test_batch and test_pipeline run; test_python_backend_runtime (Python backends only);
@@ -113,8 +113,10 @@ ASAN_EXPECT_BACKENDS ?= simd
 # test_quants_vs_llamacpp and test_rope_bias_vs_llamacpp, bytes and numerics against llama.cpp (the C quantizers
 # and ROPE are test_simd_kernels' and test_simd_conformance's); test_embeddings, test_prefix_cache,
 # test_serve_logprobs, test_eos and test_bench_smoke, the engine, server and bench commands over the model graphs
-# test_model, test_batch and test_serve run; test_schema and test_llamacpp_venv (code generation and the side venv,
+# test_model and test_batch run; test_schema and test_llamacpp_venv (code generation and the side venv,
 # no native code). These last nine took 401 of the 1117 s the files ran under ASan on 2026-12-06 (two at a time).
+# test_serve too (113 s there): HTTP and the engine in Python over BatchDecoder's steps, which test_batch runs
+# (and test_concurrency and the TSan run across threads). Tests marked python_only are deselected in the other files.
 ASAN_SKIP ?= tests/test_gguf.py tests/test_gguf_fuzz.py tests/test_quants.py tests/test_sampling.py \
 	tests/test_sampling_vs_llamacpp.py tests/test_tokenizer.py tests/test_docs_walkthrough.py tests/test_quantize_cmd.py \
 	tests/test_gemma3.py tests/test_vs_llamacpp.py tests/test_cluster.py tests/test_serve_limits.py \
@@ -124,10 +126,10 @@ ASAN_SKIP ?= tests/test_gguf.py tests/test_gguf_fuzz.py tests/test_quants.py tes
 	tests/test_python_backend_runtime.py tests/test_new_backend.py tests/test_perplexity.py \
 	tests/test_quants_vs_llamacpp.py tests/test_rope_bias_vs_llamacpp.py tests/test_embeddings.py \
 	tests/test_prefix_cache.py tests/test_serve_logprobs.py tests/test_eos.py tests/test_bench_smoke.py \
-	tests/test_schema.py tests/test_llamacpp_venv.py
+	tests/test_schema.py tests/test_llamacpp_venv.py tests/test_serve.py
 # the longest first, so that the jobs end together
-ASAN_FIRST := tests/test_native_plugin.py tests/test_hostile_inputs.py tests/test_architectures.py tests/test_serve.py \
-	tests/test_determinism_ops.py tests/test_model.py
+ASAN_FIRST := tests/test_determinism_ops.py tests/test_architectures.py tests/test_native_plugin.py \
+	tests/test_simd_conformance.py tests/test_model.py tests/test_conformance.py tests/test_device_plugin.py
 ASAN_TESTS ?= $(ASAN_FIRST) $(filter-out $(ASAN_FIRST) $(ASAN_SKIP),$(sort $(wildcard tests/test_*.py)))
 test-asan: models $(LLAMACPP_PEER)
 	rm -f $(INSTALL_STAMP)

@@ -145,8 +145,10 @@ def run_file(log_dir: str, path: str, quiet: bool = False) -> int:
         os.makedirs(os.path.dirname(prefix), exist_ok=True)
         for old in glob.glob(glob.escape(prefix) + ".*"):
             os.remove(old)
-        # RSS tests are meaningless under ASan's allocator (freed memory stays in quarantine): LSan checks leaks here
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not rss", path]
+        # RSS tests are meaningless under ASan's allocator (freed memory stays in quarantine): LSan checks leaks here;
+        # python_only tests reach no native path that the others leave out
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m",
+               "not rss and not python_only", path]
         env = sanitizer_env(prefix)
         t0 = time.monotonic()
         if quiet:

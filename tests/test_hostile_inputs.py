@@ -133,6 +133,7 @@ def test_templates_still_render() -> None:
     assert len(render_chat_template("{{ messages[0].content }}", [{"role": "user", "content": big}])) == len(big)
 
 
+@pytest.mark.python_only
 def test_template_bomb_from_the_cli(tiny_bytes: bytes, tmp_path: Path) -> None:
     p = _edit(tiny_bytes, tmp_path / "bomb.gguf",
               tokenizer__chat_template=(C.T_STRING, C.enc_string("{{ 'x' * 10**10 }}")))
@@ -205,6 +206,7 @@ def _tok_meta(path: Path) -> dict:
         return dict(g.metadata)
 
 
+@pytest.mark.python_only
 @pytest.mark.parametrize("key,vtype,payload,match", [
     ("tokenizer.ggml.tokens", C.T_ARRAY, C.enc_array(C.T_UINT32, list(range(300))), "array of strings"),
     ("tokenizer.ggml.tokens", C.T_UINT32, struct.pack("<I", 5), "array of strings"),
@@ -239,6 +241,7 @@ def test_tokenizer_keys_of_the_wrong_type(tiny_bytes: bytes, tmp_path: Path, key
         assert code == 1 and match.split()[0] in _one_error_line(err)
 
 
+@pytest.mark.python_only
 @pytest.mark.parametrize("key,vtype,payload,match", [
     ("llama.rope.scaling.factor", C.T_ARRAY, C.enc_array(C.T_FLOAT32, [2.0, 2.0]), "rope scaling factor"),
     ("llama.rope.scaling.factor", C.T_FLOAT32, struct.pack("<f", math.nan), "rope scaling factor"),
@@ -269,6 +272,7 @@ def test_per_layer_arrays_that_agree_still_load(tiny_bytes: bytes, tmp_path: Pat
 
 
 # -- row 5: bytes that are not UTF-8 ---------------------------------------------------------------------------------
+@pytest.mark.python_only
 def test_invalid_utf8_text_is_replaced_as_llama_cpp_does(tiny_bytes: bytes, tmp_path: Path) -> None:
     p = tmp_path / "tiny.gguf"
     p.write_bytes(tiny_bytes)
@@ -438,6 +442,7 @@ def test_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
 
 
 # -- row 15: eval --out ----------------------------------------------------------------------------------------------
+@pytest.mark.python_only
 def test_eval_out_names_the_file_it_writes(tiny_bytes: bytes, tmp_path: Path) -> None:
     p = tmp_path / "tiny.gguf"
     p.write_bytes(tiny_bytes)
@@ -516,6 +521,7 @@ def test_odd_numbers_are_refused(tiny_bytes: bytes, tmp_path: Path) -> None:
             m.detokenize([1.5])
 
 
+@pytest.mark.python_only
 def test_info_json_never_prints_bare_nan(tiny_bytes: bytes, tmp_path: Path) -> None:
     p = _edit(tiny_bytes, tmp_path / "nan.gguf", general__name=(C.T_FLOAT32, struct.pack("<f", math.nan)),
               test__nans=(C.T_ARRAY, C.enc_array(C.T_FLOAT64, [math.inf, 1.5])))
