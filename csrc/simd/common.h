@@ -206,7 +206,7 @@ static inline int64_t FA_TILE_FLOATS(int64_t d, int64_t dv, int64_t h) {
 }
 enum { FA_COPY_MIN_ROWS = 8 };
 // a prefill's rows through the split kernel (GQA): FA_SPLIT_FLOATS, then the row's totals per head (acc, S as a
-// double, M) and its chunks' first tiles
+// double, M) and its chunk table (fa_chunk_starts: the count, then each chunk's first tile)
 static inline int64_t FA_ROWS_FLOATS(int64_t d, int64_t dv, int64_t h, int64_t nkv) {
     return FA_SPLIT_FLOATS(d, dv, h) + h * (dv + 3) + ((nkv + 7) / 8 + FA_CHUNK_TILES - 1) / FA_CHUNK_TILES + 16;
 }

@@ -766,7 +766,8 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                 double S = 0.0;
                 fa_row(qf, D, k.data + hk * k.nb[2] + b * k.nb[3] + jb * k.nb[1], k.nb[1], kf,
                        v.data + hk * v.nb[2] + b * v.nb[3] + jb * v.nb[1], v.nb[1], vf, je - jb,
-                       mp ? mp + jb * mk.nb[0] : nullptr, mstride, mk.type, alibi_slope_fa(max_bias, h, H), scale, softcap, Dv, cbuf, pg, pg + Dv, &S);
+                       mp ? mp + jb * mk.nb[0] : nullptr, mstride, mk.type, alibi_slope_fa(max_bias, h, H), scale,
+                       softcap, Dv, cbuf, pg, pg + Dv, &S);
                 memcpy(pg + Dv + 2, &S, sizeof(double));
             }
             return;
