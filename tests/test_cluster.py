@@ -19,7 +19,7 @@ from test_pipeline import N_BATCH, N_CTX, N_SEQ, SHAPES, _script
 
 from ggml_py import load_model
 from ggml_py.cluster import ClusterError, start_pipeline
-from ggml_py.cluster.pipeline import connect, local_ray_env
+from ggml_py.cluster.pipeline import _alive_nodes, connect, local_ray_env
 from ggml_py.models.batch import BatchDecoder
 from ggml_py.serving.engine import Engine, GenParams
 
@@ -41,8 +41,6 @@ def cluster():
     connect(c.address)
     # every node and this driver on loopback (local_ray_env above): no traffic leaves 127.0.0.1
     assert c.address.startswith("127.0.0.1:") and {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
-    from ggml_py.cluster.pipeline import _alive_nodes
-
     assert _alive_nodes(ray)[0]["NodeID"] == c.head_node.node_id  # stage 0 goes to the head (the coordinator's)
     try:
         yield c
@@ -55,13 +53,16 @@ def _pipeline(m, n_stages: int, **kw):
     return start_pipeline(m, N_CTX, N_SEQ, N_BATCH, n_stages=n_stages, backends="simd", n_threads=1, **kw)
 
 
-@pytest.mark.parametrize("arch,compiled", [("llama", False), ("gemma3", False), ("llama", True)])
-def test_two_and_three_nodes_equal_one_process(cluster, arch, compiled, tmp_path):
+# gemma3 and the compiled graph on three nodes only: a stage between two others, every hop kind (the compiled graph
+# on two is test_bench_cluster_runs')
+@pytest.mark.parametrize("arch,compiled,stage_counts", [("llama", False, (2, 3)), ("gemma3", False, (3,)),
+                                                        ("llama", True, (3,))])
+def test_two_and_three_nodes_equal_one_process(cluster, arch, compiled, stage_counts, tmp_path):
     path = write_tiny(tmp_path / f"{arch}.gguf", arch, seed=4, n_layer=3, **SHAPES.get(arch, {}))
     with load_model(path, backends=["simd"], n_ctx=N_CTX, progress=False) as m:
         with BatchDecoder(m, n_ctx=N_CTX, n_seq_max=N_SEQ, n_batch=N_BATCH) as dec:
             whole = _script(dec, np.random.default_rng(0))
-        for n_stages in (2, 3):
+        for n_stages in stage_counts:
             pipe = _pipeline(m, n_stages, compiled=compiled)
             try:
                 infos = pipe.info()
@@ -392,9 +393,10 @@ def test_the_server_answers_503_naming_a_lost_stage(cluster):
         srv.stop()
 
 
-def test_bench_cluster_runs(tmp_path):
-    """`ggml-py bench cluster --quick` (its own Ray cluster on 127.0.0.1): the figures are reported, each stage
-    prepared one plan, the pipeline gives one process's greedy tokens, the bytes per boundary stay in bounds."""
+def test_bench_cluster_runs(cluster, tmp_path):
+    """`ggml-py bench cluster --quick --cluster ADDRESS` on this module's cluster (the command's own local cluster is
+    the same few lines as the fixture's): the figures are reported, each stage prepared one plan, the pipeline gives
+    one process's greedy tokens, the bytes per boundary stay in bounds; the cluster is left running."""
     import json
     import shutil
     import subprocess
@@ -403,8 +405,8 @@ def test_bench_cluster_runs(tmp_path):
 
     path = write_tiny(tmp_path / "b.gguf", "llama", seed=2, n_layer=2)
     exe = shutil.which("ggml-py", path=str(Path(sys.executable).parent))
-    r = subprocess.run([exe, "bench", "cluster", "-m", path, "--stages", "2", "--quick", "--json"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run([exe, "bench", "cluster", "-m", path, "--stages", "2", "--quick", "--json",
+                        "--cluster", cluster.address], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert out["plans_prepared"] == out["plans_prepared_compiled"] == [1, 1] and out["same_tokens"]
@@ -414,3 +416,4 @@ def test_bench_cluster_runs(tmp_path):
     assert all(x > 0 for way in ("compiled", "calls") for x in out["ms_per_token"][way]
                + out["stage_compute_ms_per_token"][way])
     assert 0 < out["ray_alone_ms_per_hop"] <= out["ray_alone_ms_per_hop_median"]
+    assert len(_alive_nodes(ray)) == 3

@@ -21,6 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="reuse, model, matrix, ttft, serve, chat, cluster, write-model, or one a backend "
                    "provides (ops)")
     p.add_argument("--stages", type=int, default=None, help="cluster: pipeline stages, one per local Ray node")
+    p.add_argument("--cluster", default=None, metavar="ADDRESS",
+                   help="cluster: a running Ray cluster's address (as `serve --cluster`) instead of a new one on "
+                        "127.0.0.1")
     p.add_argument("--stage-memory", default=None, dest="stage_memory",
                    help="cluster: the memory of each node and the most each stage may hold (e.g. 600M, 1.5G)")
     p.add_argument("--requests", type=int, default=None,
@@ -104,7 +107,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise GgmlPyError(f"--streams must be comma-separated integers, got {args.streams!r}") from None
         if not opts["concurrency"] or min(opts["concurrency"]) < 1:
             raise GgmlPyError(f"--streams must be positive integers, got {args.streams!r}")
-    for name in ("shape", "type_name", "output", "seed"):
+    for name in ("shape", "type_name", "output", "seed", "cluster"):
         if getattr(args, name) is not None:
             opts[name] = getattr(args, name)
     if args.force:

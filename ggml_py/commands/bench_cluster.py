@@ -1,12 +1,13 @@
 """`ggml-py bench cluster`: what a pipeline on a Ray cluster costs per token over the stages' own compute.
 
-It starts a Ray cluster on 127.0.0.1 (a head and `stages - 1` worker nodes, each its own raylet), puts the model's
-blocks on them as pipeline stages, and decodes `n_gen` tokens of one sequence, alternating rounds with the same
-steps in one process. The same stages run twice: their step as a Ray compiled graph, and as plain actor calls. Per
-step it reports the wall time at the coordinator, the sum of the stages' compute (as the stages time their own
-plans), the difference per hop (stage boundaries plus the way in and out), the bytes per token that crossed each
-boundary, and the plans each stage prepared; and beside them, round by round, what Ray alone costs a hop for steps
-as long as the stages' (actors that only spin), the floor under the pipeline's figure.
+It starts a Ray cluster on 127.0.0.1 (a head and `stages - 1` worker nodes, each its own raylet), or joins the one
+`cluster` names, puts the model's blocks on its nodes as pipeline stages, and decodes `n_gen` tokens of one
+sequence, alternating rounds with the same steps in one process. The same stages run twice: their step as a Ray
+compiled graph, and as plain actor calls. Per step it reports the wall time at the coordinator, the sum of the
+stages' compute (as the stages time their own plans), the difference per hop (stage boundaries plus the way in and
+out), the bytes per token that crossed each boundary, and the plans each stage prepared; and beside them, round by
+round, what Ray alone costs a hop for steps as long as the stages' (actors that only spin), the floor under the
+pipeline's figure.
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ class Spinner:
 
 def run(model: str | None = None, stages: int = 2, n_gen: int = 64, rounds: int = 3, threads: int = 1,
         backend: str | None = None, quick: bool = False, stage_memory: int | None = None, requests: int = 100,
-        **_: Any) -> dict[str, Any]:
-    """`stage_memory`: bytes each node has (Ray's memory resource) and each stage may hold (start_pipeline's
-    memory_limit). `requests`: served at the end by an engine on the compiled pipeline (4 at a time), to count the
-    plans and graphs prepared over a run of many requests."""
+        cluster: str | None = None, **_: Any) -> dict[str, Any]:
+    """`stage_memory`: bytes each node has (Ray's memory resource, on the local cluster) and each stage may hold
+    (start_pipeline's memory_limit). `requests`: served at the end by an engine on the compiled pipeline (4 at a
+    time), to count the plans and graphs prepared over a run of many requests. `cluster`: a running cluster's
+    address (connect()'s rules: token authentication beyond this machine), left running afterwards."""
     from ggml_py.cluster import start_pipeline
     from ggml_py.cluster.pipeline import connect, local_ray_env
 
@@ -60,12 +62,13 @@ def run(model: str | None = None, stages: int = 2, n_gen: int = 64, rounds: int 
         n_gen, rounds, requests = 4, 1, 4
     n_ctx, n_batch, n_par = 256, 32, 4
     node = {"num_cpus": 1, **({"memory": stage_memory} if stage_memory else {})}
-    c = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    c = None if cluster else Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
     ray: Any = None
     try:
-        for _ in range(stages - 1):
-            c.add_node(**node)
-        ray = connect(c.address)
+        if c is not None:
+            for _ in range(stages - 1):
+                c.add_node(**node)
+        ray = connect(cluster if c is None else c.address)
         m = load_model(model, backends=backend, n_threads=threads, n_ctx=n_ctx, progress=False)
         try:
             # the same stages twice: steps as a compiled graph, and as plain actor calls
@@ -193,7 +196,8 @@ def run(model: str | None = None, stages: int = 2, n_gen: int = 64, rounds: int 
     finally:
         if ray is not None:
             ray.shutdown()
-        c.shutdown()
+        if c is not None:
+            c.shutdown()
 
 
 def report(r: dict[str, Any]) -> str:
