@@ -87,7 +87,7 @@ lint: $(VENV)/bin/activate
 
 # The SIMD extension built with AddressSanitizer + UndefinedBehaviorSanitizer, the test files that reach native code
 # (ASAN_TESTS, or PYTEST_ARGS's files) run under it with LeakSanitizer: tests/lsan_check.py runs pytest on each file in
-# a process of its own, SAN_JOBS files at a time, logs to build/asan/<file>.<attempt>/log.<pid>, and fails on any
+# a process of its own (or on "a.py+b.py" in one), SAN_JOBS at a time, logs to build/asan/<file>.<attempt>/log.<pid>, and fails on any
 # sanitizer error report and on any leak allocated by our native code (CPython's own exit-time leaks are expected and
 # counted, not failed). The C plugins the tests build are instrumented too (GGML_PY_SANITIZE).
 SAN_JOBS ?= 2

@@ -182,7 +182,9 @@ def measure(runs: int = 100, max_tokens: int = 24, threads: int = 1, seed: int =
                                 "failed": failed[:3], "restarts": len(pipe.restarts),
                                 "actor_start_s": _spread([r["start_s"] for r in pipe.restarts]),
                                 "generation_stall_s": _spread(stalls),
-                                "plans_prepared_per_stage": [i["plans_prepared"] for i in infos]}
+                                "plans_prepared_per_stage": [i["plans_prepared"] for i in infos],
+                                # a stage started again after a run's last step has not stepped (nor prepared) yet
+                                "steps_per_stage": [i["steps"] for i in infos]}
         out["no_fault_generation_s"] = round(t_gen, 3)
     finally:
         model.close()

@@ -5,12 +5,13 @@ CPython frees few of its objects at exit, so a run of the suite under LSan alway
 interpreter's, not ours. A leak is attributed to the first frame of its allocation stack past the allocator itself
 (malloc/new interceptors, libstdc++): if that frame is in one of our native modules it is ours.
 
-Each test file runs in a process of its own (`make test-asan`): LeakSanitizer's exit-time check suspends every thread
-with ptrace, and in a long, large process it can fail by itself ("LeakSanitizer has encountered a fatal error"; seen
-once in CI after all tests had passed). Such a failure of the tool, not a finding, is retried twice, and fails the run
-if it persists. Its known deterministic cause, LSan misreading glibc's dynamic TLS blocks of dlopen'd modules (the
-tracer segfaults; google/sanitizers#1322, hit in CI by a CLI child process), is avoided with
-`intercept_tls_get_addr=0`: LSan then does not scan dynamic TLS, where our code keeps no pointers.
+Each test file runs in a process of its own (`make test-asan`; short files a few together, ASAN_GROUPED):
+LeakSanitizer's exit-time check suspends every thread with ptrace, and in a long, large process it can fail by itself
+("LeakSanitizer has encountered a fatal error"; seen once in CI after all tests had passed). Such a failure of the
+tool, not a finding, is retried twice, and fails the run if it persists. Its known deterministic cause, LSan
+misreading glibc's dynamic TLS blocks of dlopen'd modules (the tracer segfaults; google/sanitizers#1322, hit in CI by
+a CLI child process), is avoided with `intercept_tls_get_addr=0`: LSan then does not scan dynamic TLS, where our code
+keeps no pointers.
 
     python tests/lsan_check.py run build/asan tests/test_model.py ...   # pytest per file under the sanitizers
     python tests/lsan_check.py run --jobs 2 build/asan tests/test_*.py  # two files at a time

@@ -244,7 +244,10 @@ def test_fault_runs_on_smollm2(cluster):
     assert no["hung_runs"] == 0 and no["requests_with_a_wrong_or_unnamed_error"] == 0
     assert no["runs_killed_mid_generation"] >= 1 and no["kill_to_error_s"]["max"] < 1.0
     assert yes["hung_runs"] == 0 and not yes["failed"] and yes["runs_same_tokens"] == 3
-    assert yes["restarts"] == 3 and yes["plans_prepared_per_stage"] == [1, 1]
+    # one plan per stage that has stepped: a kill after a run's last step is recovered at once, by an actor that
+    # has not stepped (nor prepared) yet when the figures are read
+    assert yes["restarts"] == 3 and 1 in yes["plans_prepared_per_stage"]
+    assert yes["plans_prepared_per_stage"] == [int(n > 0) for n in yes["steps_per_stage"]], yes
 
 
 def test_restarts_are_bounded(cluster, tmp_path):
