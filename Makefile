@@ -87,9 +87,9 @@ lint: $(VENV)/bin/activate
 
 # The SIMD extension built with AddressSanitizer + UndefinedBehaviorSanitizer, the test files that reach native code
 # (ASAN_TESTS, or PYTEST_ARGS's files) run under it with LeakSanitizer: tests/lsan_check.py runs pytest on each file in
-# a process of its own (or on "a.py+b.py" in one), SAN_JOBS at a time, logs to build/asan/<file>.<attempt>/log.<pid>, and fails on any
-# sanitizer error report and on any leak allocated by our native code (CPython's own exit-time leaks are expected and
-# counted, not failed). The C plugins the tests build are instrumented too (GGML_PY_SANITIZE).
+# a process of its own (or on "a.py+b.py" in one), SAN_JOBS at a time, logs to build/asan/<file>.<attempt>/log.<pid>,
+# and fails on any sanitizer error report and on any leak allocated by our native code (CPython's own exit-time leaks
+# are expected and counted, not failed). The C plugins the tests build are instrumented too (GGML_PY_SANITIZE).
 SAN_JOBS ?= 2
 # the normal build reinstalled after a sanitizer run (CI, which ends there, sets SAN_KEEP=1 to skip it)
 SAN_KEEP ?=
@@ -161,7 +161,8 @@ TSAN_TESTS ?= tests/test_interrupt.py tests/test_concurrency.py \
 	tests/test_native_plugin.py::test_cancel_from_another_thread \
 	tests/test_native_plugin.py::test_plans_sharing_a_backend_across_threads \
 	tests/test_native_plugin.py::test_ctrl_c_stops_a_long_native_compute_at_once \
-	tests/test_simd_kernels.py::test_many_nodes_one_call_threads tests/test_simd_kernels.py::test_compute_from_threads_serialises \
+	tests/test_simd_kernels.py::test_many_nodes_one_call_threads \
+	tests/test_simd_kernels.py::test_compute_from_threads_serialises \
 	tests/test_simd_conformance.py::test_conformance_kit_one_thread_and_three
 test-tsan: models $(LLAMACPP_PEER)
 	rm -f $(INSTALL_STAMP)
