@@ -662,8 +662,10 @@ def low_bit_extreme_blocks(rng: np.random.Generator) -> np.ndarray:
     return np.stack(blocks).astype(np.float32)
 
 
-@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"])
-def test_low_bit_k_quantize_extremes_match_scalar_reference(rng, name):
+# Q4_K / Q5_K reach NaN levels on these blocks, which the scalar reference cannot convert to int; their extremes are
+# checked against llama.cpp's own quantizer (tests/test_quants_vs_llamacpp.py's huge row)
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
+def test_k_quantize_extremes_match_scalar_reference(rng, name):
     x = np.concatenate([low_bit_extreme_blocks(rng), sample_data(rng, 22, 256)])
     with np.errstate(all="ignore"):  # the scalar reference overflows where C does
         ref = reference_k(x, name)

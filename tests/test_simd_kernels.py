@@ -22,7 +22,8 @@ import gguf.quants as gq  # noqa: E402
 from ggml_py_simd import _simd  # noqa: E402
 from simd_abi import OPS, Arena, Plan, PlanError, validate  # noqa: E402
 
-from ggml_py.ir import schema  # noqa: E402
+from ggml_py.formats import quants  # noqa: E402
+from ggml_py.ir import dtypes, ops, schema  # noqa: E402
 from ggml_py.runtime import native  # noqa: E402
 
 LEVELS = _simd.levels()
@@ -814,15 +815,36 @@ def test_set_rows(level, arena, t, it, rng):
         assert not Dst[1].any()
 
 
-@pytest.mark.parametrize("dt", [F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1])
+def test_quantizer_types_are_the_schemas_cpy_destinations():
+    """The C++ list of types CPY, SET_ROWS and _simd.quantize write (common.h, type_is_cpy_dst) is
+    ggml_py.ir.ops.CPY_DST_TYPES: _simd.quantize takes exactly its quantized types."""
+    took = []
+    for t in dtypes.ALL:
+        if not t.is_quantized:
+            continue
+        x = np.zeros(t.block_size * 2, np.float32)
+        try:
+            _simd.quantize(t.ggml_id, x)
+            took.append(t.name)
+        except ValueError:
+            pass
+    assert sorted(took) == sorted(t.name for t in ops.CPY_DST_TYPES if t.is_quantized)
+
+
+@pytest.mark.parametrize("dt", [F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, *K_QUANTS])
 def test_cpy_convert(level, arena, dt, rng):
-    x = rng.standard_normal((6, 4, 64)).astype(np.float32)
+    cols = QBLOCK[dt][0] * 2 if dt in QBLOCK else 64
+    x = rng.standard_normal((6, 4, cols)).astype(np.float32)
     x[0, 0, :5] = [0.0, -0.0, 65519.0, 1e-6, -7e-8]
+    x[1, 0, :16] = 0.0  # a K-quant's sub-block of zeros
+    x[2, 1] *= 1e-20
     X = arena.put(x)
     if dt in QBLOCK:
-        D = arena.empty((6, 4, 64 // 32 * QBLOCK[dt][1]), np.uint8)
-        run(arena, "CPY", desc(arena, D, dt, ne0=64), [desc(arena, X)], level=level)
-        assert np.array_equal(D.reshape(-1), quantize(x, dt).reshape(-1))
+        D = arena.empty((6, 4, 2 * QBLOCK[dt][1]), np.uint8)
+        run(arena, "CPY", desc(arena, D, dt, ne0=cols), [desc(arena, X)], level=level)
+        # gguf cannot quantize the K-quants: ours, which equal llama.cpp's (tests/test_quants_vs_llamacpp.py)
+        ref = quants.quantize(x, dtypes.from_ggml_id(dt)) if dt in K_QUANTS else quantize(x, dt)
+        assert np.array_equal(D.reshape(-1), ref.reshape(-1))
     elif dt == BF16:
         D = arena.empty(x.shape, np.uint16)
         d = desc(arena, D.view(np.float16))
@@ -933,7 +955,7 @@ def test_validation_rejects_bad_plans(arena):
 @pytest.mark.parametrize("t", [Q2_K, Q3_K, IQ4_NL, IQ4_XS])
 def test_validation_read_only_types_only_as_weights(arena, t):
     """Q2_K/Q3_K/IQ4_NL/IQ4_XS are accepted where the kernels read them (MUL_MAT weights, GET_ROWS sources) and
-    refused elsewhere."""
+    refused elsewhere, except that Q2_K and Q3_K, which have a quantizer here, are CPY and SET_ROWS destinations."""
     K = 256
     W = arena.put(random_k_blocks((4, K), t))
     wd = desc(arena, W, t, ne0=K)
@@ -945,9 +967,13 @@ def test_validation_read_only_types_only_as_weights(arena, t):
         assert validate(node) == ""
         Plan([node], arena.ranges)
     qd = desc(arena, arena.empty((2, QBLOCK[t][1]), np.uint8), t, ne0=K)
+    into = [(OPS["CPY"], qd, [desc(arena, X)]), (OPS["SET_ROWS"], wd, [desc(arena, X), desc(arena, Ix)])]
+    if t in K_QUANTS:  # quantizing into the type
+        for node in into:
+            assert validate(node) == ""
+            Plan([node], arena.ranges)
     refused = [
-        (OPS["CPY"], qd, [desc(arena, X)]),  # quantizing into the type
-        (OPS["SET_ROWS"], wd, [desc(arena, X), desc(arena, Ix)]),
+        *(into if t in IQ4 else []),
         (OPS["CPY"], desc(arena, arena.empty((4, K), np.float32)), [wd]),  # a quantized CPY source
         (OPS["CONCAT"], desc(arena, arena.empty((6, QBLOCK[t][1]), np.uint8), t, ne0=K), [wd, qd], [1]),
         (OPS["ADD"], desc(arena, arena.empty((4, K), np.float32)), [wd, wd]),

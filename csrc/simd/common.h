@@ -75,6 +75,12 @@ static inline int type_size(int t) {
 }
 static inline bool type_is_quant(int t) { return type_block(t) > 1; }
 static inline int64_t row_bytes(int t, int64_t n) { return n / type_block(t) * type_size(t); }
+// The types CPY and SET_ROWS write (ggml_py.ir.ops.CPY_DST_TYPES): float storage, and the quantized types with one
+// of ggml's reference quantizers here (k_quantize.cpp, k_quantize_k.cpp).
+static inline bool type_is_cpy_dst(int t) {
+    return t == T_F32 || t == T_F16 || t == T_BF16 || t == T_Q8_0 || t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 ||
+           t == T_Q5_1 || t == T_Q2_K || t == T_Q3_K || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
+}
 
 // Op ids, names, parameter slots and op lists are the ABI's (generated from ggml_py's op schema). This backend never
 // lists the ops of a family by hand: switches take their case labels from the header's X-macro lists,

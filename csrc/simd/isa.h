@@ -304,6 +304,7 @@ void k_pad(Node&, int, int, int, const ExecCtx&);
 void dequantize_row(int type, const void* src, float* dst, int64_t n);
 // k_quantize.cpp
 void quantize_row_ref(int type, const float* src, void* dst, int64_t n);
+void quantize_row_k_ref(int type, const float* src, void* dst, int64_t n);  // Q2_K..Q6_K (k_quantize_k.cpp)
 void convert_row_from_f32(int type, const float* src, void* dst, int64_t n);  // F32/F16/BF16/quant dst
 void quantize_a32(const float* x, uint8_t* row, int64_t k);
 void quantize_a256(const float* x, uint8_t* row, int64_t k);

@@ -98,7 +98,7 @@ void quantize_row_ref(int type, const float* src, void* dst, int64_t n) {
         case T_Q4_1: q_q45<blk_q4_1, 4, true>(src, (blk_q4_1*)dst, n / 32); return;
         case T_Q5_0: q_q45<blk_q5_0, 5, false>(src, (blk_q5_0*)dst, n / 32); return;
         case T_Q5_1: q_q45<blk_q5_1, 5, true>(src, (blk_q5_1*)dst, n / 32); return;
-        default: return;
+        default: quantize_row_k_ref(type, src, dst, n); return;
     }
 }
 

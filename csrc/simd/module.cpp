@@ -177,8 +177,9 @@ PYBIND11_MODULE(_simd, m) {
             const int64_t n = (int64_t)x.size();
             const int bs = type_block(type);
             if (bs <= 1 || n % bs) throw py::value_error("bad type or element count");
-            if (!(type == T_Q8_0 || type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1))
-                throw py::value_error("quantization is implemented for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1");
+            if (!type_is_cpy_dst(type))
+                throw py::value_error("quantization is implemented for the quantized types CPY writes "
+                                      "(ggml_py.ir.ops.CPY_DST_TYPES)");
             py::array_t<uint8_t> out(row_bytes(type, n));
             level_table(level_arg(level))->quantize_row(type, x.data(), out.mutable_data(), n);
             return out;

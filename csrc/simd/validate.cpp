@@ -32,9 +32,6 @@ static bool is_weight_type(int t) {
     return is_float_storage(t) || t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0 ||
            t == T_Q2_K || t == T_Q3_K || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K || t == T_IQ4_NL || t == T_IQ4_XS;
 }
-static bool is_cpy_dst(int t) {
-    return is_float_storage(t) || t == T_Q8_0 || t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1;
-}
 
 std::string validate_node(const Node& n) {
     const char* op = (n.op > 0 && n.op < GGML_PY_OP_COUNT) ? op_name(n.op) : "?";
@@ -83,7 +80,7 @@ std::string validate_node(const Node& n) {
             return "";
         case GGML_PY_OP_SET_ROWS:
             if (!need(2)) return fail("needs 2 sources (rows, indices)");
-            if (!is_cpy_dst(d.type)) return fail("unsupported destination type");
+            if (!type_is_cpy_dst(d.type)) return fail("unsupported destination type");
             if (!f32(a)) return fail("rows must be F32");
             if (b.type != T_I32 && b.type != T_I64) return fail("indices must be I32/I64");
             if (a.ne[0] != d.ne[0] || b.ne[0] != a.ne[1] || a.ne[2] != d.ne[2] || a.ne[3] != d.ne[3] || b.ne[3] != 1)
@@ -192,7 +189,7 @@ std::string validate_node(const Node& n) {
         case GGML_PY_OP_CPY: case GGML_PY_OP_CONT:
             if (!need(1)) return fail("needs a source");
             if (!(is_float_storage(a.type) || a.type == T_I32)) return fail("unsupported source type");
-            if (!is_cpy_dst(d.type) && d.type != T_I32) return fail("unsupported destination type");
+            if (!type_is_cpy_dst(d.type) && d.type != T_I32) return fail("unsupported destination type");
             if ((a.type == T_I32) != (d.type == T_I32)) return fail("I32 copies only to I32");
             if (type_is_quant(d.type) && a.type != T_F32 && a.type != T_F16) return fail("only F32/F16 can be quantized");
             if (nelements(a) != nelements(d)) return fail("element counts differ");

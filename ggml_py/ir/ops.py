@@ -21,7 +21,7 @@ ROPE_NEOX = 2
 
 # Types a CPY may write (besides F32/F16/BF16, F32 may be quantized on the way).
 CPY_DST_TYPES: tuple[DType, ...] = (F32, F16, dtypes.BF16, dtypes.Q8_0, dtypes.Q4_0, dtypes.Q4_1, dtypes.Q5_0,
-                                    dtypes.Q5_1)
+                                    dtypes.Q5_1, dtypes.Q2_K, dtypes.Q3_K, dtypes.Q4_K, dtypes.Q5_K, dtypes.Q6_K)
 
 
 def _fail(op: str, msg: str, *ts: Tensor) -> ShapeError:

@@ -65,6 +65,9 @@ SOFT_MAX_MAX_NMSE = schema.OPS["SOFT_MAX"].max_nmse
 # Converting F32 values to a narrower type (see the module docstring for why these values).
 CONVERT_MAX_NMSE: dict[str, float] = {
     "F32": 0.0, "F16": 1e-7, "BF16": 1e-6, "Q8_0": 5e-6, "Q5_0": 2.5e-4, "Q5_1": 2.5e-4, "Q4_0": 1e-3, "Q4_1": 1e-3,
+    # round trips measured on uniform(-1, 1) rows of 256: Q6_K 1.75e-4, Q5_K 7.6e-4, Q4_K 3.0e-3, Q3_K 1.6e-2,
+    # Q2_K 5.4e-2
+    "Q6_K": 5e-5, "Q5_K": 2e-4, "Q4_K": 7.5e-4, "Q3_K": 4e-3, "Q2_K": 1.5e-2,
 }  # fmt: skip
 
 WEIGHT_TYPES: tuple[DType, ...] = (

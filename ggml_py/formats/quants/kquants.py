@@ -383,14 +383,19 @@ def q_q6_k(x: np.ndarray) -> np.ndarray:
     n = x.shape[0]
     levels, scales = by_sub_block16(x, make_qx, 32)
 
-    imax = np.abs(scales).argmax(axis=1)[:, None]
+    # C keeps the first scale of strictly largest |scale| above 0: a NaN scale (x**3 overflowing float32 for
+    # |x| > ~1e19) never wins, and a block whose scales are all NaN or ~0 is written as zeros
+    ascale = np.abs(scales)
+    ascale = np.where(np.isnan(ascale), f(0), ascale)
+    imax = ascale.argmax(axis=1)[:, None]
     max_scale = np.take_along_axis(scales, imax, axis=1)
-    zero_block = np.abs(max_scale) < GROUP_MAX_EPS
+    zero_block = np.take_along_axis(ascale, imax, axis=1) < GROUP_MAX_EPS
     iscale = f(-128) / max_scale
     d16 = (f(1) / iscale).astype(np.float16)
-    sc = np.clip(nearest_even(iscale * scales), -128, 127).astype(np.int8)
+    # nearest_int's bits where a scale or d is inf or NaN (C computes on: such a block's levels come out as 32)
+    sc = np.minimum(nearest_int_bits(iscale * scales), 127).astype(np.int8)
     d = (d16.astype(np.float32) * sc.astype(np.float32))[:, :, None]
-    requant = np.clip(nearest_even(x.reshape(n, 16, 16) / d), -32, 31) + f(32)
+    requant = np.clip(nearest_int_bits(x.reshape(n, 16, 16) / d), -32, 31) + 32
     levels = np.where(d == 0, levels, requant).astype(np.uint8).reshape(n, 2, 4, 32)
 
     ql = pack_nibbles(levels[:, :, 0:2], levels[:, :, 2:4]).reshape(n, 128)
