@@ -85,6 +85,81 @@ static float make_qkx2(int n, int nmax, const float* x, const float* w, uint8_t*
     return scale;
 }
 
+#if GP_AVX2
+// make_qkx2 for 8 sub-blocks of 32 at once, sub-block j in lane j: every lane runs the scalar code's operations in
+// its order (sequential sums over the elements, the same divisions, nearest_int's bits, blends where C branches), so
+// the results are the same bits (k_quantize_k's tests compare both, and llama.cpp's, at every level). x[i], w[i]:
+// element i of the 8 sub-blocks; L[i]: its level per lane.
+GP_INLINE __m256i nearest_int8(__m256 v) {
+    const __m256i t = _mm256_castps_si256(_mm256_add_ps(v, _mm256_set1_ps(12582912.f)));
+    return _mm256_sub_epi32(_mm256_and_si256(t, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x00400000));
+}
+static void make_qkx2_x8(const __m256* x, const __m256* w, int nmax, float rmin, float rdelta, int nstep,
+                         __m256i* L, __m256* scale_out, __m256* the_min_out) {
+    constexpr int n = 32;
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256i top = _mm256_set1_epi32(nmax), izero = _mm256_setzero_si256();
+    __m256 min = x[0], max = x[0], sum_w = w[0], sum_x = _mm256_mul_ps(w[0], x[0]);
+    for (int i = 1; i < n; ++i) {
+        min = _mm256_min_ps(x[i], min);  // (x < min) ? x : min, as C's `if (x < min) min = x`, NaN included
+        max = _mm256_max_ps(x[i], max);
+        sum_w = _mm256_add_ps(sum_w, w[i]);
+        sum_x = _mm256_add_ps(sum_x, _mm256_mul_ps(w[i], x[i]));
+    }
+    min = _mm256_blendv_ps(min, zero, _mm256_cmp_ps(min, zero, _CMP_GT_OQ));
+    const __m256 flat = _mm256_cmp_ps(max, min, _CMP_EQ_OQ);
+    const __m256 min0 = min;
+    const __m256 range = _mm256_sub_ps(max, min);
+    __m256 iscale = _mm256_div_ps(_mm256_set1_ps((float)nmax), range);
+    __m256 scale = _mm256_div_ps(_mm256_set1_ps(1.f), iscale);
+    __m256 best = zero;
+    for (int i = 0; i < n; ++i) {
+        L[i] = _mm256_max_epi32(_mm256_min_epi32(nearest_int8(_mm256_mul_ps(iscale, _mm256_sub_ps(x[i], min))), top),
+                                izero);
+        __m256 diff = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(L[i])), min), x[i]);
+        best = _mm256_add_ps(best, _mm256_mul_ps(w[i], _mm256_mul_ps(diff, diff)));
+    }
+    __m256i Laux[n];
+    for (int is = 0; is <= nstep; ++is) {
+        // C's float expression, then per lane over max - min (min moves in the lanes where a step won)
+        iscale = _mm256_div_ps(_mm256_set1_ps(rmin + rdelta * is + nmax), _mm256_sub_ps(max, min));
+        __m256 sum_l = zero, sum_l2 = zero, sum_xl = zero;
+        for (int i = 0; i < n; ++i) {
+            Laux[i] = _mm256_max_epi32(
+                _mm256_min_epi32(nearest_int8(_mm256_mul_ps(iscale, _mm256_sub_ps(x[i], min))), top), izero);
+            const __m256 wl = _mm256_mul_ps(w[i], _mm256_cvtepi32_ps(Laux[i]));
+            sum_l = _mm256_add_ps(sum_l, wl);
+            sum_l2 = _mm256_add_ps(sum_l2, _mm256_mul_ps(wl, _mm256_cvtepi32_ps(Laux[i])));
+            sum_xl = _mm256_add_ps(sum_xl, _mm256_mul_ps(wl, x[i]));
+        }
+        const __m256 D = _mm256_sub_ps(_mm256_mul_ps(sum_w, sum_l2), _mm256_mul_ps(sum_l, sum_l));
+        __m256 this_scale = _mm256_div_ps(_mm256_sub_ps(_mm256_mul_ps(sum_w, sum_xl), _mm256_mul_ps(sum_x, sum_l)), D);
+        __m256 this_min = _mm256_div_ps(_mm256_sub_ps(_mm256_mul_ps(sum_l2, sum_x), _mm256_mul_ps(sum_l, sum_xl)), D);
+        const __m256 pos = _mm256_cmp_ps(this_min, zero, _CMP_GT_OQ);
+        this_min = _mm256_blendv_ps(this_min, zero, pos);
+        this_scale = _mm256_blendv_ps(this_scale, _mm256_div_ps(sum_xl, sum_l2), pos);
+        __m256 err = zero;
+        for (int i = 0; i < n; ++i) {
+            __m256 diff = _mm256_sub_ps(
+                _mm256_add_ps(_mm256_mul_ps(this_scale, _mm256_cvtepi32_ps(Laux[i])), this_min), x[i]);
+            err = _mm256_add_ps(err, _mm256_mul_ps(w[i], _mm256_mul_ps(diff, diff)));
+        }
+        const __m256 better = _mm256_and_ps(_mm256_cmp_ps(D, zero, _CMP_GT_OQ), _mm256_cmp_ps(err, best, _CMP_LT_OQ));
+        if (_mm256_movemask_ps(better) == 0) continue;
+        const __m256i bi = _mm256_castps_si256(better);
+        for (int i = 0; i < n; ++i) L[i] = _mm256_blendv_epi8(L[i], Laux[i], bi);
+        best = _mm256_blendv_ps(best, err, better);
+        scale = _mm256_blendv_ps(scale, this_scale, better);
+        min = _mm256_blendv_ps(min, this_min, better);
+    }
+    // flat sub-blocks: levels 0, scale 0, the minimum as clamped
+    const __m256i fi = _mm256_castps_si256(flat);
+    for (int i = 0; i < n; ++i) L[i] = _mm256_andnot_si256(fi, L[i]);
+    *scale_out = _mm256_blendv_ps(scale, zero, flat);
+    *the_min_out = _mm256_xor_ps(_mm256_blendv_ps(min, min0, flat), _mm256_set1_ps(-0.0f));  // -min, as C
+}
+#endif
+
 // The value of largest magnitude, sign kept (the first of equals), and that magnitude.
 static inline float signed_absmax(int n, const float* x, float* amax_out) {
     float max = 0, amax = 0;
@@ -101,7 +176,7 @@ static inline float signed_absmax(int n, const float* x, float* amax_out) {
 
 // make_qx_quants with rmse_type 1 and no importance weights: symmetric levels -nmax..nmax-1 (stored + nmax),
 // weights x^2, the scale searched over 19 trials.
-static float make_qx(int n, int nmax, const float* x, int8_t* L) {
+[[maybe_unused]] static float make_qx(int n, int nmax, const float* x, int8_t* L) {  // the scalar level's
     float amax;
     const float max = signed_absmax(n, x, &amax);
     if (amax < GROUP_MAX_EPS) {
@@ -137,6 +212,57 @@ static float make_qx(int n, int nmax, const float* x, int8_t* L) {
     }
     return scale;
 }
+
+#if GP_AVX2
+// make_qx for 8 sub-blocks of 16 at once, sub-block j in lane j, each lane in the scalar code's order (as
+// make_qkx2_x8). x[i]: element i of the 8 sub-blocks; L[i] gets its level + nmax per lane.
+static __m256 make_qx_x8(const __m256* x, int nmax, __m256i* L) {
+    constexpr int n = 16;
+    const __m256 zero = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
+    const __m256i lo = _mm256_set1_epi32(-nmax), hi = _mm256_set1_epi32(nmax - 1), off = _mm256_set1_epi32(nmax);
+    __m256 max = zero, amax = zero, w[n], wx[n];
+    for (int i = 0; i < n; ++i) {
+        const __m256 ax = _mm256_andnot_ps(sign, x[i]);
+        const __m256 gt = _mm256_cmp_ps(ax, amax, _CMP_GT_OQ);
+        amax = _mm256_blendv_ps(amax, ax, gt);
+        max = _mm256_blendv_ps(max, x[i], gt);
+        w[i] = _mm256_mul_ps(x[i], x[i]);
+        wx[i] = _mm256_mul_ps(w[i], x[i]);
+    }
+    const __m256 is_zero = _mm256_cmp_ps(amax, _mm256_set1_ps(GROUP_MAX_EPS), _CMP_LT_OQ);
+    auto trial = [&](__m256 iscale, __m256i* lv, __m256* sumlx, __m256* suml2) {
+        __m256 slx = zero, sl2 = zero;
+        for (int i = 0; i < n; ++i) {
+            lv[i] = _mm256_max_epi32(_mm256_min_epi32(nearest_int8(_mm256_mul_ps(iscale, x[i])), hi), lo);
+            const __m256 l = _mm256_cvtepi32_ps(lv[i]);
+            slx = _mm256_add_ps(slx, _mm256_mul_ps(wx[i], l));
+            sl2 = _mm256_add_ps(sl2, _mm256_mul_ps(_mm256_mul_ps(w[i], l), l));
+        }
+        *sumlx = slx;
+        *suml2 = sl2;
+    };
+    __m256 sumlx, suml2;
+    trial(_mm256_div_ps(_mm256_set1_ps((float)-nmax), max), L, &sumlx, &suml2);
+    __m256 scale = _mm256_blendv_ps(zero, _mm256_div_ps(sumlx, suml2), _mm256_cmp_ps(suml2, zero, _CMP_NEQ_UQ));
+    __m256 best = _mm256_mul_ps(scale, sumlx);
+    __m256i lv[n];
+    for (int is = -9; is <= 9; ++is) {
+        if (is == 0) continue;
+        trial(_mm256_div_ps(_mm256_set1_ps(-(nmax + 0.1f * is)), max), lv, &sumlx, &suml2);
+        const __m256 better = _mm256_and_ps(_mm256_cmp_ps(suml2, zero, _CMP_GT_OQ),
+                                            _mm256_cmp_ps(_mm256_mul_ps(sumlx, sumlx), _mm256_mul_ps(best, suml2),
+                                                          _CMP_GT_OQ));
+        if (_mm256_movemask_ps(better) == 0) continue;
+        const __m256i bi = _mm256_castps_si256(better);
+        for (int i = 0; i < n; ++i) L[i] = _mm256_blendv_epi8(L[i], lv[i], bi);
+        scale = _mm256_blendv_ps(scale, _mm256_div_ps(sumlx, suml2), better);
+        best = _mm256_blendv_ps(best, _mm256_mul_ps(scale, sumlx), better);
+    }
+    const __m256i zi = _mm256_castps_si256(is_zero);
+    for (int i = 0; i < n; ++i) L[i] = _mm256_andnot_si256(zi, _mm256_add_epi32(L[i], off));
+    return _mm256_blendv_ps(scale, zero, is_zero);
+}
+#endif
 
 // make_q3_quants with do_rmse: symmetric levels -nmax..nmax-1 (stored + nmax) refined element by element, each
 // accepted change feeding the next decision, up to 5 passes.
@@ -274,9 +400,37 @@ static void q_q3_K(const float* x, blk_q3_K* y, int64_t nb) {
 template <class B, int NMAX>
 static void q_q45_K(const float* x, B* y, int64_t nb, float rmin, int nstep) {
     uint8_t L[QK];
-    float w[32], mins[8], scales[8];
+    float mins[8], scales[8];
     for (int64_t i = 0; i < nb; ++i, x += QK) {
         float max_scale = 0, max_min = 0;
+#if GP_AVX2
+        {  // the 8 sub-blocks in the 8 lanes
+            const __m256i idx = _mm256_setr_epi32(0, 32, 64, 96, 128, 160, 192, 224);
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            __m256 xv[32], wv[32], sv, mv;
+            __m256i lv[32];
+            __m256 sum_x2 = _mm256_setzero_ps();
+            for (int l = 0; l < 32; ++l) {
+                xv[l] = _mm256_i32gather_ps(x + l, idx, 4);
+                sum_x2 = _mm256_add_ps(sum_x2, _mm256_mul_ps(xv[l], xv[l]));
+            }
+            const __m256 av_x = _mm256_sqrt_ps(_mm256_div_ps(sum_x2, _mm256_set1_ps(32.f)));
+            for (int l = 0; l < 32; ++l) wv[l] = _mm256_add_ps(av_x, _mm256_andnot_ps(sign, xv[l]));
+            make_qkx2_x8(xv, wv, NMAX, rmin, 0.1f, nstep, lv, &sv, &mv);
+            _mm256_storeu_ps(scales, sv);
+            _mm256_storeu_ps(mins, mv);
+            alignas(32) int32_t lanes[8];
+            for (int l = 0; l < 32; ++l) {
+                _mm256_store_si256((__m256i*)lanes, lv[l]);
+                for (int j = 0; j < 8; ++j) L[32 * j + l] = (uint8_t)lanes[j];
+            }
+            for (int j = 0; j < 8; ++j) {
+                if (scales[j] > max_scale) max_scale = scales[j];
+                if (mins[j] > max_min) max_min = mins[j];
+            }
+        }
+#else
+        float w[32];
         for (int j = 0; j < 8; ++j) {
             float sum_x2 = 0;
             for (int l = 0; l < 32; ++l) sum_x2 += x[32 * j + l] * x[32 * j + l];
@@ -286,6 +440,7 @@ static void q_q45_K(const float* x, B* y, int64_t nb, float rmin, int nstep) {
             if (scales[j] > max_scale) max_scale = scales[j];
             if (mins[j] > max_min) max_min = mins[j];
         }
+#endif
         const float inv_scale = max_scale > 0 ? 63.f / max_scale : 0.f;
         const float inv_min = max_min > 0 ? 63.f / max_min : 0.f;
         uint8_t* s = y[i].scales;
@@ -332,8 +487,23 @@ static void q_q6_K(const float* x, blk_q6_K* y, int64_t nb) {
     float scales[16];
     for (int64_t i = 0; i < nb; ++i, x += QK) {
         float max_scale = 0, max_abs_scale = 0;
+#if GP_AVX2
+        for (int g = 0; g < 2; ++g) {  // sub-blocks 8g .. 8g + 7 in the 8 lanes
+            const __m256i idx = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
+            __m256 xv[16];
+            __m256i lv[16];
+            for (int l = 0; l < 16; ++l) xv[l] = _mm256_i32gather_ps(x + 128 * g + l, idx, 4);
+            _mm256_storeu_ps(scales + 8 * g, make_qx_x8(xv, 32, lv));
+            alignas(32) int32_t lanes[8];
+            for (int l = 0; l < 16; ++l) {
+                _mm256_store_si256((__m256i*)lanes, lv[l]);
+                for (int j = 0; j < 8; ++j) L[128 * g + 16 * j + l] = (int8_t)lanes[j];
+            }
+        }
+#else
+        for (int j = 0; j < 16; ++j) scales[j] = make_qx(16, 32, x + 16 * j, L + 16 * j);
+#endif
         for (int j = 0; j < 16; ++j) {
-            scales[j] = make_qx(16, 32, x + 16 * j, L + 16 * j);
             const float a = fabsf(scales[j]);
             if (a > max_abs_scale) {
                 max_abs_scale = a;
