@@ -56,3 +56,16 @@ def test_a_venv_from_another_wheel_is_not_ready(monkeypatch, tmp_path):
     assert llamacpp_venv.is_ready(str(venv))
     monkeypatch.setattr(llamacpp_venv, "WHEELS", llamacpp_venv.WHEELS + "-other")
     assert not llamacpp_venv.is_ready(str(venv))
+
+
+def test_the_kept_wheel_is_named_after_the_cpu(tmp_path):
+    """The wheel is built with -march=native: its directory carries a hash of the CPU's flags, so a cache moved to a
+    CPU with other features (AVX-512 or not) builds anew, and the flags' order does not matter."""
+    def tag(flags: str) -> str:
+        path = tmp_path / "cpuinfo"
+        path.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        return llamacpp_venv.cpu_tag(str(path))
+
+    zen3 = "fpu sse sse2 avx avx2 fma f16c"
+    assert tag(zen3) == tag("avx2 fma fpu sse sse2 avx f16c") != tag(zen3 + " avx512f avx512bw avx512vl")
+    assert llamacpp_venv.WHEELS.endswith("-" + llamacpp_venv.cpu_tag())

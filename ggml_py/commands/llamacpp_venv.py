@@ -3,8 +3,9 @@
 pip builds llama.cpp from source for this CPU (3-8 minutes on 2 cores), less the multimodal library, which nothing
 here uses (-25% build time), and less AMX: on a KVM machine whose CPU reports AMX, llama.cpp 0.3.36's AMX matrix
 product faulted at its first tile instruction (SIGSEGV in ggml_backend_amx_mul_mat, 2026-12-05). The wheel is kept
-in a directory named after the version and the flags, not left to pip's cache, whose key ignores CMAKE_ARGS (a wheel
-built there with other flags would be reused), and is installed over whatever build the venv held.
+in a directory named after the version, the flags and the CPU's features (a native build may not run on another
+CPU), not left to pip's cache, whose key ignores CMAKE_ARGS (a wheel built there with other flags would be reused),
+and is installed over whatever build the venv held.
 
 Standard library only: `make llamacpp-venv` runs this file with the system python before ggml_py is installed
 (`python ggml_py/commands/llamacpp_venv.py VENV`).
@@ -12,7 +13,9 @@ Standard library only: `make llamacpp-venv` runs this file with the system pytho
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import subprocess
 import sys
 from collections.abc import Callable
@@ -20,8 +23,22 @@ from collections.abc import Callable
 VERSION = "0.3.36"
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # explicit -mno-* win over -march=native in any order
 CMAKE_ARGS = f"-DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS='{NO_AMX}' -DCMAKE_CXX_FLAGS='{NO_AMX}'"
+
+
+def cpu_tag(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """A short hash of the machine and its CPU's feature flags: the wheel is built with -march=native, and one built
+    where AVX-512 exists would fault on a machine without it, so a cache that moves to another CPU builds anew."""
+    flags = platform.machine() + " "
+    try:
+        with open(cpuinfo) as f:
+            flags += next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:10]
+
+
 WHEELS = os.path.join(os.path.expanduser("~"), ".cache", "ggml_py", "wheels",
-                      f"llama-cpp-python-{VERSION}-native-noamx")
+                      f"llama-cpp-python-{VERSION}-native-noamx-{cpu_tag()}")
 MARKER = ".ggml_py-llamacpp"  # in the venv: the wheel directory its llama-cpp-python came from
 
 
