@@ -103,7 +103,8 @@ SAN_EXPECT_BACKENDS ?= simd
 # allocator serves every malloc) and reach no native code; test_cluster, whose Ray worker processes would load the
 # instrumented extension without the sanitizer runtime (the stages' native code is test_pipeline's, which stays);
 # test_quantize_cmd and test_write_model, whose numpy quantizers (IQ4, and quants.py as the C conversions' reference)
-# take minutes there (the C conversions and the model they run are test_simd_kernels' and test_model's); test_vs_llamacpp and test_gemma3, numerics
+# take minutes there (the C conversions and the model they run are test_simd_kernels' and test_model's);
+# test_vs_llamacpp and test_gemma3, numerics
 # against llama.cpp on models whose kernels and graph paths (every weight type, sliding windows, TOP_K over
 # long rows) test_simd_kernels, test_simd_conformance and test_architectures run; test_determinism, two real models
 # decoded 20 ways (533 s there), whose kernel paths (every attention path, split keys, products of 1-300 rows)
