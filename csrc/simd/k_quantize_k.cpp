@@ -88,7 +88,7 @@ static float make_qkx2(int n, int nmax, const float* x, const float* w, uint8_t*
 #if GP_AVX2
 // make_qkx2 for 8 sub-blocks of 32 at once, sub-block j in lane j: every lane runs the scalar code's operations in
 // its order (sequential sums over the elements, the same divisions, nearest_int's bits, blends where C branches), so
-// the results are the same bits (k_quantize_k's tests compare both, and llama.cpp's, at every level). x[i], w[i]:
+// the results are the same bits (tests/test_quants_vs_llamacpp.py compares every level with llama.cpp). x[i], w[i]:
 // element i of the 8 sub-blocks; L[i]: its level per lane.
 GP_INLINE __m256i nearest_int8(__m256 v) {
     const __m256i t = _mm256_castps_si256(_mm256_add_ps(v, _mm256_set1_ps(12582912.f)));
