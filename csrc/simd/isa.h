@@ -76,6 +76,21 @@ GP_INLINE float fp16_to_fp32(uint16_t h) {
 #endif
 }
 
+// The first of n values with the largest magnitude, sign kept, and that magnitude (0, 0 if all are 0 or NaN):
+// the scale source of ggml's symmetric quantizers (Q4_0, Q5_0, make_qx_quants, make_q3_quants).
+GP_INLINE float signed_absmax(int n, const float* x, float* amax_out) {
+    float max = 0.0f, amax = 0.0f;
+    for (int i = 0; i < n; ++i) {
+        const float ax = fabsf(x[i]);
+        if (ax > amax) {
+            amax = ax;
+            max = x[i];
+        }
+    }
+    *amax_out = amax;
+    return max;
+}
+
 // Round to nearest even, overflow to inf, NaN kept (quiet).
 GP_INLINE uint16_t fp32_to_fp16(float f) {
 #if GP_AVX2

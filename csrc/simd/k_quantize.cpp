@@ -9,16 +9,6 @@ namespace GP_NS {
 // ===============================================================================================================
 // ggml's reference quantization (bit-exact with ggml-quants.c / gguf.quants; compiled with -ffp-contract=off)
 
-// The first of the 32 values with the largest magnitude, sign kept (Q4_0 / Q5_0 scale from it).
-static float signed_absmax32(const float* x) {
-    float amax = 0.0f, max = 0.0f;
-    for (int j = 0; j < 32; ++j)
-        if (amax < fabsf(x[j])) {
-            amax = fabsf(x[j]);
-            max = x[j];
-        }
-    return max;
-}
 
 // Smallest and largest of 32 values (Q4_1 / Q5_1).
 static void min_max32(const float* x, float* min, float* max) {
@@ -70,7 +60,8 @@ static void q_q45(const float* x, B* y, int64_t nb) {
             d = (max - min) / (float)((1 << Bits) - 1);
             y[i].m = fp32_to_fp16(min);
         } else {
-            d = signed_absmax32(xb) / -(float)(1 << (Bits - 1));
+            float amax;
+            d = signed_absmax(32, xb, &amax) / -(float)(1 << (Bits - 1));  // Q4_0 / Q5_0's scale
         }
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         y[i].d = fp32_to_fp16(d);

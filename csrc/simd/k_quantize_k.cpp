@@ -160,20 +160,6 @@ static void make_qkx2_x8(const __m256* x, const __m256* w, int nmax, float rmin,
 }
 #endif
 
-// The value of largest magnitude, sign kept (the first of equals), and that magnitude.
-static inline float signed_absmax(int n, const float* x, float* amax_out) {
-    float max = 0, amax = 0;
-    for (int i = 0; i < n; ++i) {
-        const float ax = fabsf(x[i]);
-        if (ax > amax) {
-            amax = ax;
-            max = x[i];
-        }
-    }
-    *amax_out = amax;
-    return max;
-}
-
 // make_qx_quants with rmse_type 1 and no importance weights: symmetric levels -nmax..nmax-1 (stored + nmax),
 // weights x^2, the scale searched over 19 trials.
 [[maybe_unused]] static float make_qx(int n, int nmax, const float* x, int8_t* L) {  // the scalar level's
@@ -402,7 +388,6 @@ static void q_q45_K(const float* x, B* y, int64_t nb, float rmin, int nstep) {
     uint8_t L[QK];
     float mins[8], scales[8];
     for (int64_t i = 0; i < nb; ++i, x += QK) {
-        float max_scale = 0, max_min = 0;
 #if GP_AVX2
         {  // the 8 sub-blocks in the 8 lanes
             const __m256i idx = _mm256_setr_epi32(0, 32, 64, 96, 128, 160, 192, 224);
@@ -424,10 +409,6 @@ static void q_q45_K(const float* x, B* y, int64_t nb, float rmin, int nstep) {
                 _mm256_store_si256((__m256i*)lanes, lv[l]);
                 for (int j = 0; j < 8; ++j) L[32 * j + l] = (uint8_t)lanes[j];
             }
-            for (int j = 0; j < 8; ++j) {
-                if (scales[j] > max_scale) max_scale = scales[j];
-                if (mins[j] > max_min) max_min = mins[j];
-            }
         }
 #else
         float w[32];
@@ -437,10 +418,13 @@ static void q_q45_K(const float* x, B* y, int64_t nb, float rmin, int nstep) {
             const float av_x = sqrtf(sum_x2 / 32);
             for (int l = 0; l < 32; ++l) w[l] = av_x + fabsf(x[32 * j + l]);
             scales[j] = make_qkx2(32, NMAX, x + 32 * j, w, L + 32 * j, &mins[j], rmin, 0.1f, nstep, false);
+        }
+#endif
+        float max_scale = 0, max_min = 0;
+        for (int j = 0; j < 8; ++j) {
             if (scales[j] > max_scale) max_scale = scales[j];
             if (mins[j] > max_min) max_min = mins[j];
         }
-#endif
         const float inv_scale = max_scale > 0 ? 63.f / max_scale : 0.f;
         const float inv_min = max_min > 0 ? 63.f / max_min : 0.f;
         uint8_t* s = y[i].scales;
@@ -460,12 +444,12 @@ static void q_q45_K(const float* x, B* y, int64_t nb, float rmin, int nstep) {
         }
         y[i].d = fp32_to_fp16(max_scale / 63.f);
         y[i].dmin = fp32_to_fp16(max_min / 63.f);
+        uint8_t sm[16];
+        unpack_k_scales(s, sm);  // the scales and mins as stored
         for (int j = 0; j < 8; ++j) {
-            const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-            const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-            const float d = fp16_to_fp32(y[i].d) * sc;
+            const float d = fp16_to_fp32(y[i].d) * sm[j];
             if (!d) continue;  // keeps make_qkx2's levels
-            const float dm = fp16_to_fp32(y[i].dmin) * m;
+            const float dm = fp16_to_fp32(y[i].dmin) * sm[8 + j];
             for (int l = 0; l < 32; ++l)
                 L[32 * j + l] = (uint8_t)clampi(nearest_int((x[32 * j + l] + dm) / d), 0, NMAX);
         }
