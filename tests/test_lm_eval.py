@@ -103,6 +103,22 @@ def _loglikelihood(model, context: list[int], continuation: list[int]) -> tuple[
     return float(logp[rows, targets].sum()), bool((logp[rows].argmax(axis=1) == targets).all())
 
 
+def _against_the_model(model, run: dict, sample: dict) -> list[tuple[float, float, bool]]:
+    """Each of a sample's choices: its log-likelihood in process, the distance of lm-eval's from it, and whether
+    their greedy flags agree; the ids lm-eval sent checked to be the model's tokenization."""
+    out = []
+    for pair, resp in zip(_pairs(sample), sample["resps"]):
+        context = model.tokenize(pair["context"], add_special=False)
+        whole = model.tokenize(pair["whole"], add_special=False)
+        # the ids lm-eval sent: the server's tokenization, which is the model's
+        assert run["served_ids"][pair["context"]] == context and run["served_ids"][pair["whole"]] == whole
+        assert whole[:len(context)] == context and len(whole) > len(context)
+        ll, greedy = _loglikelihood(model, context, whole[len(context):])
+        theirs, their_greedy = resp[0]  # lm-eval logs (logprob, is_greedy), as strings
+        out.append((ll, abs(float(theirs) - ll), str(their_greedy) == str(greedy)))
+    return out
+
+
 def test_lm_eval_loglikelihoods_and_accuracy_equal_the_models(run):
     assert "Using remote tokenizer" in run["log"] and run["results"]["config"]["batch_size"] in (4, "4")
     samples = run["samples"]
@@ -112,16 +128,9 @@ def test_lm_eval_loglikelihoods_and_accuracy_equal_the_models(run):
     with load_model(default_model_path(), n_ctx=256, progress=False) as m:
         for s in samples:
             lls = []
-            for pair, resp in zip(_pairs(s), s["resps"]):
-                context = m.tokenize(pair["context"], add_special=False)
-                whole = m.tokenize(pair["whole"], add_special=False)
-                # the ids lm-eval sent: the server's tokenization, which is the model's
-                assert run["served_ids"][pair["context"]] == context and run["served_ids"][pair["whole"]] == whole
-                assert whole[:len(context)] == context and len(whole) > len(context)
-                ll, greedy = _loglikelihood(m, context, whole[len(context):])
-                theirs, their_greedy = resp[0]  # lm-eval logs (logprob, is_greedy), as strings
-                diffs.append(abs(float(theirs) - ll))
-                greedy_same.append(str(their_greedy) == str(greedy))
+            for ll, diff, same in _against_the_model(m, run, s):
+                diffs.append(diff)
+                greedy_same.append(same)
                 lls.append(ll)
             choices = s["doc"]["choices"]
             gold = s["doc"]["answer"]
@@ -148,17 +157,10 @@ def test_lm_eval_with_the_prefix_cache_gets_the_models_loglikelihoods(tmp_path):
     assert len(on["samples"]) == 6
     m = on["metrics"]
     assert m["tokens_prompt_cached"] > m["tokens_prompt"] / 2, m
-    diffs = []
     with load_model(default_model_path(), n_ctx=2048, progress=False) as model:
-        for s in on["samples"]:
-            for pair, resp in zip(_pairs(s), s["resps"]):
-                context = model.tokenize(pair["context"], add_special=False)
-                whole = model.tokenize(pair["whole"], add_special=False)
-                assert on["served_ids"][pair["whole"]] == whole
-                ll, greedy = _loglikelihood(model, context, whole[len(context):])
-                theirs, their_greedy = resp[0]
-                diffs.append(abs(float(theirs) - ll))
-                assert str(their_greedy) == str(greedy), (pair, their_greedy, greedy)
+        compared = [c for s in on["samples"] for c in _against_the_model(model, on, s)]
+    diffs = [diff for _, diff, _ in compared]
     assert len(diffs) == 24 and max(diffs) <= 1e-4, max(diffs)
+    assert all(same for _, _, same in compared)
     print(f"\nlm-eval 5-shot, 6 questions: {on['wall_s']:.1f} s with the prefix cache ({m['tokens_prompt']} prompt "
           f"tokens computed, {m['tokens_prompt_cached']} cached); 24 log-likelihoods, max |diff| {max(diffs):.2e}")
