@@ -147,14 +147,12 @@ def test_extreme_rows_quantize_as_ggmls_reference(tmp_path):
     simd = importlib.import_module("ggml_py_simd")._simd if "simd" in expected_backends() else None
     for t, (_, _, dst) in zip(types, jobs):
         theirs = np.load(dst)
-        name = t.name
         with np.errstate(all="ignore"):
             ours = quantize(x, t).reshape(theirs.shape)
         bad = np.flatnonzero((ours != theirs).any(1))
-        assert bad.size == 0, f"{name}: rows {bad.tolist()} differ from ggml's"
-        if simd is not None and name in SIMD_QUANTIZES:
+        assert bad.size == 0, f"{t.name}: rows {bad.tolist()} differ from ggml's"
+        if simd is not None and t.name in SIMD_QUANTIZES:
             for level in simd.levels():
                 got = np.asarray(simd.quantize(t.ggml_id, x.reshape(-1), level)).reshape(theirs.shape)
                 bad = np.flatnonzero((got != theirs).any(1))
-                assert bad.size == 0, f"{name} at {level}: rows {bad.tolist()} differ from ggml's"
-
+                assert bad.size == 0, f"{t.name} at {level}: rows {bad.tolist()} differ from ggml's"
