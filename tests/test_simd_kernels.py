@@ -558,21 +558,21 @@ def test_mul_mat_repacked_q45_01(arena, t, m, k, n, rng):
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-4, atol=1e-4 * float(np.abs(outs[0]).max()))
 
 
-@pytest.mark.skipif("avx2" not in LEVELS, reason="no avx2 on this CPU")
+@pytest.mark.parametrize("lv", [lv for lv in LEVELS if lv != "scalar"])
 @pytest.mark.parametrize("t", REPACKED_TYPES)
 @pytest.mark.parametrize("n", [2, 4, 7, 11])
-def test_mul_mat_repacked_rows_together_equal_rows_alone(arena, t, n, rng):
-    """The x8 kernels take up to 4 activation rows per pass over the weights (Q6_K with VNNI: 8); each row's result
-    is bit-identical to the row computed alone (what makes a batched decode step equal single steps), at 2
-    threads."""
+def test_mul_mat_repacked_rows_together_equal_rows_alone(arena, t, n, lv, rng):
+    """The x8 kernels take up to 4 activation rows per pass over the weights (Q6_K: 8; with VNNI two groups of 8
+    weight rows at once, 5 groups here); each row's result is bit-identical to the row computed alone (what makes a
+    batched decode step equal single steps), at 2 threads, at each level with x8 kernels."""
     m, k = 40, 576 if QBLOCK[t][0] == 32 else 512
     wd, _ = _weight(arena, rng.standard_normal((m, k)).astype(np.float32), t)
     x = rng.standard_normal((n, k)).astype(np.float32)
     D = arena.empty((n, m), np.float32)
-    run(arena, "MUL_MAT", desc(arena, D), [(*wd, 8000 + t), desc(arena, arena.put(x))], level="avx2", n_threads=2)
+    run(arena, "MUL_MAT", desc(arena, D), [(*wd, 8000 + t), desc(arena, arena.put(x))], level=lv, n_threads=2)
     for i in range(n):
         D1 = arena.empty((1, m), np.float32)
-        run(arena, "MUL_MAT", desc(arena, D1), [(*wd, 8000 + t), desc(arena, arena.put(x[i:i + 1]))], level="avx2",
+        run(arena, "MUL_MAT", desc(arena, D1), [(*wd, 8000 + t), desc(arena, arena.put(x[i:i + 1]))], level=lv,
             n_threads=2)
         np.testing.assert_array_equal(np.array(D)[i], np.array(D1)[0])
 
