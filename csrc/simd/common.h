@@ -202,8 +202,8 @@ enum { FA_CHUNK_TILES = 16 };
 static inline int64_t FA_SPLIT_FLOATS(int64_t d, int64_t dv, int64_t h) { return (h * (d + dv + 4) + 15) & ~(int64_t)15; }
 static inline int64_t FA_PART(int64_t dv) { return dv + 4; }
 // the other calls' thread scratch for h query heads: one row's (fa_row) or one KV head's group's (fa_group) tiles
-// and state; then, with at least FA_COPY_MIN_ROWS query rows (a prefill that FA_ROWS_FLOATS' path does not take:
-// no GQA), a KV head's keys and values in F32 (FA_COPY_FLOATS), read by all its query rows: in a model's cache a
+// and state; then, with at least FA_COPY_MIN_ROWS query rows (a prefill that FA_ROWS_FLOATS' path does not take),
+// a KV head's keys and values in F32 (FA_COPY_FLOATS), read by all its query rows: in a model's cache a
 // key's heads sit side by side, so one head's keys are 4 KB apart for 32 heads of 64, all in the same cache sets
 static inline int64_t FA_TILE_FLOATS(int64_t d, int64_t dv, int64_t h) {
     const int64_t single = ((dv + 15) & ~(int64_t)15) + ((d + 15) & ~(int64_t)15) + dv + 64;
@@ -211,7 +211,7 @@ static inline int64_t FA_TILE_FLOATS(int64_t d, int64_t dv, int64_t h) {
     return ((single > group ? single : group) + 15) & ~(int64_t)15;
 }
 enum { FA_COPY_MIN_ROWS = 8 };
-// a prefill's rows through the split kernel (GQA): FA_SPLIT_FLOATS, then the row's totals per head (acc, S as a
+// a prefill's rows through the split kernel: FA_SPLIT_FLOATS, then the row's totals per head (acc, S as a
 // double, M) and its chunk table (fa_chunk_starts: the count, then each chunk's first tile)
 static inline int64_t FA_ROWS_FLOATS(int64_t d, int64_t dv, int64_t h, int64_t nkv) {
     return FA_SPLIT_FLOATS(d, dv, h) + h * (dv + 3) + ((nkv + 7) / 8 + FA_CHUNK_TILES - 1) / FA_CHUNK_TILES + 16;

@@ -792,11 +792,12 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
     }
     if (phase != n.n_phases - 1) return;  // the split-key phases run only with the vector kernels
     const bool grouped = rep >= 2 && groupable && one_mask;
-    if (grouped && rep <= 4 && Nq >= FA_COPY_MIN_ROWS && (Dv == 32 || Dv == 64 || Dv == 128)) {
-        // many query rows with GQA (a prefill): each row over all KV heads in place, chunk by chunk, with the decode
-        // path's kernel (fa_chunk_heads, which reads a row's heads side by side and pipelines them), its chunks merged
-        // in order as the split decode path does: the same bits. Twice the MACs a second of the per-row grouped
-        // kernel over F32 copies (Llama-3.2-1B shape, 128 rows over 512 keys, 1 thread: 7.3 -> 14.2 GMAC/s).
+    if (groupable && one_mask && rep <= 4 && Nq >= FA_COPY_MIN_ROWS && (Dv == 32 || Dv == 64 || Dv == 128)) {
+        // many query rows (a prefill): each row over all KV heads in place, chunk by chunk, with the decode path's
+        // kernel (fa_chunk_heads, which reads a row's heads side by side and pipelines them), its chunks merged in
+        // order as the split decode path does: the same bits. With GQA twice the MACs a second of the per-row grouped
+        // kernel over F32 copies (Llama-3.2-1B shape, 128 rows over 512 keys, 1 thread: 7.3 -> 14.2 GMAC/s); without
+        // (SmolLM2-1.7B's 32 heads, a 512-token prompt in 128-row steps, 1 thread, a Zen 4) 274 -> 236 ms a step.
         float* qf = ts;
         const FaState st(qf + H * D, H, Dv), tot(ts + FA_SPLIT_FLOATS(D, Dv, H), H, Dv);  // a chunk's, the row's
         float* slope = st.end(H);
@@ -829,9 +830,9 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
         return;
     }
     if (groupable && Nq >= FA_COPY_MIN_ROWS) {
-        // many query rows (a prefill): units are (KV head, block of query rows), the rows inner; a thread converts
-        // its KV head's keys and values to F32 once (FA_COPY_FLOATS), and its rows read them from there: the
-        // same values, so the same results. Read in place, SmolLM2-1.7B's cache (32 heads of 64: a head's keys
+        // many query rows that the path above does not take (more than 4 heads a KV head, a mask per head, another
+        // Dv): units are (KV head, block of query rows), the rows inner; a thread converts its KV head's keys and
+        // values to F32 once (FA_COPY_FLOATS), and its rows read them from there: the same values, so the same results. Read in place, SmolLM2-1.7B's cache (32 heads of 64: a head's keys
         // 4 KB apart, in the same cache sets) made a 128-row prefill at 512 keys 1.8x slower than 31 heads.
         float* kc = ts + FA_TILE_FLOATS(D, Dv, H);
         float* vc = kc + Nkv * D;
