@@ -832,8 +832,9 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
     if (groupable && Nq >= FA_COPY_MIN_ROWS) {
         // many query rows that the path above does not take (more than 4 heads a KV head, a mask per head, another
         // Dv): units are (KV head, block of query rows), the rows inner; a thread converts its KV head's keys and
-        // values to F32 once (FA_COPY_FLOATS), and its rows read them from there: the same values, the same results. Read in place, SmolLM2-1.7B's cache (32 heads of 64: a head's keys
-        // 4 KB apart, in the same cache sets) made a 128-row prefill at 512 keys 1.8x slower than 31 heads.
+        // values to F32 once (FA_COPY_FLOATS), and its rows read them from there: the same values, the same results.
+        // Read in place row by row, SmolLM2-1.7B's cache (32 heads of 64: a head's keys 4 KB apart, in the same cache
+        // sets) made a 128-row prefill at 512 keys 1.8x slower than 31 heads.
         float* kc = ts + FA_TILE_FLOATS(D, Dv, H);
         float* vc = kc + Nkv * D;
         const FaKV copy{(const uint8_t*)kc, D * 4, false, (const uint8_t*)vc, Dv * 4, false};
