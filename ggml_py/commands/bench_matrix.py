@@ -166,6 +166,9 @@ def read_bandwidth(threads: int) -> float | None:
     return float(_simd.stream_read_bandwidth(buf, threads, 5)) * 1e9
 
 
+_LOOP = "read_bps"  # a run's yardstick: the read loop's mean rate just before and just after it
+
+
 def run_job(python: str, script: str, job: dict[str, Any], who: str) -> dict[str, Any]:
     """`script` run by `python` in a fresh process with the job as argv[1]; its last `RESULT {json}` line."""
     p = subprocess.run([python, "-c", script, _json.dumps(job)], capture_output=True, text=True)
@@ -206,32 +209,37 @@ def run(model: str | None = None, types: tuple[str, ...] = TYPES, threads_list: 
                    "n_gen": n_gen, "n_ctx": max(*prefill, *contexts) + n_gen + 8, "text": BENCH_TEXT,
                    "backend": backend}
             runs: dict[str, list[dict[str, float]]] = {"ggml_py": [], "llama.cpp": []}
-            # the read loop beside each row's runs, before and after them (best kept): a VM's memory bandwidth drifts
-            # (on one 2-vCPU machine 34.6 GB/s, then 27.0 half an hour later), so a rate measured once at the start
-            # gave later rows shares above 100%
-            reads = [read_bandwidth(th)]
+            # the read loop just before and just after each run, their mean the yardstick of that run's decode: a VM's
+            # memory bandwidth drifts (on one 2-vCPU machine 34.6 GB/s, then 27.0 half an hour later) and bursts (a
+            # Zen 4 VM: 26-66 GB/s within one matrix), so one rate for a row, or its best, gave shares of 47-122%
+            reads: list[float] = []
             for k in range(rounds):  # interleaved, the first runner alternating
                 order = [("ggml_py", sys.executable, _OURS), ("llama.cpp", llama_py, _LLAMACPP)]
                 for who, py, script in order if k % 2 == 0 else order[::-1]:
-                    runs[who].append(_figures(run_job(py, script, job, who)))
+                    before = read_bandwidth(th)
+                    figs = _figures(run_job(py, script, job, who))
+                    after = read_bandwidth(th)
+                    if before and after:
+                        reads += [before, after]
+                        figs[_LOOP] = (before + after) / 2
+                    runs[who].append(figs)
             row: dict[str, Any] = {"type": type_name, "threads": th, "model": path, "rounds": rounds}
-            for fig in runs["ggml_py"][0]:
+            for fig in (f for f in runs["ggml_py"][0] if f != _LOOP):
                 best = min if fig == "peak_rss_mib" else max
                 for who in runs:
                     vals = [r[fig] for r in runs[who]]
                     row[f"{who}.{fig}"] = best(vals)
                     row[f"{who}.{fig}.spread"] = [min(vals), max(vals)]
                 row[f"ratio.{fig}"] = row[f"ggml_py.{fig}"] / row[f"llama.cpp.{fig}"]
-            reads.append(read_bandwidth(th))
-            if reads[0] and reads[1]:  # decode's share of the memory limit: bytes read a token x tokens/s / stream rate
-                bandwidth = max(reads)
-                row["read_gbps"] = bandwidth / 1e9
-                row["read_gbps.spread"] = [min(reads) / 1e9, bandwidth / 1e9]
+            if reads:  # decode's share of the memory limit: bytes read a token x tokens/s / stream rate
+                row["read_gbps.spread"] = [min(reads) / 1e9, max(reads) / 1e9]
                 weights, per_token = decode_reads(path)
                 for c in contexts:
-                    for who in runs:
+                    for who in runs:  # the run of the best decode, against the loop around that run
+                        top = max(runs[who], key=lambda r: r[f"decode_ctx_{c}"])
+                        row[f"{who}.decode_ctx_{c}.read_gbps"] = top[_LOOP] / 1e9
                         row[f"{who}.decode_ctx_{c}.of_bandwidth"] = (
-                            (weights + per_token * c) * row[f"{who}.decode_ctx_{c}"] / bandwidth)
+                            (weights + per_token * c) * top[f"decode_ctx_{c}"] / top[_LOOP])
             rows.append(row)
             _log(_row_text(row))
     res = {"benchmark": "matrix", "source": src, "shape": shape, "rows": rows, "prefill": list(prefill),
@@ -260,13 +268,15 @@ def report(r: dict[str, Any]) -> str:
         lines.append(f"  {row['type']:<7} {row['threads']:>3}  " + "  ".join(f"{c:>22}" for c in cells))
     lines.append("  (each cell: ggml_py / llama.cpp  ratio; tok/s, peak RSS in MiB)")
     for row in r["rows"]:
-        if "read_gbps" in row:
+        if "read_gbps.spread" in row:
             lo, hi = row["read_gbps.spread"]
-            lines.append(f"  {row['type']:<7} {row['threads']:>3}  decode as a share of the "
-                         f"{hi:.1f} GB/s read loop ({lo:.1f} before or after; bytes a token reads x tok/s): "
+            lines.append(f"  {row['type']:<7} {row['threads']:>3}  decode as a share of the read loop around its run "
+                         f"(bytes a token reads x tok/s / loop; the loop {lo:.1f}-{hi:.1f} GB/s in the row): "
                          + ", ".join(
-                             f"@{c} {row[f'ggml_py.decode_ctx_{c}.of_bandwidth']:.0%} (llama.cpp "
-                             f"{row[f'llama.cpp.decode_ctx_{c}.of_bandwidth']:.0%})" for c in r["contexts"]))
+                             f"@{c} {row[f'ggml_py.decode_ctx_{c}.of_bandwidth']:.0%} of "
+                             f"{row[f'ggml_py.decode_ctx_{c}.read_gbps']:.1f} (llama.cpp "
+                             f"{row[f'llama.cpp.decode_ctx_{c}.of_bandwidth']:.0%} of "
+                             f"{row[f'llama.cpp.decode_ctx_{c}.read_gbps']:.1f})" for c in r["contexts"]))
     lines += [f"  decode 1 -> {t} threads, {fig[len('decode_'):]}: " + ", ".join(
         f"{typ} {sc['ggml_py']:.2f}x (llama.cpp {sc['llama.cpp']:.2f}x)" for typ, sc in by_type.items())
         for (t, fig), by_type in thread_scaling(r).items()]
