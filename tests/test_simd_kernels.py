@@ -953,7 +953,7 @@ def test_validation_rejects_bad_plans(arena):
 
 
 @pytest.mark.parametrize("t", [Q2_K, Q3_K, IQ4_NL, IQ4_XS])
-def test_validation_read_only_types_only_as_weights(arena, t):
+def test_validation_q2_k_q3_k_iq4_nodes(arena, t):
     """Q2_K/Q3_K/IQ4_NL/IQ4_XS are accepted where the kernels read them (MUL_MAT weights, GET_ROWS sources) and
     refused elsewhere, except that Q2_K and Q3_K, which have a quantizer here, are CPY and SET_ROWS destinations."""
     K = 256

@@ -452,9 +452,11 @@ static int64_t gemv_chunk_rows(const Node& n, int nth) {
     const int64_t per = (int64_t)nth * GEMV_UNITS_PER_THREAD;
     int64_t chunk = (M + per - 1) / per;
     if (N > 1) chunk = imin(chunk, imax(16, (int64_t)(256 * 1024) / imax(1, w.nb[1])));
-    // repacked: whole pairs of 8-row groups, which the VNNI kernels take two at a time (a chunk of 5 groups left one
-    // to the 256-bit kernel: ffn_down's 2048 x 8192 Q6_K, 128 rows, a Zen 4: 132 -> 139-143 GMAC/s a thread)
-    return n.repack ? imax(16, (chunk + 15) & ~(int64_t)15) : imax(16, (chunk + 3) & ~(int64_t)3);
+    // repacked, several rows: whole pairs of 8-row groups, which the VNNI kernels take two at a time (a chunk of 5
+    // groups left one to the 256-bit kernel: ffn_down's 2048 x 8192 Q6_K, 128 rows, a Zen 4: 132 -> 139-143 GMAC/s a
+    // thread); one row (a decode step) runs one group at a time
+    const int64_t align = n.repack ? (N > 1 ? 16 : 8) : 4;
+    return imax(16, (chunk + align - 1) & ~(align - 1));
 }
 
 static int64_t gemv_units(const Node& n, int nth) {
