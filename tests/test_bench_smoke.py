@@ -96,9 +96,10 @@ def test_bench_matrix(tiny_f32, tmp_path, monkeypatch):
     from ggml_py.commands.bench_matrix import decode_bytes
     from ggml_py.formats.gguf import open_gguf
 
-    lo, hi = row["read_gbps.spread"]  # the loop measured just before and just after each run
+    lo, hi = row["read_gbps.spread"]  # the loop measured in each job's process just before and after its decode
     assert 1 < lo <= hi < 1000
-    for who in ("ggml_py", "llama.cpp"):  # the best decode's run against the mean of the loop around that run
+    for who in ("ggml_py", "llama.cpp"):  # the best decode against the mean of the loop around it
+        assert row[f"{who}.peak_rss_mib"] < 1024  # the loop's 1 GiB buffer is not counted
         loop = row[f"{who}.decode_ctx_16.read_gbps"]
         assert lo <= loop <= hi
         assert row[f"{who}.decode_ctx_16.of_bandwidth"] == pytest.approx(

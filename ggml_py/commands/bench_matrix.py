@@ -6,8 +6,9 @@ which goes first, `rounds` times: prefill of 32/128/512 prompt tokens (tok/s), g
 a 16- and a 1000-token context (tok/s; each figure the better of two runs in the process, for both runtimes), and the
 process's peak RSS. The best of the rounds is kept for each figure (and the spread reported); ratios are ggml_py /
 llama.cpp, so above 1 means ggml_py is faster (or, for RSS, uses more memory); the report adds each runtime's decode
-speed-up from 1 thread to more. Run it on a quiet machine: both runtimes spin worker threads that collapse when
-something else runs.
+speed-up from 1 thread to more, and decode's share of the memory limit: the bytes a token reads x tok/s over the
+simd backend's read loop, run in the job's own process just before and just after each decode. Run it on a quiet
+machine: both runtimes spin worker threads that collapse when something else runs.
 """
 
 from __future__ import annotations
@@ -37,17 +38,45 @@ a = json.loads(sys.argv[1])
 def peak_rss():
     return next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmHWM:")) * 1024
 
+peaks = []  # the peak RSS of each stretch between read loops (whose 1 GiB buffer must not count)
+
+# Bytes/s of the simd backend's read loop over 1 GiB with the job's threads, in this very process (llama.cpp's
+# interpreter loads the module from its file); None without it. The peak RSS so far is kept, and its mark reset
+# once the buffer is freed.
+def read_loop():
+    if not a.get("read_loop"):
+        return None
+    try:
+        from ggml_py_simd import _simd
+    except ImportError:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("_simd", a["read_loop"])
+        _simd = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_simd)
+    import numpy as np
+    peaks.append(peak_rss())
+    buf = np.ones(1 << 30, np.uint8)  # far past the last-level cache; ones: every page faulted in
+    rate = float(_simd.stream_read_bandwidth(buf, a["threads"], 5)) * 1e9
+    del buf
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak RSS mark back to the current RSS
+    return rate
+
 def job(tokenize, greedy):
     ids = []
     while len(ids) < max(a["prefill"] + a["contexts"]):
         ids += tokenize(a["text"])
     greedy(ids[:32], 2)  # warm-up: first plans / buffers, weights touched
-    res = {"prefill": {}, "decode": {}}
+    res = {"prefill": {}, "decode": {}, "read_bps": {}}
     for p in a["prefill"]:
         res["prefill"][str(p)] = max(p / greedy(ids[:p], 1)[0] for _ in range(2))
     for c in a["contexts"]:
+        before = read_loop()
         res["decode"][str(c)] = max(a["n_gen"] / greedy(ids[:c], a["n_gen"])[1] for _ in range(2))
-    res["peak_rss_bytes"] = peak_rss()
+        after = read_loop()
+        if before and after:
+            res["read_bps"][str(c)] = (before + after) / 2
+    res["peak_rss_bytes"] = max(peaks + [peak_rss()])
     print("RESULT " + json.dumps(res))
 """
 
@@ -153,20 +182,14 @@ def decode_reads(path: str, kv_bytes: int = 2) -> tuple[int, int]:
     return weights, 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * kv_bytes
 
 
-def read_bandwidth(threads: int) -> float | None:
-    """Bytes/s two (or `threads`) cores stream from memory in a plain read loop: the simd backend's probe (vector
-    loads over 1 GiB, best of 5), None without it. Decode is read-bound, so this is its limit."""
+def read_loop_module() -> str | None:
+    """The file of the simd backend's compiled module, whose read loop the jobs of both runtimes run; None without
+    it."""
     try:
         from ggml_py_simd import _simd  # type: ignore[import-not-found]
     except ImportError:
         return None
-    import numpy as np
-
-    buf = np.ones(1 << 30, np.uint8)  # far past the last-level cache; ones: every page faulted in
-    return float(_simd.stream_read_bandwidth(buf, threads, 5)) * 1e9
-
-
-_LOOP = "read_bps"  # a run's yardstick: the read loop's mean rate just before and just after it
+    return str(_simd.__file__)
 
 
 def run_job(python: str, script: str, job: dict[str, Any], who: str) -> dict[str, Any]:
@@ -183,6 +206,7 @@ def _figures(r: dict[str, Any]) -> dict[str, float]:
     out = {f"prefill_{k}": v for k, v in r["prefill"].items()}
     out.update({f"decode_ctx_{k}": v for k, v in r["decode"].items()})
     out["peak_rss_mib"] = r["peak_rss_bytes"] / 2**20
+    out.update({f"read_bps_{k}": v for k, v in r.get("read_bps", {}).items()})
     return out
 
 
@@ -207,39 +231,34 @@ def run(model: str | None = None, types: tuple[str, ...] = TYPES, threads_list: 
         for th in threads_list:
             job = {"model": path, "threads": th, "prefill": list(prefill), "contexts": list(contexts),
                    "n_gen": n_gen, "n_ctx": max(*prefill, *contexts) + n_gen + 8, "text": BENCH_TEXT,
-                   "backend": backend}
+                   "backend": backend, "read_loop": read_loop_module()}
             runs: dict[str, list[dict[str, float]]] = {"ggml_py": [], "llama.cpp": []}
-            # the read loop just before and just after each run, their mean the yardstick of that run's decode: a VM's
-            # memory bandwidth drifts (on one 2-vCPU machine 34.6 GB/s, then 27.0 half an hour later) and bursts (a
-            # Zen 4 VM: 26-66 GB/s within one matrix), so one rate for a row, or its best, gave shares of 47-122%
-            reads: list[float] = []
             for k in range(rounds):  # interleaved, the first runner alternating
                 order = [("ggml_py", sys.executable, _OURS), ("llama.cpp", llama_py, _LLAMACPP)]
                 for who, py, script in order if k % 2 == 0 else order[::-1]:
-                    before = read_bandwidth(th)
-                    figs = _figures(run_job(py, script, job, who))
-                    after = read_bandwidth(th)
-                    if before and after:
-                        reads += [before, after]
-                        figs[_LOOP] = (before + after) / 2
-                    runs[who].append(figs)
+                    runs[who].append(_figures(run_job(py, script, job, who)))
             row: dict[str, Any] = {"type": type_name, "threads": th, "model": path, "rounds": rounds}
-            for fig in (f for f in runs["ggml_py"][0] if f != _LOOP):
+            for fig in (f for f in runs["ggml_py"][0] if not f.startswith("read_bps_")):
                 best = min if fig == "peak_rss_mib" else max
                 for who in runs:
                     vals = [r[fig] for r in runs[who]]
                     row[f"{who}.{fig}"] = best(vals)
                     row[f"{who}.{fig}.spread"] = [min(vals), max(vals)]
                 row[f"ratio.{fig}"] = row[f"ggml_py.{fig}"] / row[f"llama.cpp.{fig}"]
-            if reads:  # decode's share of the memory limit: bytes read a token x tokens/s / stream rate
+            # decode's share of the memory limit: bytes read a token x tokens/s / the read loop's rate, measured in
+            # the decode's own process just before and just after it (their mean): a VM's memory bandwidth drifts
+            # (on one 2-vCPU machine 34.6 GB/s, then 27.0 half an hour later) and jumps (a Zen 4 VM: between ~30 and
+            # ~60 GB/s at 2 threads within one matrix), so a rate measured beside a row gave shares of 47-122%
+            reads = [r[f] for rs in runs.values() for r in rs for f in r if f.startswith("read_bps_")]
+            if reads:
                 row["read_gbps.spread"] = [min(reads) / 1e9, max(reads) / 1e9]
                 weights, per_token = decode_reads(path)
                 for c in contexts:
-                    for who in runs:  # the run of the best decode, against the loop around that run
+                    for who in runs:  # the run of the best decode, against the loop around that decode
                         top = max(runs[who], key=lambda r: r[f"decode_ctx_{c}"])
-                        row[f"{who}.decode_ctx_{c}.read_gbps"] = top[_LOOP] / 1e9
+                        row[f"{who}.decode_ctx_{c}.read_gbps"] = top[f"read_bps_{c}"] / 1e9
                         row[f"{who}.decode_ctx_{c}.of_bandwidth"] = (
-                            (weights + per_token * c) * top[f"decode_ctx_{c}"] / top[_LOOP])
+                            (weights + per_token * c) * top[f"decode_ctx_{c}"] / top[f"read_bps_{c}"])
             rows.append(row)
             _log(_row_text(row))
     res = {"benchmark": "matrix", "source": src, "shape": shape, "rows": rows, "prefill": list(prefill),
@@ -270,7 +289,7 @@ def report(r: dict[str, Any]) -> str:
     for row in r["rows"]:
         if "read_gbps.spread" in row:
             lo, hi = row["read_gbps.spread"]
-            lines.append(f"  {row['type']:<7} {row['threads']:>3}  decode as a share of the read loop around its run "
+            lines.append(f"  {row['type']:<7} {row['threads']:>3}  decode as a share of the read loop around it "
                          f"(bytes a token reads x tok/s / loop; the loop {lo:.1f}-{hi:.1f} GB/s in the row): "
                          + ", ".join(
                              f"@{c} {row[f'ggml_py.decode_ctx_{c}.of_bandwidth']:.0%} of "
