@@ -40,19 +40,31 @@ def peak_rss():
 
 peaks = []  # the peak RSS of each stretch between read loops (whose 1 GiB buffer must not count)
 
-# Bytes/s of the simd backend's read loop over 1 GiB with the job's threads, in this very process (llama.cpp's
-# interpreter loads the module from its file); None without it. The peak RSS so far is kept, and its mark reset
-# once the buffer is freed.
+# The simd backend's compiled module, loaded once: imported where ggml_py_simd is installed, else (llama.cpp's
+# interpreter) from its file; None where neither works.
+def simd_module():
+    if "mod" not in simd_module.__dict__:
+        simd_module.mod = None
+        if a.get("read_loop"):
+            try:
+                from ggml_py_simd import _simd
+            except ImportError:
+                import importlib.util
+                try:
+                    spec = importlib.util.spec_from_file_location("_simd", a["read_loop"])
+                    _simd = importlib.util.module_from_spec(spec)
+                    spec.loader.exec_module(_simd)
+                except (ImportError, OSError):
+                    _simd = None
+            simd_module.mod = _simd
+    return simd_module.mod
+
+# Bytes/s of that module's read loop over 1 GiB with the job's threads, in this very process; None without it. The
+# peak RSS so far is kept, and its mark reset once the buffer is freed.
 def read_loop():
-    if not a.get("read_loop"):
+    _simd = simd_module()
+    if _simd is None:
         return None
-    try:
-        from ggml_py_simd import _simd
-    except ImportError:
-        import importlib.util
-        spec = importlib.util.spec_from_file_location("_simd", a["read_loop"])
-        _simd = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(_simd)
     import numpy as np
     try:
         reset = open("/proc/self/clear_refs", "w")
@@ -253,8 +265,8 @@ def run(model: str | None = None, types: tuple[str, ...] = TYPES, threads_list: 
             # the decode's own process just before and just after it (their mean): a VM's memory bandwidth drifts
             # (on one 2-vCPU machine 34.6 GB/s, then 27.0 half an hour later) and jumps (a Zen 4 VM: between ~30 and
             # ~60 GB/s at 2 threads within one matrix), so a rate measured beside a row gave shares of 47-122%
-            reads = [r[f] for rs in runs.values() for r in rs for f in r if f.startswith("read_bps_")]
-            if reads:
+            reads = [r.get(f"read_bps_{c}") for rs in runs.values() for r in rs for c in contexts]
+            if reads and None not in reads:  # every run of both runtimes measured it
                 row["read_gbps.spread"] = [min(reads) / 1e9, max(reads) / 1e9]
                 weights, per_token = decode_reads(path)
                 for c in contexts:
