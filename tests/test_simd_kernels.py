@@ -759,6 +759,38 @@ def test_get_rows(level, arena, t, rng):
         assert np.array_equal(wref[idx], D)
 
 
+@pytest.mark.parametrize("t", [*REPACKED_TYPES, F32, F16, BF16])
+def test_get_rows_of_a_repacked_weight(level, arena, t, rng):
+    """A weight both a product and GET_ROWS read (a tied embedding): once the product has repacked it, GET_ROWS reads
+    its rows back from the repacked copy (the original's pages are handed back), bit for bit the rows as stored,
+    the rows past the last full group from the original; in a plan where the gather comes first, and in a later
+    plan of the gather alone."""
+    gr = 8 if t in REPACKED_TYPES else 16
+    K, M = 512, 3 * gr + 5
+    w = (rng.standard_normal((M, K)) + 0.4 * rng.standard_normal((M, 1))).astype(np.float32)
+    if t in RANDOM_BLOCK_TYPES:
+        raw = random_k_blocks((M, K), t, seed=5 + t)
+        W = arena.put(raw)
+        wd, wref = desc(arena, W, t, ne0=K), dequantize(raw, t).reshape(M, K)
+    else:
+        wd, wref = _weight(arena, w, t)
+    cid = 4000 + t
+    idx = np.array([*range(M), 5, 0, M - 1], np.int32)
+    Ix = arena.put(idx)
+    X = arena.put(rng.standard_normal((1, K)).astype(np.float32))
+    G, D = (arena.empty((idx.size, K), np.float32) for _ in range(2))
+    gather = ("GET_ROWS", desc(arena, G), [(*wd, cid), desc(arena, Ix)], [], [])
+    prod = ("MUL_MAT", desc(arena, arena.empty((1, M), np.float32)), [(*wd, cid), desc(arena, X)], [], [])
+    p = Plan([gather, prod], arena.ranges, [], 2, level)
+    p.compute([])
+    alone = Plan([("GET_ROWS", desc(arena, D), [(*wd, cid), desc(arena, Ix)], [], [])], arena.ranges, [], 2, level)
+    alone.compute([])
+    repacked = _simd.repacked_nbytes(t, K, M, level) > 0
+    assert _plan_info(p)["get_rows_from_repack"] == _plan_info(alone)["get_rows_from_repack"] == int(repacked)
+    for out in (G, D):
+        np.testing.assert_array_equal(np.asarray(out), wref[idx].astype(np.float32))
+
+
 @pytest.mark.parametrize("t", RANDOM_BLOCK_TYPES)
 def test_dequantize_k_quants_bit_exact(level, t):
     """Every K-quant / IQ4 row decodes bit-exactly as gguf.quants at every level: many blocks, scales of both

@@ -91,6 +91,15 @@ static inline void unpack_k_scales(const uint8_t* s, uint8_t* out) {
     }
 }
 
+// The inverse: 8 six-bit scales (sm[0..7]) and 8 mins (sm[8..15]) -> the 12 packed bytes of a Q4_K/Q5_K block.
+static inline void pack_k_scales(const uint8_t* sm, uint8_t* s) {
+    for (int j = 0; j < 4; ++j) {
+        s[j] = (uint8_t)((sm[j] & 63) | (sm[j + 4] >> 4) << 6);
+        s[j + 4] = (uint8_t)((sm[8 + j] & 63) | (sm[12 + j] >> 4) << 6);
+        s[j + 8] = (uint8_t)((sm[j + 4] & 15) | (sm[12 + j] & 15) << 4);
+    }
+}
+
 // The 12 packed bytes of a Q3_K block -> its 16 signed scales (stored value - 32, -32..31). Scale i takes its low
 // 4 bits from byte i % 8 (low nibble for i < 8, high nibble otherwise) and its high 2 bits from byte 8 + i % 4, bits
 // 2 * (i / 4) and up.

@@ -135,7 +135,8 @@ struct Node {
     int32_t n_phases = 1;
     std::atomic<int64_t>* counter = nullptr; // work-stealing counter (reset before every compute)
     // MUL_MAT: src0 (a constant weight) repacked, x8 or p16 by its type (common.h), or null; MUL_MAT_ID: its
-    // quantized experts x8 as one matrix of E * M rows, or null
+    // quantized experts x8 as one matrix of E * M rows, or null; GET_ROWS: the repacked copy a product of the same
+    // weight made (a tied embedding), whose rows it reads back (unrepack_row), or null
     const uint8_t* repack = nullptr;
     // MUL_MAT matrix-vector products of one input computed as one task (Plan::group_gemvs): the next product of
     // this node's group, and whether this node is a later member (it then has no task of its own)
@@ -256,6 +257,9 @@ static inline bool repack_supported(int t) {
 static inline bool repack_p16(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
 // rows per repacked group: 8 (x8), 16 (p16), 0 (never repacked)
 static inline int repack_group_rows(int t) { return repack_supported(t) ? 8 : repack_p16(t) ? 16 : 0; }
+// Row `row` (< the full groups' rows) of weight w read back from its repacked copy, in the weight's stored format
+// (row_bytes(w.type, w.ne[0]) bytes at out): the exact bytes the original held.
+void unrepack_row(const Tensor& w, const uint8_t* repacked, int64_t row, uint8_t* out);
 // bytes per repacked row (a group takes repack_group_rows times this)
 static inline int64_t repack_row_bytes(int t, int64_t k) {
     switch (t) {

@@ -142,6 +142,11 @@ void k_get_rows(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) {
             continue;
         }
         const uint8_t* sp = s.data + row * s.nb[1] + i11 * s.nb[2] + i12 * s.nb[3];
+        if (n.repack && row < s.ne[1] / repack_group_rows(s.type) * repack_group_rows(s.type)) {
+            uint8_t* packed = (uint8_t*)(tmp + ((ne0 + 15) & ~(int64_t)15));  // the scratch past the floats
+            unrepack_row(s, n.repack, row, packed);
+            sp = packed;
+        }
         uint8_t* dp = d.data + i10 * d.nb[1] + i11 * d.nb[2] + i12 * d.nb[3];
         if (s.type == d.type) {  // I32 -> I32, F32 -> F32
             if (s.nb[0] == ses && d.nb[0] == ses) {

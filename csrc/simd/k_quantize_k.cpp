@@ -428,20 +428,14 @@ static void q_q45_K(const float* x, B* y, int64_t nb, float rmin, int nstep) {
         const float inv_scale = max_scale > 0 ? 63.f / max_scale : 0.f;
         const float inv_min = max_min > 0 ? 63.f / max_min : 0.f;
         uint8_t* s = y[i].scales;
+        uint8_t packed[16];
         for (int j = 0; j < 8; ++j) {
-            uint8_t ls = (uint8_t)nearest_int(inv_scale * scales[j]);
-            uint8_t lm = (uint8_t)nearest_int(inv_min * mins[j]);
-            ls = ls < 63 ? ls : 63;
-            lm = lm < 63 ? lm : 63;
-            if (j < 4) {
-                s[j] = ls;
-                s[j + 4] = lm;
-            } else {
-                s[j + 4] = (uint8_t)((ls & 0xF) | ((lm & 0xF) << 4));
-                s[j - 4] |= (uint8_t)((ls >> 4) << 6);
-                s[j] |= (uint8_t)((lm >> 4) << 6);
-            }
+            const uint8_t ls = (uint8_t)nearest_int(inv_scale * scales[j]);
+            const uint8_t lm = (uint8_t)nearest_int(inv_min * mins[j]);
+            packed[j] = ls < 63 ? ls : 63;
+            packed[8 + j] = lm < 63 ? lm : 63;
         }
+        pack_k_scales(packed, s);
         y[i].d = fp32_to_fp16(max_scale / 63.f);
         y[i].dmin = fp32_to_fp16(max_min / 63.f);
         uint8_t sm[16];

@@ -118,6 +118,7 @@ PYBIND11_MODULE(_simd, m) {
             d["n_nodes"] = p->n_nodes();
             d["n_tasks"] = p->n_tasks();
             d["grouped_products"] = p->grouped_products();
+            d["get_rows_from_repack"] = p->get_rows_from_repack();
             d["scratch"] = py::make_tuple(p->shared_scratch(), p->thread_scratch());
             return d;
         },

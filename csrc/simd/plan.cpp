@@ -341,6 +341,17 @@ Plan::Plan(const std::vector<NodeDesc>& descs, const std::vector<Range>& ranges,
         }
         n.n_phases = node_phases(n, rows_sym);
     }
+    // GET_ROWS of a weight a product repacked (a tied embedding): its rows read back from the copy
+    for (size_t i = 0; i < nodes_.size(); ++i) {
+        Node& n = nodes_[i];
+        if (n.op != GGML_PY_OP_GET_ROWS || !kt_->uses_repack || descs[i].src[0].const_id == 0 ||
+            node_symbolic_src0(descs[i]))
+            continue;
+        if (auto rp = find_repacked(descs[i].src[0].const_id, n.src[0])) {
+            n.repack = rp->data;
+            repacks_.push_back(rp);
+        }
+    }
     group_gemvs(node_symbolic);
     for (Node& n : nodes_) {
         KernelFn fn = kt_->ops[n.op];

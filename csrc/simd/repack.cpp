@@ -208,6 +208,125 @@ static void repack_panels(const Tensor& w, uint8_t* out, int64_t g0, int64_t g1)
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// one row back from the repacked layouts (the inverses of the above): GET_ROWS of a tied embedding reads the copy
+// its output product made instead of the original, whose pages were handed back (re-reading them would fault from
+// the file: 0.3-0.9 ms for every new token of a 1-2B model)
+
+template <typename Block>
+static void unrepack_q45_01(const uint8_t* grp, int64_t nb, int r, Block* out) {
+    constexpr bool five = std::is_same_v<Block, blk_q5_0> || std::is_same_v<Block, blk_q5_1>;
+    constexpr bool has_m = std::is_same_v<Block, blk_q4_1> || std::is_same_v<Block, blk_q5_1>;
+    constexpr int64_t size = 8 * (int64_t)sizeof(Block), doff = five ? 160 : 128;
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* rec = grp + b * size;
+        Block* x = out + b;
+        uint8_t q[32];
+        uint32_t qh = 0;
+        for (int c = 0; c < 4; ++c)
+            for (int i = 0; i < 4; ++i) {
+                const uint8_t v = rec[32 * c + 4 * r + i];
+                q[8 * c + i] = v & 0x0f;
+                q[8 * c + 4 + i] = v >> 4;
+                if constexpr (five) {
+                    const uint8_t hb = rec[128 + 4 * r + i];
+                    qh |= (uint32_t)((hb >> (2 * c)) & 1) << (8 * c + i) | (uint32_t)((hb >> (2 * c + 1)) & 1)
+                                                                               << (8 * c + 4 + i);
+                }
+            }
+        for (int j = 0; j < 16; ++j) x->qs[j] = (uint8_t)(q[j] | q[j + 16] << 4);
+        if constexpr (five) memcpy(x->qh, &qh, 4);
+        memcpy(&x->d, rec + doff + 2 * r, 2);
+        if constexpr (has_m) memcpy(&x->m, rec + doff + 16 + 2 * r, 2);
+    }
+}
+
+static void unrepack_q8_0(const uint8_t* grp, int64_t nb, int r, blk_q8_0* out) {
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* rec = grp + b * 272;
+        for (int k = 0; k < 8; ++k) memcpy(out[b].qs + 4 * k, rec + 32 * k + 4 * r, 4);
+        memcpy(&out[b].d, rec + 256 + 2 * r, 2);
+    }
+}
+
+template <typename Block>
+static void unrepack_q45_K(const uint8_t* grp, int64_t nb, int r, Block* out) {
+    constexpr bool five = std::is_same_v<Block, blk_q5_K>;
+    constexpr int64_t size = five ? 1440 : 1184, meta = five ? 1280 : 1024;
+    for (int64_t s = 0; s < nb; ++s) {
+        const uint8_t* rec = grp + s * size;
+        Block* x = out + s;
+        uint8_t sm[16];
+        if constexpr (five) memset(x->qh, 0, 32);
+        for (int j = 0; j < 8; ++j) {
+            uint8_t v[32];
+            for (int c = 0; c < 4; ++c)
+                for (int i = 0; i < 4; ++i) {
+                    const uint8_t b = rec[128 * j + 32 * c + 4 * r + i];
+                    v[8 * c + i] = b & 0x0f;
+                    v[8 * c + 4 + i] = b >> 4;
+                    if constexpr (five) {
+                        const uint8_t hb = rec[1024 + 32 * j + 4 * r + i];
+                        x->qh[8 * c + i] |= (uint8_t)(((hb >> (2 * c)) & 1) << j);
+                        x->qh[8 * c + 4 + i] |= (uint8_t)(((hb >> (2 * c + 1)) & 1) << j);
+                    }
+                }
+            uint8_t* q = x->qs + 32 * (j / 2);
+            for (int l = 0; l < 32; ++l) q[l] = (j & 1) ? (uint8_t)(q[l] | v[l] << 4) : v[l];
+            sm[j] = rec[meta + 8 * j + r];
+            sm[8 + j] = rec[meta + 64 + 8 * j + r];
+        }
+        pack_k_scales(sm, x->scales);
+        memcpy(&x->d, rec + meta + 128 + 2 * r, 2);
+        memcpy(&x->dmin, rec + meta + 144 + 2 * r, 2);
+    }
+}
+
+static void unrepack_q6_K(const uint8_t* grp, int64_t nb, int r, blk_q6_K* out) {
+    for (int64_t s = 0; s < nb; ++s) {
+        const uint8_t* rec = grp + s * 1680;
+        blk_q6_K* x = out + s;
+        uint8_t q[256];  // the 6-bit values in column order
+        for (int j = 0; j < 16; ++j) {
+            const uint8_t* u = rec + 96 * j;
+            for (int t = 0; t < 4; ++t)
+                for (int i = 0; i < 4; ++i)
+                    q[16 * j + 4 * t + i] = (uint8_t)(((u[32 * (t / 2) + 4 * r + i] >> (4 * (t & 1))) & 0x0f) |
+                                                      ((u[64 + 4 * r + i] >> (2 * t)) & 3) << 4);
+            x->scales[j] = (int8_t)rec[1536 + 16 * (j / 2) + 2 * r + (j & 1)];
+        }
+        for (int h = 0; h < 2; ++h)
+            for (int l = 0; l < 32; ++l) {
+                const uint8_t* o = q + 128 * h + l;
+                x->ql[64 * h + l] = (uint8_t)((o[0] & 0x0f) | (o[64] & 0x0f) << 4);
+                x->ql[64 * h + l + 32] = (uint8_t)((o[32] & 0x0f) | (o[96] & 0x0f) << 4);
+                x->qh[32 * h + l] = (uint8_t)(o[0] >> 4 | (o[32] >> 4) << 2 | (o[64] >> 4) << 4 | (o[96] >> 4) << 6);
+            }
+        memcpy(&x->d, rec + 1664 + 2 * r, 2);
+    }
+}
+
+void unrepack_row(const Tensor& w, const uint8_t* repacked, int64_t row, uint8_t* out) {
+    const int gr = repack_group_rows(w.type);
+    const int64_t K = w.ne[0], g = row / gr;
+    const int r = (int)(row % gr);
+    const uint8_t* grp = repacked + g * gr * repack_row_bytes(w.type, K);
+    switch (w.type) {
+        case T_Q4_0: unrepack_q45_01(grp, K / 32, r, (blk_q4_0*)out); break;
+        case T_Q4_1: unrepack_q45_01(grp, K / 32, r, (blk_q4_1*)out); break;
+        case T_Q5_0: unrepack_q45_01(grp, K / 32, r, (blk_q5_0*)out); break;
+        case T_Q5_1: unrepack_q45_01(grp, K / 32, r, (blk_q5_1*)out); break;
+        case T_Q8_0: unrepack_q8_0(grp, K / 32, r, (blk_q8_0*)out); break;
+        case T_Q4_K: unrepack_q45_K(grp, K / 256, r, (blk_q4_K*)out); break;
+        case T_Q5_K: unrepack_q45_K(grp, K / 256, r, (blk_q5_K*)out); break;
+        case T_Q6_K: unrepack_q6_K(grp, K / 256, r, (blk_q6_K*)out); break;
+        default: {  // p16 panels: element (r, k) at 16k + r
+            const int es = type_size(w.type);
+            for (int64_t k = 0; k < K; ++k) memcpy(out + k * es, grp + (16 * k + r) * es, (size_t)es);
+        }
+    }
+}
+
 // The original of a weight whose every reader now uses the repacked copy: give its whole pages back to the OS
 // (MADV_PAGEOUT: clean pages of a mapped file are dropped and re-read from the file if ever touched again, e.g. by
 // GET_ROWS of a tied embedding or another backend; anonymous pages go to swap, or stay). Nothing is lost either way;
@@ -227,14 +346,32 @@ static void release_pages(const uint8_t* p, size_t n) {
 #endif
 }
 
-std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w, int n_threads) {
-    using Key = std::tuple<int64_t, uintptr_t, int, int64_t, int64_t, int64_t>;
-    static std::mutex mu;
-    static std::map<Key, std::weak_ptr<RepackBuf>>* cache = new std::map<Key, std::weak_ptr<RepackBuf>>();
+// every weight's repacked copy, by what identifies the weight's view; the plans own them
+using RepackKey = std::tuple<int64_t, uintptr_t, int, int64_t, int64_t, int64_t>;
+static std::mutex repack_mu;
+static auto* repack_cache = new std::map<RepackKey, std::weak_ptr<RepackBuf>>();
+
+static bool repack_key(int64_t const_id, const Tensor& w, RepackKey* key) {
     const int gr = repack_group_rows(w.type);
-    if (gr == 0 || w.ne[1] < gr || w.ne[2] != 1 || w.ne[3] != 1 || w.nb[0] != type_size(w.type)) return nullptr;
-    const Key key{const_id, (uintptr_t)w.data, w.type, w.ne[0], w.ne[1], w.nb[1]};
-    std::lock_guard<std::mutex> lk(mu);
+    if (gr == 0 || w.ne[1] < gr || w.ne[2] != 1 || w.ne[3] != 1 || w.nb[0] != type_size(w.type)) return false;
+    *key = RepackKey{const_id, (uintptr_t)w.data, w.type, w.ne[0], w.ne[1], w.nb[1]};
+    return true;
+}
+
+std::shared_ptr<RepackBuf> find_repacked(int64_t const_id, const Tensor& w) {
+    RepackKey key;
+    if (!repack_key(const_id, w, &key)) return nullptr;
+    std::lock_guard<std::mutex> lk(repack_mu);
+    auto it = repack_cache->find(key);
+    return it == repack_cache->end() ? nullptr : it->second.lock();
+}
+
+std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w, int n_threads) {
+    RepackKey key;
+    if (!repack_key(const_id, w, &key)) return nullptr;
+    const int gr = repack_group_rows(w.type);
+    auto* cache = repack_cache;
+    std::lock_guard<std::mutex> lk(repack_mu);
     for (auto it = cache->begin(); it != cache->end();) {  // drop dead entries
         if (it->second.expired()) it = cache->erase(it);
         else ++it;

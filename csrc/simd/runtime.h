@@ -147,6 +147,8 @@ struct RepackBuf {
     ~RepackBuf();  // its whole pages given back (the arena may live on for other weights)
 };
 std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w, int n_threads = 1);
+// The repacked copy of that weight if a plan made one (and it lives), else null; never repacks.
+std::shared_ptr<RepackBuf> find_repacked(int64_t const_id, const Tensor& w);
 
 struct NodeDesc {
     int32_t op = 0;
@@ -199,6 +201,12 @@ class Plan : public Job {
     size_t grouped_products() const {
         size_t c = 0;
         for (const Node& n : nodes_) c += n.grouped;
+        return c;
+    }
+    // GET_ROWS nodes that read a repacked copy (a tied embedding's)
+    size_t get_rows_from_repack() const {
+        size_t c = 0;
+        for (const Node& n : nodes_) c += n.op == GGML_PY_OP_GET_ROWS && n.repack;
         return c;
     }
     size_t shared_scratch() const { return wsize_; }
