@@ -190,7 +190,8 @@ int64_t gemm_min_rows(int type);
 // Whether the CPU has AVX512-VNNI (cpu.cpp's detection): the avx512 level's x8 kernels use vpdpbusd where it does.
 bool cpu_has_avx512_vnni();
 
-// Whether the CPU's vendor is AMD ("AuthenticAMD"): decode attention leaves out its software prefetch there.
+// Whether the CPU's vendor is AMD ("AuthenticAMD"): decode attention leaves out its software prefetch on AMD CPUs
+// before Zen 4 (k_attn.cpp).
 bool cpu_is_amd();
 
 // FLASH_ATTN_EXT sums a query row's keys in chunks of this many visible tiles of 8 keys (128 keys), merged in order,
