@@ -53,8 +53,14 @@ static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
     asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
     return acc;
 }
+// dpbusd against one 32-bit activation group the instruction broadcasts from memory itself ({1to8}; EVEX, so VL)
+static inline __m256i dpbusd_bcst(__m256i acc, __m256i u, const int32_t* s) {
+    asm("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*s));
+    return acc;
+}
 #else
 static inline __m256i dpbusd(__m256i acc, __m256i, __m256i) { return acc; }  // never instantiated below avx512
+static inline __m256i dpbusd_bcst(__m256i acc, __m256i, const int32_t*) { return acc; }
 #endif
 
 #if GP_AVX512
@@ -210,8 +216,8 @@ static void gemv_x8_q45_K(const uint8_t* rec, int64_t ngroups, const uint8_t* ac
                     for (int r = 0; r < R; ++r) {
                         const int32_t* a32 = (const int32_t*)(a[r].qs + 256 * s) + 8 * j + 2 * c;
                         if constexpr (Vnni) {
-                            s16[r][0] = dpbusd(s16[r][0], lo, _mm256_set1_epi32(a32[0]));
-                            s16[r][0] = dpbusd(s16[r][0], hi, _mm256_set1_epi32(a32[1]));
+                            s16[r][0] = dpbusd_bcst(s16[r][0], lo, a32);
+                            s16[r][0] = dpbusd_bcst(s16[r][0], hi, a32 + 1);
                             continue;
                         }
                         __m256i& t = s16[r][Five ? c / 2 : 0];
@@ -378,10 +384,10 @@ static void gemv_x8_q6_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act
                         const __m256i sc32 = _mm256_srai_epi32(sc, 16);  // both halves hold it: sign-extend one
                         for (int r = 0; r < R; ++r) {
                             const int32_t* a32 = (const int32_t*)(a[r].qs + 256 * s) + 4 * j;
-                            __m256i d = dpbusd(_mm256_setzero_si256(), q0, _mm256_set1_epi32(a32[0]));
-                            d = dpbusd(d, q1, _mm256_set1_epi32(a32[1]));
-                            d = dpbusd(d, q2, _mm256_set1_epi32(a32[2]));
-                            d = dpbusd(d, q3, _mm256_set1_epi32(a32[3]));
+                            __m256i d = dpbusd_bcst(_mm256_setzero_si256(), q0, a32);
+                            d = dpbusd_bcst(d, q1, a32 + 1);
+                            d = dpbusd_bcst(d, q2, a32 + 2);
+                            d = dpbusd_bcst(d, q3, a32 + 3);
                             sumi[r] = _mm256_add_epi32(sumi[r], _mm256_mullo_epi32(d, sc32));
                         }
                         continue;
@@ -527,8 +533,8 @@ static void gemv_x8_q45_01(const uint8_t* rec, int64_t ngroups, const uint8_t* a
                 for (int r = 0; r < R; ++r) {
                     const int32_t* a32 = (const int32_t*)(a[r].qs + 32 * b);
                     if constexpr (Vnni) {
-                        s16[r][0] = dpbusd(s16[r][0], lo, _mm256_set1_epi32(a32[2 * c]));
-                        s16[r][0] = dpbusd(s16[r][0], hi, _mm256_set1_epi32(a32[2 * c + 1]));
+                        s16[r][0] = dpbusd_bcst(s16[r][0], lo, a32 + 2 * c);
+                        s16[r][0] = dpbusd_bcst(s16[r][0], hi, a32 + 2 * c + 1);
                         continue;
                     }
                     __m256i& t = s16[r][five ? c / 2 : 0];
