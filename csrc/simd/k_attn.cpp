@@ -44,9 +44,11 @@ GP_INLINE __m256 hsum_lanes8(const __m256* part) {
 // attention per step 7.1-9.0 -> 4.6-7.3 ms (1B Q4_0), 18.4-19.9 -> 12.7-13.4 (1.7B Q4_K_M: 17.8-18.3 -> 22.9-25.8
 // tok/s); four or eight tiles ahead instead of two, or into L1, measured no better.
 static const bool kPrefetchKV = !cpu_is_amd() || cpu_has_avx512_vnni();
-GP_INLINE void prefetch_kv_rows(const uint8_t* kb, int64_t ks, int64_t kbytes, const uint8_t* vb, int64_t vs,
-                                int64_t vbytes, int64_t t0, int64_t t1) {
-    if (!kPrefetchKV) return;
+// cold: the caller's rows come from DRAM (a decode step's few query rows). A prefill's rows re-read each layer's
+// keys, which stay cached: there the prefetch only cost (1.7B shape, 512 tokens, 1 thread: +12% attention time).
+GP_INLINE void prefetch_kv_rows(bool cold, const uint8_t* kb, int64_t ks, int64_t kbytes, const uint8_t* vb,
+                                int64_t vs, int64_t vbytes, int64_t t0, int64_t t1) {
+    if (!cold || !kPrefetchKV) return;
     for (int64_t t = t0; t < t1; ++t) {
         for (int64_t o = 0; o < kbytes; o += 64) _mm_prefetch((const char*)(kb + t * ks + o), _MM_HINT_T1);
         for (int64_t o = 0; o < vbytes; o += 64) _mm_prefetch((const char*)(vb + t * vs + o), _MM_HINT_T1);
@@ -176,7 +178,7 @@ template <int DV8>
 static void fa_row_tiles(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bool kf16, const uint8_t* vb,
                          int64_t vs, bool vf16, int64_t Nkv, const uint8_t* mp, int64_t ms_stride, int mtype,
                          float slope, float scale, float softcap, int64_t Dv, float* cbuf, float* tot, float* M_tot,
-                         double* S_tot) {
+                         double* S_tot, bool cold) {
     constexpr bool regs = DV8 > 0;
     __m256 acc[regs ? DV8 : 1];
     alignas(32) float spill[regs ? DV8 * 8 : 8];
@@ -203,7 +205,7 @@ static void fa_row_tiles(const float* qf, int64_t D, const uint8_t* kb, int64_t 
     const int64_t es = kf16 ? 2 : 4;
     const int64_t kbytes = D * es, vbytes = Dv * (vf16 ? 2 : 4);
     for (int64_t j0 = 0; j0 < Nkv; j0 += 8) {
-        prefetch_kv_rows(kb, ks, kbytes, vb, vs, vbytes, j0 + 16, imin(j0 + 24, Nkv));  // the tile after next
+        prefetch_kv_rows(cold, kb, ks, kbytes, vb, vs, vbytes, j0 + 16, imin(j0 + 24, Nkv));  // the tile after next
         alignas(32) float mraw[8];
         if (!fa_tile_mask(mp, ms_stride, mtype, j0, Nkv, mraw)) continue;
         if (chunks.later()) {
@@ -368,7 +370,7 @@ template <int DV8, int G, bool Fixed>
 static void fa_chunk_heads_t(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, int64_t khs, bool kf16,
                              const uint8_t* vb, int64_t vs, int64_t vhs, bool vf16, int64_t n, int64_t NH,
                              const uint8_t* mp, int64_t ms_stride, int mtype, const float* slope, float scale,
-                             float softcap, float* acc, float* M, double* S) {
+                             float softcap, float* acc, float* M, double* S, bool cold) {
     constexpr int64_t Dv = DV8 * 8;
     if constexpr (Fixed) D = Dv;
     const int64_t kbytes = Fixed ? 2 * Dv : D * (kf16 ? 2 : 4), vbytes = Fixed ? 2 * Dv : Dv * (vf16 ? 2 : 4);
@@ -378,7 +380,7 @@ static void fa_chunk_heads_t(const float* qf, int64_t D, const uint8_t* kb, int6
         if (!fa_tile_mask(mp, ms_stride, mtype, j0, n, mraw)) continue;
         fa_tile_scores<DV8, G, Fixed>(qf, D, kb + j0 * ks, ks, kf16, mraw, part[0]);
         for (int64_t hk = 0; hk < NH; ++hk) {
-            prefetch_kv_rows(kb + hk * khs, ks, kbytes, vb + hk * vhs, vs, vbytes, j0 + 16, imin(j0 + 24, n));
+            prefetch_kv_rows(cold, kb + hk * khs, ks, kbytes, vb + hk * vhs, vs, vbytes, j0 + 16, imin(j0 + 24, n));
             if (hk + 1 < NH)
                 fa_tile_scores<DV8, G, Fixed>(qf + (hk + 1) * G * D, D, kb + (hk + 1) * khs + j0 * ks, ks, kf16, mraw,
                                               part[(hk + 1) & 1]);
@@ -392,24 +394,24 @@ template <int DV8, int G>
 static void fa_chunk_heads(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, int64_t khs, bool kf16,
                            const uint8_t* vb, int64_t vs, int64_t vhs, bool vf16, int64_t n, int64_t NH,
                            const uint8_t* mp, int64_t ms_stride, int mtype, const float* slope, float scale,
-                           float softcap, float* acc, float* M, double* S) {
+                           float softcap, float* acc, float* M, double* S, bool cold) {
     if (D == DV8 * 8 && kf16 && vf16)
         fa_chunk_heads_t<DV8, G, true>(qf, D, kb, ks, khs, kf16, vb, vs, vhs, vf16, n, NH, mp, ms_stride, mtype, slope,
-                                       scale, softcap, acc, M, S);
+                                       scale, softcap, acc, M, S, cold);
     else
         fa_chunk_heads_t<DV8, G, false>(qf, D, kb, ks, khs, kf16, vb, vs, vhs, vf16, n, NH, mp, ms_stride, mtype,
-                                        slope, scale, softcap, acc, M, S);
+                                        slope, scale, softcap, acc, M, S, cold);
 }
 
 // fa_chunk_heads for Dv in {32, 64, 128} and G in {1, 2, 3, 4}; false for others
 static bool fa_chunk_group(int64_t G, const float* qf, int64_t D, const uint8_t* kb, int64_t ks, int64_t khs,
                            bool kf16, const uint8_t* vb, int64_t vs, int64_t vhs, bool vf16, int64_t n, int64_t NH,
                            const uint8_t* mp, int64_t ms_stride, int mtype, const float* slope, float scale,
-                           float softcap, int64_t Dv, float* acc, float* M, double* S) {
+                           float softcap, int64_t Dv, float* acc, float* M, double* S, bool cold) {
 #define GP_FA_CH(DV8, GG)                                                                                           \
     if (Dv == DV8 * 8 && G == GG) {                                                                                 \
         fa_chunk_heads<DV8, GG>(qf, D, kb, ks, khs, kf16, vb, vs, vhs, vf16, n, NH, mp, ms_stride, mtype, slope,   \
-                                scale, softcap, acc, M, S);                                                         \
+                                scale, softcap, acc, M, S, cold);                                                   \
         return true;                                                                                                \
     }
     GP_FA_CH(4, 1) GP_FA_CH(4, 2) GP_FA_CH(4, 3) GP_FA_CH(4, 4)
@@ -423,10 +425,10 @@ static bool fa_chunk_group(int64_t G, const float* qf, int64_t D, const uint8_t*
 // to tot[Dv], *M, *S (which the caller sets to -inf and 0).
 static void fa_row(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, bool kf16, const uint8_t* vb,
                    int64_t vs, bool vf16, int64_t Nkv, const uint8_t* mp, int64_t ms_stride, int mtype, float slope,
-                   float scale, float softcap, int64_t Dv, float* cbuf, float* tot, float* M, double* S) {
+                   float scale, float softcap, int64_t Dv, float* cbuf, float* tot, float* M, double* S, bool cold) {
 #define GP_FA_ROW(DV8)                                                                                               \
     return fa_row_tiles<DV8>(qf, D, kb, ks, kf16, vb, vs, vf16, Nkv, mp, ms_stride, mtype, slope, scale, softcap, Dv, \
-                             cbuf, tot, M, S)
+                             cbuf, tot, M, S, cold)
     if (Dv == 32) GP_FA_ROW(4);
     if (Dv == 64) GP_FA_ROW(8);
     if (Dv == 128) GP_FA_ROW(16);
@@ -636,7 +638,7 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
 #if GP_AVX2
         if (vec) {
             fa_row(qf, D, kv.kb, kv.ks, kv.kf16, kv.vb, kv.vs, kv.vf16, Nkv, mp, mstride, mk.type,
-                   slope, scale, softcap, Dv, kt, acc, &M, &S);
+                   slope, scale, softcap, Dv, kt, acc, &M, &S, Nq < FA_COPY_MIN_ROWS);
             if (!(M > -INFINITY)) S = 0.0;  // no key: acc was never written
         } else
 #else
@@ -735,7 +737,7 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                     fa_chunk_group(rep, qf, D, k.data + hk0 * k.nb[2] + b * k.nb[3] + jb * k.nb[1], k.nb[1], k.nb[2],
                                    kf, v.data + hk0 * v.nb[2] + b * v.nb[3] + jb * v.nb[1], v.nb[1], v.nb[2], vf,
                                    je - jb, nh, mp ? mp + jb * mk.nb[0] : nullptr, mstride, mk.type, slope, scale,
-                                   softcap, Dv, st.acc, st.M, st.S);
+                                   softcap, Dv, st.acc, st.M, st.S, true);
                     for (int64_t g = 0; g < nq; ++g) {  // each head's chunk merged into its empty part
                         float* pg = p0 + g * nchmax * FA_PART(Dv);
                         empty(pg);
@@ -770,7 +772,7 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                 fa_row(qf, D, k.data + hk * k.nb[2] + b * k.nb[3] + jb * k.nb[1], k.nb[1], kf,
                        v.data + hk * v.nb[2] + b * v.nb[3] + jb * v.nb[1], v.nb[1], vf, je - jb,
                        mp ? mp + jb * mk.nb[0] : nullptr, mstride, mk.type, alibi_slope_fa(max_bias, h, H), scale,
-                       softcap, Dv, cbuf, pg, pg + Dv, &S);
+                       softcap, Dv, cbuf, pg, pg + Dv, &S, true);
                 memcpy(pg + Dv + 2, &S, sizeof(double));
             }
             return;
@@ -824,7 +826,7 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                 fa_chunk_group(rep, qf, D, k.data + b * k.nb[3] + jb * k.nb[1], k.nb[1], k.nb[2], k.type == T_F16,
                                v.data + b * v.nb[3] + jb * v.nb[1], v.nb[1], v.nb[2], v.type == T_F16, je - jb, Hk,
                                mp ? mp + jb * mk.nb[0] : nullptr, mstride, mk.type, slope, scale, softcap, Dv, st.acc,
-                               st.M, st.S);
+                               st.M, st.S, false);
                 for (int64_t h = 0; h < H; ++h)
                     fa_merge(tot.acc + h * Dv, tot.M + h, tot.S + h, st.acc + h * Dv, st.M[h], st.S[h], Dv);
             }
