@@ -370,14 +370,13 @@ std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w, int n
     RepackKey key;
     if (!repack_key(const_id, w, &key)) return nullptr;
     const int gr = repack_group_rows(w.type);
-    auto* cache = repack_cache;
     std::lock_guard<std::mutex> lk(repack_mu);
-    for (auto it = cache->begin(); it != cache->end();) {  // drop dead entries
-        if (it->second.expired()) it = cache->erase(it);
+    for (auto it = repack_cache->begin(); it != repack_cache->end();) {  // drop dead entries
+        if (it->second.expired()) it = repack_cache->erase(it);
         else ++it;
     }
-    auto it = cache->find(key);
-    if (it != cache->end()) {
+    auto it = repack_cache->find(key);
+    if (it != repack_cache->end()) {
         if (auto sp = it->second.lock()) return sp;
     }
     auto buf = std::make_shared<RepackBuf>();
@@ -409,7 +408,7 @@ std::shared_ptr<RepackBuf> get_repacked(int64_t const_id, const Tensor& w, int n
     for (int64_t t = 1; t < nth; ++t) helpers.emplace_back(work);
     work();
     for (auto& t : helpers) t.join();
-    (*cache)[key] = buf;
+    (*repack_cache)[key] = buf;
     return buf;
 }
 
