@@ -623,8 +623,9 @@ def test_simd_decode_plan_groups_each_layers_products_of_one_input() -> None:
 _RSS_AFTER_GENERATE = """
 import sys
 from ggml_py import load_model
+from ggml_py.models import default_model_path
 
-with load_model(sys.argv[1], backends=["simd"], n_ctx=256, n_threads=2, progress=False) as m:
+with load_model(default_model_path(), backends=["simd"], n_ctx=256, n_threads=2, progress=False) as m:
     toks = [t.id for t in m.generate("The three primary colors are", 16, temperature=0, stop_at_eos=False)]
     status = dict(line.split(":", 1) for line in open("/proc/self/status"))
     print(int(status["RssFile"].split()[0]) * 1024, int(status["VmHWM"].split()[0]) * 1024, *toks)
@@ -638,23 +639,17 @@ def test_simd_repacked_weights_replace_the_mapped_file(tmp_path):
     """SmolLM2's Q4_1/Q8_0 matrices are read only in simd's repacked layout (decode and prefill), so the pages of
     the mapped file holding them are handed back once repacked: after a generation, the file's resident share is a
     small part of its size, and peak RSS is lower than with the originals kept (GGML_PY_SIMD_KEEP_ORIGINALS=1),
-    with the same tokens. A private copy of the file, written back: MADV_PAGEOUT leaves the pages another process maps
-    too (another test worker loading SmolLM2 at the same time kept the whole file resident here), and dirty ones."""
-    import shutil
+    with the same tokens."""
     import subprocess
     import sys
 
-    path = shutil.copy(default_model_path(), tmp_path / "model.gguf")
-    with open(path, "rb+") as f:  # written back: the kernel pages out clean file pages only
-        os.fsync(f.fileno())
-
     def run(**env):
-        r = subprocess.run([sys.executable, "-c", _RSS_AFTER_GENERATE, str(path)], capture_output=True, text=True,
-                           timeout=300, check=True, env={**os.environ, **env})
+        r = subprocess.run([sys.executable, "-c", _RSS_AFTER_GENERATE], capture_output=True, text=True, timeout=300,
+                           check=True, env={**os.environ, **env})
         rss_file, peak, *toks = map(int, r.stdout.split())
         return rss_file, peak, toks
 
-    size = os.path.getsize(path)
+    size = os.path.getsize(default_model_path())
     rss_file, peak, toks = run()
     kept_file, kept_peak, kept_toks = run(GGML_PY_SIMD_KEEP_ORIGINALS="1")
     assert toks == kept_toks
