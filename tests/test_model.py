@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import time
 import warnings
 
 import numpy as np
@@ -621,14 +622,34 @@ def test_simd_decode_plan_groups_each_layers_products_of_one_input() -> None:
 
 
 _RSS_AFTER_GENERATE = """
-import sys
+import glob, os, sys, threading
 from ggml_py import load_model
 from ggml_py.models import default_model_path
 
-with load_model(default_model_path(), backends=["simd"], n_ctx=256, n_threads=2, progress=False) as m:
+path = os.path.realpath(default_model_path())
+shared = threading.Event()  # another process mapped the file while this one ran: MADV_PAGEOUT skips such pages
+
+
+def watch():
+    while not done.is_set():
+        for maps in glob.glob("/proc/[0-9]*/maps"):
+            if maps != f"/proc/{os.getpid()}/maps":
+                try:
+                    if path in open(maps).read():
+                        shared.set()
+                except OSError:
+                    pass
+        done.wait(0.1)
+
+
+done = threading.Event()
+threading.Thread(target=watch, daemon=True).start()
+with load_model(path, backends=["simd"], n_ctx=256, n_threads=2, progress=False) as m:
     toks = [t.id for t in m.generate("The three primary colors are", 16, temperature=0, stop_at_eos=False)]
     status = dict(line.split(":", 1) for line in open("/proc/self/status"))
-    print(int(status["RssFile"].split()[0]) * 1024, int(status["VmHWM"].split()[0]) * 1024, *toks)
+    done.set()
+    print(int(shared.is_set()), int(status["RssFile"].split()[0]) * 1024, int(status["VmHWM"].split()[0]) * 1024,
+          *toks)
 """
 
 
@@ -646,13 +667,19 @@ def test_simd_repacked_weights_replace_the_mapped_file(tmp_path):
     def run(**env):
         r = subprocess.run([sys.executable, "-c", _RSS_AFTER_GENERATE], capture_output=True, text=True, timeout=300,
                            check=True, env={**os.environ, **env})
-        rss_file, peak, *toks = map(int, r.stdout.split())
-        return rss_file, peak, toks
+        shared, rss_file, peak, *toks = map(int, r.stdout.split())
+        return shared, rss_file, peak, toks
 
     size = os.path.getsize(default_model_path())
-    rss_file, peak, toks = run()
-    kept_file, kept_peak, kept_toks = run(GGML_PY_SIMD_KEEP_ORIGINALS="1")
+    # Another test worker mapping SmolLM2 at the same moment keeps its pages resident in both (the kernel does not
+    # page out shared pages): such a run is measured again, up to five times; a run alone must meet the bound.
+    for _ in range(5):
+        shared, rss_file, peak, toks = run()
+        if rss_file < 0.4 * size or not shared:
+            break
+        time.sleep(5)
+    _, kept_file, kept_peak, kept_toks = run(GGML_PY_SIMD_KEEP_ORIGINALS="1")
     assert toks == kept_toks
     assert kept_file > 0.8 * size  # the check can fail: with the originals kept, the file is resident
-    assert rss_file < 0.4 * size, (rss_file, size)
+    assert rss_file < 0.4 * size, (rss_file, size, "shared" if shared else "alone")
     assert peak < kept_peak - 0.5 * size, (peak, kept_peak)
