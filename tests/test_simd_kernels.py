@@ -451,6 +451,37 @@ def test_flash_attn_softcap_alibi(level, arena, rng):
     assert nmse(_attn_ref(sc, v, 1), out) < 5e-4
 
 
+@pytest.mark.parametrize("Hk", [4, 2])
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_flash_attn_prefill_rows_share_tiles(level, arena, rng, Hk, D):
+    """A prefill takes its query rows a few at a time (8 rows without GQA, 4 with 2 heads a KV head) where their
+    chunks of keys start at the same tiles, and converts each tile the rows all see whole once for all of them; a
+    tile some row sees in part, and a block that straddles a chunk's end, go row by row. Mask values that are not
+    0 (ALiBi's slope times them) and a softcap; each row must equal the reference and, to the bit, itself alone."""
+    B, H, nq, nkv = 1, 4, 64, 300  # blocks of rows for each of the 8 units of 2 threads
+    q = rng.standard_normal((B, H, nq, D)).astype(np.float32)
+    k = rng.standard_normal((B, Hk, nkv, D)).astype(np.float16)
+    v = rng.standard_normal((B, Hk, nkv, D)).astype(np.float16)
+    m = rng.standard_normal((nq, nkv)).astype(np.float32)
+    ends = 180 + 2 * np.arange(nq)  # causal ends 2 keys apart: tiles seen whole and in part, chunks of 2 and of 3
+    m[np.arange(nkv)[None, :] >= ends[:, None]] = -np.inf
+    m[:, 40:64] = -np.inf  # whole tiles no row sees
+    Q, K, V, M = arena.put(q), arena.put(k), arena.put(v), arena.put(m)
+    out = arena.empty((B, nq, H, D), np.float32)
+    fp = [0.3, 4.0, 2.0]
+    run(arena, "FLASH_ATTN_EXT", desc(arena, out), [desc(arena, Q), desc(arena, K), desc(arena, V), desc(arena, M)],
+        fp=fp, level=level)
+    sc = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), np.repeat(k.astype(np.float64), H // Hk, 1)) * 0.3
+    sc = 2.0 * np.tanh(sc / 2.0) + _alibi(H, 4.0)[:, None, None] * m
+    assert nmse(_attn_ref(sc, v, H // Hk), out) < 5e-4
+    for i in range(nq):
+        Qi, Mi = arena.put(np.ascontiguousarray(q[:, :, i:i + 1])), arena.put(np.ascontiguousarray(m[i:i + 1]))
+        one = arena.empty((B, 1, H, D), np.float32)
+        run(arena, "FLASH_ATTN_EXT", desc(arena, one), [desc(arena, Qi), desc(arena, K), desc(arena, V),
+                                                        desc(arena, Mi)], fp=fp, level=level)
+        assert np.array_equal(one[:, 0], out[:, i]), i
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # matmul
 

@@ -320,16 +320,18 @@ GP_INLINE void fa_tile_scores(const float* qf, int64_t D, const uint8_t* kt, int
     }
 }
 
-template <int DV8, int G, bool Fixed>
+// GM: heads per mask row (G heads of G / GM query rows: head g's mask is mraw[g / GM][8]; which keys are weighted
+// is mraw[0]'s, the same for every row where there are several).
+template <int DV8, int G, bool Fixed, int GM = G>
 GP_INLINE void fa_tile_values(const __m256 (*part)[8], const uint8_t* vt, int64_t vs, bool vf16, const float* mraw,
                               const float* slope, float scale, float softcap, float* acc, float* M, double* S) {
     constexpr int64_t Dv = DV8 * 8;
     if constexpr (Fixed) vf16 = true;
     const int64_t ves = vf16 ? 2 : 4;
-    const __m256 vmr = _mm256_load_ps(mraw);
     alignas(32) float pv[G][8];
     for (int g = 0; g < G; ++g)
-        fa_softmax_step<DV8>(part[g], vmr, slope[g], scale, softcap, acc + g * Dv, M + g, S + g, pv[g]);
+        fa_softmax_step<DV8>(part[g], _mm256_load_ps(mraw + g / GM * 8), slope[g], scale, softcap, acc + g * Dv,
+                             M + g, S + g, pv[g]);
     // the values: NB blocks of 8 elements of the G heads' sums in registers at a time (8 registers), key by key
     // inside, so that the NB x G sums advance side by side (one block at a time was a chain of 8 dependent FMAs)
     int vis[8], nv = 0;  // a masked row may hold anything (never written): skipped
@@ -365,27 +367,52 @@ GP_INLINE void fa_tile_values(const __m256 (*part)[8], const uint8_t* vt, int64_
 // Within a tile the heads are pipelined: the next head's scores (independent work) are computed before this head's
 // softmax and values, whose chain of dependent steps (sums, maximum, exp, the weighted values) otherwise ran alone.
 // Each head's arithmetic is fa_row_tiles' over the same tiles, so the result is the same as head by head. The
-// heads' chunk state (acc[NH * G * Dv], M, S) is the caller's, set to 0, -inf, 0.
-template <int DV8, int G, bool Fixed>
+// heads' chunk state (acc, M, S) is the caller's, set to 0, -inf, 0.
+// R query rows at once (a prefill's consecutive rows whose chunks start at the same tiles; mask rows mrs bytes
+// apart): a tile that every row sees whole is converted once for the R x G heads of a KV head, which share it as a
+// group's heads do (the conversions, not the FMAs, bound a prefill's attention without GQA); a tile some row sees in
+// part is taken row by row. Query h's state, query and slope are at index (hk * R + r) * G + g (one row: h).
+template <int DV8, int G, int R, bool Fixed>
 static void fa_chunk_heads_t(const float* qf, int64_t D, const uint8_t* kb, int64_t ks, int64_t khs, bool kf16,
                              const uint8_t* vb, int64_t vs, int64_t vhs, bool vf16, int64_t n, int64_t NH,
-                             const uint8_t* mp, int64_t ms_stride, int mtype, const float* slope, float scale,
-                             float softcap, float* acc, float* M, double* S, bool cold) {
+                             const uint8_t* mp, int64_t ms_stride, int64_t mrs, int mtype, const float* slope,
+                             float scale, float softcap, float* acc, float* M, double* S, bool cold) {
     constexpr int64_t Dv = DV8 * 8;
+    constexpr int GR = G * R;  // the query heads of one KV head
     if constexpr (Fixed) D = Dv;
     const int64_t kbytes = Fixed ? 2 * Dv : D * (kf16 ? 2 : 4), vbytes = Fixed ? 2 * Dv : Dv * (vf16 ? 2 : 4);
-    __m256 part[2][G][8];
+    __m256 part[2][GR][8];
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
-        alignas(32) float mraw[8];
-        if (!fa_tile_mask(mp, ms_stride, mtype, j0, n, mraw)) continue;
-        fa_tile_scores<DV8, G, Fixed>(qf, D, kb + j0 * ks, ks, kf16, mraw, part[0]);
+        alignas(32) float mraw[R][8];
+        bool any = false, whole = true;
+        for (int r = 0; r < R; ++r) {
+            any |= fa_tile_mask(mp ? mp + r * mrs : nullptr, ms_stride, mtype, j0, n, mraw[r]);
+            if constexpr (R > 1)
+                for (int t = 0; t < 8; ++t) whole &= mraw[r][t] != -INFINITY;
+        }
+        if (!any) continue;
+        if (!whole) {  // some row sees part of the tile: each row's heads on their own
+            for (int64_t hk = 0; hk < NH; ++hk)
+                for (int r = 0; r < R; ++r) {
+                    const int64_t h = (hk * R + r) * G;
+                    bool vis = false;
+                    for (int t = 0; t < 8; ++t) vis |= mraw[r][t] != -INFINITY;
+                    if (!vis) continue;
+                    fa_tile_scores<DV8, G, Fixed>(qf + h * D, D, kb + hk * khs + j0 * ks, ks, kf16, mraw[r], part[0]);
+                    fa_tile_values<DV8, G, Fixed>(part[0], vb + hk * vhs + j0 * vs, vs, vf16, mraw[r], slope + h,
+                                                  scale, softcap, acc + h * Dv, M + h, S + h);
+                }
+            continue;
+        }
+        fa_tile_scores<DV8, GR, Fixed>(qf, D, kb + j0 * ks, ks, kf16, mraw[0], part[0]);
         for (int64_t hk = 0; hk < NH; ++hk) {
             prefetch_kv_rows(cold, kb + hk * khs, ks, kbytes, vb + hk * vhs, vs, vbytes, j0 + 16, imin(j0 + 24, n));
             if (hk + 1 < NH)
-                fa_tile_scores<DV8, G, Fixed>(qf + (hk + 1) * G * D, D, kb + (hk + 1) * khs + j0 * ks, ks, kf16, mraw,
-                                              part[(hk + 1) & 1]);
-            fa_tile_values<DV8, G, Fixed>(part[hk & 1], vb + hk * vhs + j0 * vs, vs, vf16, mraw, slope + hk * G, scale,
-                                          softcap, acc + hk * G * Dv, M + hk * G, S + hk * G);
+                fa_tile_scores<DV8, GR, Fixed>(qf + (hk + 1) * GR * D, D, kb + (hk + 1) * khs + j0 * ks, ks, kf16,
+                                               mraw[0], part[(hk + 1) & 1]);
+            fa_tile_values<DV8, GR, Fixed, G>(part[hk & 1], vb + hk * vhs + j0 * vs, vs, vf16, mraw[0],
+                                              slope + hk * GR, scale, softcap, acc + hk * GR * Dv, M + hk * GR,
+                                              S + hk * GR);
         }
     }
 }
@@ -396,22 +423,31 @@ static void fa_chunk_heads(const float* qf, int64_t D, const uint8_t* kb, int64_
                            const uint8_t* mp, int64_t ms_stride, int mtype, const float* slope, float scale,
                            float softcap, float* acc, float* M, double* S, bool cold) {
     if (D == DV8 * 8 && kf16 && vf16)
-        fa_chunk_heads_t<DV8, G, true>(qf, D, kb, ks, khs, kf16, vb, vs, vhs, vf16, n, NH, mp, ms_stride, mtype, slope,
-                                       scale, softcap, acc, M, S, cold);
+        fa_chunk_heads_t<DV8, G, 1, true>(qf, D, kb, ks, khs, kf16, vb, vs, vhs, vf16, n, NH, mp, ms_stride, 0, mtype,
+                                          slope, scale, softcap, acc, M, S, cold);
     else
-        fa_chunk_heads_t<DV8, G, false>(qf, D, kb, ks, khs, kf16, vb, vs, vhs, vf16, n, NH, mp, ms_stride, mtype,
-                                        slope, scale, softcap, acc, M, S, cold);
+        fa_chunk_heads_t<DV8, G, 1, false>(qf, D, kb, ks, khs, kf16, vb, vs, vhs, vf16, n, NH, mp, ms_stride, 0,
+                                           mtype, slope, scale, softcap, acc, M, S, cold);
 }
 
-// fa_chunk_heads for Dv in {32, 64, 128} and G in {1, 2, 3, 4}; false for others
-static bool fa_chunk_group(int64_t G, const float* qf, int64_t D, const uint8_t* kb, int64_t ks, int64_t khs,
-                           bool kf16, const uint8_t* vb, int64_t vs, int64_t vhs, bool vf16, int64_t n, int64_t NH,
-                           const uint8_t* mp, int64_t ms_stride, int mtype, const float* slope, float scale,
-                           float softcap, int64_t Dv, float* acc, float* M, double* S, bool cold) {
+// fa_chunk_heads for Dv in {32, 64, 128} and G in {1, 2, 3, 4}, one query row or (D == Dv, F16 keys and values)
+// fa_block_rows(G) of them, mask rows mrs bytes apart; false for others
+static bool fa_chunk_group(int64_t G, int64_t R, const float* qf, int64_t D, const uint8_t* kb, int64_t ks,
+                           int64_t khs, bool kf16, const uint8_t* vb, int64_t vs, int64_t vhs, bool vf16, int64_t n,
+                           int64_t NH, const uint8_t* mp, int64_t ms_stride, int64_t mrs, int mtype,
+                           const float* slope, float scale, float softcap, int64_t Dv, float* acc, float* M, double* S,
+                           bool cold) {
 #define GP_FA_CH(DV8, GG)                                                                                           \
     if (Dv == DV8 * 8 && G == GG) {                                                                                 \
-        fa_chunk_heads<DV8, GG>(qf, D, kb, ks, khs, kf16, vb, vs, vhs, vf16, n, NH, mp, ms_stride, mtype, slope,   \
-                                scale, softcap, acc, M, S, cold);                                                   \
+        constexpr int RB = fa_block_rows(GG);                                                                       \
+        if (R == 1)                                                                                                 \
+            fa_chunk_heads<DV8, GG>(qf, D, kb, ks, khs, kf16, vb, vs, vhs, vf16, n, NH, mp, ms_stride, mtype,       \
+                                    slope, scale, softcap, acc, M, S, cold);                                        \
+        else if (R == RB && D == Dv && kf16 && vf16)                                                                \
+            fa_chunk_heads_t<DV8, GG, RB, true>(qf, D, kb, ks, khs, kf16, vb, vs, vhs, vf16, n, NH, mp, ms_stride,  \
+                                                mrs, mtype, slope, scale, softcap, acc, M, S, cold);                \
+        else                                                                                                        \
+            return false;                                                                                           \
         return true;                                                                                                \
     }
     GP_FA_CH(4, 1) GP_FA_CH(4, 2) GP_FA_CH(4, 3) GP_FA_CH(4, 4)
@@ -734,10 +770,10 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
                         st.clear(g, Dv);
                     }
                     const uint8_t* mp = mask_of(iq, h0, b);
-                    fa_chunk_group(rep, qf, D, k.data + hk0 * k.nb[2] + b * k.nb[3] + jb * k.nb[1], k.nb[1], k.nb[2],
-                                   kf, v.data + hk0 * v.nb[2] + b * v.nb[3] + jb * v.nb[1], v.nb[1], v.nb[2], vf,
-                                   je - jb, nh, mp ? mp + jb * mk.nb[0] : nullptr, mstride, mk.type, slope, scale,
-                                   softcap, Dv, st.acc, st.M, st.S, true);
+                    fa_chunk_group(rep, 1, qf, D, k.data + hk0 * k.nb[2] + b * k.nb[3] + jb * k.nb[1], k.nb[1],
+                                   k.nb[2], kf, v.data + hk0 * v.nb[2] + b * v.nb[3] + jb * v.nb[1], v.nb[1], v.nb[2],
+                                   vf, je - jb, nh, mp ? mp + jb * mk.nb[0] : nullptr, mstride, 0, mk.type, slope,
+                                   scale, softcap, Dv, st.acc, st.M, st.S, true);
                     for (int64_t g = 0; g < nq; ++g) {  // each head's chunk merged into its empty part
                         float* pg = p0 + g * nchmax * FA_PART(Dv);
                         empty(pg);
@@ -803,34 +839,56 @@ void k_flash_attn_ext(Node& n, int phase, int ith, int nth, const ExecCtx& ctx) 
         // order as the split decode path does: the same bits. With GQA twice the MACs a second of the per-row grouped
         // kernel over F32 copies (Llama-3.2-1B shape, 128 rows over 512 keys, 1 thread: 7.3 -> 14.2 GMAC/s); without
         // (SmolLM2-1.7B's 32 heads, a 512-token prompt in 128-row steps, 1 thread, a Zen 4) 274 -> 236 ms a step.
+        // Rows go in blocks of fa_block_rows(rep) whose chunks start at the same tiles (all but a block that spans a
+        // chunk's end under a causal mask), which share each tile's conversion (fa_chunk_heads_t): SmolLM2-1.7B's
+        // shape (no GQA), Q6_K, a 512-token prompt in 128-row steps, 1 thread, three interleaved runs: attention
+        // 232-272 ms a prompt one row at a time, 182-202 four rows a block, 164-168 eight.
+        const bool fixed = D == Dv && k.type == T_F16 && v.type == T_F16;
+        const int64_t RB = fixed ? fa_block_rows((int)rep) : 1, HB = RB * H;
+        const int64_t nch = ((Nkv + 7) / 8 + FA_CHUNK_TILES - 1) / FA_CHUNK_TILES;
         float* qf = ts;
-        const FaState st(qf + H * D, H, Dv), tot(ts + FA_SPLIT_FLOATS(D, Dv, H), H, Dv);  // a chunk's, the row's
-        float* slope = st.end(H);
-        int32_t* starts = (int32_t*)tot.end(H);
-        for (int64_t h = 0; h < H; ++h) slope[h] = alibi_slope_fa(max_bias, h, H);
-        int64_t r0, r1;
-        split_range(Nq * B, ith, nth, &r0, &r1);
-        for (int64_t r = r0; r < r1; ++r) {
-            const int64_t iq = r % Nq, b = r / Nq;
-            const uint8_t* mp = mask_of(iq, 0, b);
-            fa_chunk_starts(mp, mstride, mk.type, Nkv, starts);
-            for (int64_t h = 0; h < H; ++h) {
-                query_of(iq, h, b, qf + h * D);
-                tot.M[h] = -INFINITY;
-                tot.S[h] = 0.0;
+        const FaState st(qf + HB * D, HB, Dv), tot(ts + FA_SPLIT_FLOATS(D, Dv, HB), HB, Dv);  // a chunk's, the rows'
+        float* slope = st.end(HB);
+        int32_t* starts = (int32_t*)tot.end(HB);  // each row's chunk table, nch + 1 apart
+        // units of a block of rows where there are enough blocks for every unit, else of a row
+        const int64_t per = B * ((Nq + RB - 1) / RB) >= nth ? RB : 1, nu = (Nq + per - 1) / per;  // units a batch
+        int64_t u0, u1;
+        split_range(B * nu, ith, nth, &u0, &u1);
+        for (int64_t u = u0; u < u1; ++u) {
+            const int64_t b = u / nu, iq_end = imin(Nq, (u % nu + 1) * per);
+            for (int64_t iq0 = u % nu * per, R; iq0 < iq_end; iq0 += R) {
+                R = iq0 + RB <= iq_end ? RB : 1;
+                for (int64_t i = 0; i < R; ++i)
+                    fa_chunk_starts(mask_of(iq0 + i, 0, b), mstride, mk.type, Nkv, starts + i * (nch + 1));
+                for (int64_t i = 1; i < R; ++i)
+                    if (memcmp(starts, starts + i * (nch + 1), sizeof(int32_t) * (1 + starts[0])) != 0) R = 1;
+                // query h of row iq0 + i where fa_chunk_heads_t takes it
+                auto at = [&](int64_t h, int64_t i) { return (h / rep * R + i) * rep + h % rep; };
+                for (int64_t i = 0; i < R; ++i)
+                    for (int64_t h = 0; h < H; ++h) {
+                        query_of(iq0 + i, h, b, qf + at(h, i) * D);
+                        slope[at(h, i)] = alibi_slope_fa(max_bias, h, H);
+                        tot.M[at(h, i)] = -INFINITY;
+                        tot.S[at(h, i)] = 0.0;
+                    }
+                const uint8_t* mp = mask_of(iq0, 0, b);
+                for (int64_t c = 0; c < starts[0]; ++c) {
+                    int64_t jb, je;
+                    fa_chunk_keys(starts, c, Nkv, &jb, &je);
+                    for (int64_t h = 0; h < R * H; ++h) st.clear(h, Dv);
+                    fa_chunk_group(rep, R, qf, D, k.data + b * k.nb[3] + jb * k.nb[1], k.nb[1], k.nb[2],
+                                   k.type == T_F16, v.data + b * v.nb[3] + jb * v.nb[1], v.nb[1], v.nb[2],
+                                   v.type == T_F16, je - jb, Hk, mp ? mp + jb * mk.nb[0] : nullptr, mstride, mk.nb[1],
+                                   mk.type, slope, scale, softcap, Dv, st.acc, st.M, st.S, false);
+                    for (int64_t h = 0; h < R * H; ++h)
+                        fa_merge(tot.acc + h * Dv, tot.M + h, tot.S + h, st.acc + h * Dv, st.M[h], st.S[h], Dv);
+                }
+                for (int64_t i = 0; i < R; ++i)
+                    for (int64_t h = 0; h < H; ++h) {
+                        const int64_t x = at(h, i);
+                        out_head(iq0 + i, h, b, tot.acc + x * Dv, tot.S[x], tot.M[x] > -INFINITY);
+                    }
             }
-            for (int64_t c = 0; c < starts[0]; ++c) {
-                int64_t jb, je;
-                fa_chunk_keys(starts, c, Nkv, &jb, &je);
-                for (int64_t h = 0; h < H; ++h) st.clear(h, Dv);
-                fa_chunk_group(rep, qf, D, k.data + b * k.nb[3] + jb * k.nb[1], k.nb[1], k.nb[2], k.type == T_F16,
-                               v.data + b * v.nb[3] + jb * v.nb[1], v.nb[1], v.nb[2], v.type == T_F16, je - jb, Hk,
-                               mp ? mp + jb * mk.nb[0] : nullptr, mstride, mk.type, slope, scale, softcap, Dv, st.acc,
-                               st.M, st.S, false);
-                for (int64_t h = 0; h < H; ++h)
-                    fa_merge(tot.acc + h * Dv, tot.M + h, tot.S + h, st.acc + h * Dv, st.M[h], st.S[h], Dv);
-            }
-            for (int64_t h = 0; h < H; ++h) out_head(iq, h, b, tot.acc + h * Dv, tot.S[h], tot.M[h] > -INFINITY);
         }
         return;
     }
