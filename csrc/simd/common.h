@@ -241,9 +241,11 @@ static inline int64_t FA_COPY_FLOATS(int64_t nkv, int64_t d, int64_t dv) { retur
 //   Q4_K: per group and 256-column super-block a record of 1184 bytes: qs[1024] (sub-block j = 0..7 at 128j, laid
 //         out as Q4_1's qs), sc[64] (6-bit scale of row r, sub-block j at 8j + r), m[64] (mins, same order),
 //         d[8] (f16), dmin[8] (f16).
-//   Q5_K: per group and super-block a record of 1440 bytes (8 x 180, +2%): Q4_K's qs[1024] (the low 4 bits), then
-//         qh[256] (sub-block j at 1024 + 32j, byte 4r + i: the fifth bits of row r's elements 8c+i at bit 2c and
-//         8c+4+i at bit 2c+1, c = 0..3), then Q4_K's sc, m, d, dmin at 1280, 1344, 1408, 1424.
+//   Q5_K: per group and super-block a record of 1440 bytes (8 x 180, +2%): for each sub-block j 160 bytes at 160j,
+//         Q4_K's 128 bytes of its low 4 bits, then 32 of its fifth bits (byte 4r + i: row r's elements 8c+i at bit
+//         2c and 8c+4+i at bit 2c+1, c = 0..3); then Q4_K's sc, m, d, dmin at 1280, 1344, 1408, 1424. The fifth bits
+//         beside their nibbles make a record one stream read in order (in a region of their own after the nibbles,
+//         the one-row GEMV read 14 GB/s from DRAM on a Zen 4 where Q4_K's read 26-29).
 //   Q6_K: per group and 256-column super-block a record of 1680 bytes (8 x 210: no extra memory): for each of the
 //         16 sub-blocks j (16 columns) 96 bytes at 96j: ql[64] (byte 32c + 4r + i: row r's 4 low bits of elements
 //         16j+8c+i (low nibble) and 16j+8c+4+i (high nibble), c = 0..1, i = 0..3), then qh[32] (byte 4r + i: row
@@ -268,12 +270,16 @@ static inline int repack_group_rows(int t) { return repack_supported(t) ? 8 : re
 // Row `row` (< the full groups' rows) of weight w read back from its repacked copy, in the weight's stored format
 // (row_bytes(w.type, w.ne[0]) bytes at out): the exact bytes the original held.
 void unrepack_row(const Tensor& w, const uint8_t* repacked, int64_t row, uint8_t* out);
+// An x8 Q4_K (five false) / Q5_K record (above): its bytes, where sub-block j's nibbles start (Q5_K's fifth bits
+// 128 bytes after them), where its sc, m, d, dmin start
+constexpr int64_t x8k_size(bool five) { return five ? 1440 : 1184; }
+constexpr int64_t x8k_sub(bool five, int64_t j) { return (five ? 160 : 128) * j; }
+constexpr int64_t x8k_meta(bool five) { return five ? 1280 : 1024; }
 // bytes per repacked row (a group takes repack_group_rows times this)
 static inline int64_t repack_row_bytes(int t, int64_t k) {
     switch (t) {
         case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: return k / 32 * type_size(t);
-        case T_Q4_K: return k / 256 * 148;
-        case T_Q5_K: return k / 256 * 180;
+        case T_Q4_K: case T_Q5_K: return k / 256 * x8k_size(t == T_Q5_K) / 8;
         case T_Q6_K: return k / 256 * 210;
         case T_F32: case T_F16: case T_BF16: return k * type_size(t);
         default: return 0;

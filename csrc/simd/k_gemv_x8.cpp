@@ -106,7 +106,7 @@ static inline void unpack_x8_q45_pair(const uint8_t* q, const uint8_t* q1, int c
 template <bool Five, int R>
 static void gemv_x8_q45_K_pair(const uint8_t* rec, const uint8_t* act, size_t astride, int64_t k, float* out,
                                size_t ostride) {
-    constexpr int64_t size = Five ? 1440 : 1184, meta = Five ? 1280 : 1024;
+    constexpr int64_t size = x8k_size(Five), meta = x8k_meta(Five);
     const int64_t nb = k / 256;
     A256Parts a[R];
     for (int r = 0; r < R; ++r) a[r] = a256_parts(act + r * astride, k);
@@ -120,14 +120,14 @@ static void gemv_x8_q45_K_pair(const uint8_t* rec, const uint8_t* act, size_t as
         __m512i sumi[R], mi[R];
         for (int r = 0; r < R; ++r) sumi[r] = mi[r] = _mm512_setzero_si512();
         for (int j = 0; j < 8; ++j) {
-            const uint8_t* q = p + 128 * j;
-            const uint8_t* q1 = p1 + 128 * j;
+            const uint8_t* q = p + x8k_sub(Five, j);
+            const uint8_t* q1 = p1 + x8k_sub(Five, j);
             _mm_prefetch((const char*)(q + 2 * size), _MM_HINT_T0);
             _mm_prefetch((const char*)(q + 2 * size + 64), _MM_HINT_T0);
             _mm_prefetch((const char*)(q1 + 2 * size), _MM_HINT_T0);
             _mm_prefetch((const char*)(q1 + 2 * size + 64), _MM_HINT_T0);
-            __m512i h = Five ? join256(_mm256_loadu_si256((const __m256i*)(p + 1024 + 32 * j)),
-                                       _mm256_loadu_si256((const __m256i*)(p1 + 1024 + 32 * j)))
+            __m512i h = Five ? join256(_mm256_loadu_si256((const __m256i*)(q + 128)),
+                                       _mm256_loadu_si256((const __m256i*)(q1 + 128)))
                              : _mm512_setzero_si512();
             // Q4_K: each half of the sub-block (16 quants of 0..15 against activations of -127..127) sums within
             // an i16, so the halves go into the two i16s of a lane and one madd applies the scale to both, where
@@ -185,7 +185,7 @@ static void gemv_x8_q45_K_pair(const uint8_t* rec, const uint8_t* act, size_t as
 template <bool Five, int R, bool Vnni>
 static void gemv_x8_q45_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int64_t k,
                           float* out, size_t ostride) {
-    constexpr int64_t size = Five ? 1440 : 1184, meta = Five ? 1280 : 1024;
+    constexpr int64_t size = x8k_size(Five), meta = x8k_meta(Five);
     const int64_t nb = k / 256;
     A256Parts a[R];
     for (int r = 0; r < R; ++r) a[r] = a256_parts(act + r * astride, k);
@@ -198,10 +198,6 @@ static void gemv_x8_q45_K(const uint8_t* rec, int64_t ngroups, const uint8_t* ac
         for (; g + 1 < ngroups; g += 2)
             gemv_x8_q45_K_pair<Five, R>(rec + g * nb * size, act, astride, k, out + 8 * g, ostride);
 #endif
-    // Q5_K with VNNI (32 vector registers): a record's fifth bits (256 bytes after its 1024 of nibbles) loaded at
-    // its start, not 32 bytes beside each 128 of nibbles: from DRAM, without the prefetch, 14.2-14.4 -> 18.6-19.0 GB/s
-    // (one stream read in order; the bits themselves cost nothing: not loading them at all read 22.9)
-    constexpr bool h_first = Five && Vnni;
     for (; g < ngroups; ++g) {
         const uint8_t* p = rec + g * nb * size;
         __m256 acc[R];
@@ -209,20 +205,15 @@ static void gemv_x8_q45_K(const uint8_t* rec, int64_t ngroups, const uint8_t* ac
         for (int64_t s = 0; s < nb; ++s, p += size) {
             __m256i sumi[R];
             for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-            __m256i hs[8];
-            if constexpr (h_first)
-                for (int j = 0; j < 8; ++j) hs[j] = _mm256_loadu_si256((const __m256i*)(p + 1024 + 32 * j));
             for (int j = 0; j < 8; ++j) {
-                const uint8_t* q = p + 128 * j;
+                const uint8_t* q = p + x8k_sub(Five, j);
                 if (kPrefetchX8K) {
-                    _mm_prefetch((const char*)(q + PREFETCH_AHEAD), _MM_HINT_T0);
-                    _mm_prefetch((const char*)(q + PREFETCH_AHEAD + 64), _MM_HINT_T0);
-                    if (1024 + 64 * j < size)  // the rest of that record: Q5_K's fifth bits, the scales (2t decode +3%)
-                        _mm_prefetch((const char*)(p + PREFETCH_AHEAD + 1024 + 64 * j), _MM_HINT_T0);
+                    for (int64_t o = 0; o < x8k_sub(Five, 1); o += 64)  // sub-block j's nibbles (and fifth bits)
+                        _mm_prefetch((const char*)(q + PREFETCH_AHEAD + o), _MM_HINT_T0);
+                    if (meta + 64 * j < size)  // the rest of that record: the scales (2t decode +3%)
+                        _mm_prefetch((const char*)(p + PREFETCH_AHEAD + meta + 64 * j), _MM_HINT_T0);
                 }
-                __m256i h = h_first ? hs[j]
-                            : Five  ? _mm256_loadu_si256((const __m256i*)(p + 1024 + 32 * j))
-                                    : _mm256_setzero_si256();
+                __m256i h = Five ? _mm256_loadu_si256((const __m256i*)(q + 128)) : _mm256_setzero_si256();
                 __m256i s16[R][2];  // VNNI: s16[r][0] holds the 32-bit sums
                 for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
                 for (int c = 0; c < 4; ++c) {

@@ -78,15 +78,16 @@ static void dequant_x8_row_k(int type, const uint8_t* group, int r, int64_t pc, 
             continue;
         }
         const bool five = type == T_Q5_K;
-        const int64_t meta = five ? 1280 : 1024;
+        const int64_t meta = x8k_meta(five);
         const float d = fp16_to_fp32(((const uint16_t*)(p + meta + 128))[r]);
         const float dmin = fp16_to_fp32(((const uint16_t*)(p + meta + 144))[r]);
         for (int j = 0; j < 8; ++j) {
             const float d1 = d * (float)p[meta + 8 * j + r], m1 = dmin * (float)p[meta + 64 + 8 * j + r];
             for (int t = 0; t < 32; ++t) {
                 const int c = t / 8, i = t & 3, high = (t & 4) != 0;
-                int q = (p[128 * j + 32 * c + 4 * r + i] >> (4 * high)) & 0x0f;
-                if (five) q |= ((p[1024 + 32 * j + 4 * r + i] >> (2 * c + high)) & 1) << 4;
+                const uint8_t* u = p + x8k_sub(five, j);
+                int q = (u[32 * c + 4 * r + i] >> (4 * high)) & 0x0f;
+                if (five) q |= ((u[128 + 4 * r + i] >> (2 * c + high)) & 1) << 4;
                 out[32 * j + t] = d1 * (float)q - m1;
             }
         }

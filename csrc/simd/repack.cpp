@@ -113,16 +113,16 @@ static void repack_q8_0(const Tensor& w, uint8_t* out, int64_t g0, int64_t g1) {
     }
 }
 
-// Q4_K and Q5_K: the same records, Q5_K's with its fifth bits in qh[256] after the nibbles (see common.h)
+// Q4_K and Q5_K: the same records, Q5_K's with each sub-block's fifth bits after its nibbles (see common.h)
 template <typename Block>
 static void repack_q45_K(const Tensor& w, uint8_t* out, int64_t g0, int64_t g1) {
     constexpr bool five = std::is_same_v<Block, blk_q5_K>;
-    constexpr int64_t size = five ? 1440 : 1184, meta = five ? 1280 : 1024;
+    constexpr int64_t size = x8k_size(five), meta = x8k_meta(five);
     const int64_t K = w.ne[0], nb = K / 256;
     for (int64_t g = g0; g < g1; ++g) {
         for (int64_t s = 0; s < nb; ++s) {
             uint8_t* rec = out + (g * nb + s) * size;
-            if constexpr (five) memset(rec + 1024, 0, 256);  // the fifth bits are OR-ed together below
+            if constexpr (five) memset(rec, 0, meta);  // the fifth bits are OR-ed together below
             for (int r = 0; r < 8; ++r) {
                 const Block* x = (const Block*)(w.data + (8 * g + r) * w.nb[1]) + s;
                 uint8_t sm[16];
@@ -134,9 +134,9 @@ static void repack_q45_K(const Tensor& w, uint8_t* out, int64_t g0, int64_t g1) 
                     for (int l = 0; l < 32; ++l) v[l] = (j & 1) ? (q[l] >> 4) : (q[l] & 0x0f);
                     for (int c = 0; c < 4; ++c)
                         for (int i = 0; i < 4; ++i) {
-                            rec[128 * j + 32 * c + 4 * r + i] = (uint8_t)(v[8 * c + i] | (v[8 * c + 4 + i] << 4));
+                            rec[x8k_sub(five, j) + 32 * c + 4 * r + i] = (uint8_t)(v[8 * c + i] | (v[8 * c + 4 + i] << 4));
                             if constexpr (five)  // Q5_K: element l's fifth bit is bit j of qh[l]
-                                rec[1024 + 32 * j + 4 * r + i] |=
+                                rec[x8k_sub(five, j) + 128 + 4 * r + i] |=
                                     (uint8_t)((((x->qh[8 * c + i] >> j) & 1) << (2 * c)) |
                                               (((x->qh[8 * c + 4 + i] >> j) & 1) << (2 * c + 1)));
                         }
@@ -252,7 +252,7 @@ static void unrepack_q8_0(const uint8_t* grp, int64_t nb, int r, blk_q8_0* out) 
 template <typename Block>
 static void unrepack_q45_K(const uint8_t* grp, int64_t nb, int r, Block* out) {
     constexpr bool five = std::is_same_v<Block, blk_q5_K>;
-    constexpr int64_t size = five ? 1440 : 1184, meta = five ? 1280 : 1024;
+    constexpr int64_t size = x8k_size(five), meta = x8k_meta(five);
     for (int64_t s = 0; s < nb; ++s) {
         const uint8_t* rec = grp + s * size;
         Block* x = out + s;
@@ -262,11 +262,11 @@ static void unrepack_q45_K(const uint8_t* grp, int64_t nb, int r, Block* out) {
             uint8_t v[32];
             for (int c = 0; c < 4; ++c)
                 for (int i = 0; i < 4; ++i) {
-                    const uint8_t b = rec[128 * j + 32 * c + 4 * r + i];
+                    const uint8_t b = rec[x8k_sub(five, j) + 32 * c + 4 * r + i];
                     v[8 * c + i] = b & 0x0f;
                     v[8 * c + 4 + i] = b >> 4;
                     if constexpr (five) {
-                        const uint8_t hb = rec[1024 + 32 * j + 4 * r + i];
+                        const uint8_t hb = rec[x8k_sub(five, j) + 128 + 4 * r + i];
                         x->qh[8 * c + i] |= (uint8_t)(((hb >> (2 * c)) & 1) << j);
                         x->qh[8 * c + 4 + i] |= (uint8_t)(((hb >> (2 * c + 1)) & 1) << j);
                     }
