@@ -134,7 +134,8 @@ static void repack_q45_K(const Tensor& w, uint8_t* out, int64_t g0, int64_t g1) 
                     for (int l = 0; l < 32; ++l) v[l] = (j & 1) ? (q[l] >> 4) : (q[l] & 0x0f);
                     for (int c = 0; c < 4; ++c)
                         for (int i = 0; i < 4; ++i) {
-                            rec[x8k_sub(five, j) + 32 * c + 4 * r + i] = (uint8_t)(v[8 * c + i] | (v[8 * c + 4 + i] << 4));
+                            rec[x8k_sub(five, j) + 32 * c + 4 * r + i] =
+                                (uint8_t)(v[8 * c + i] | (v[8 * c + 4 + i] << 4));
                             if constexpr (five)  // Q5_K: element l's fifth bit is bit j of qh[l]
                                 rec[x8k_sub(five, j) + 128 + 4 * r + i] |=
                                     (uint8_t)((((x->qh[8 * c + i] >> j) & 1) << (2 * c)) |
