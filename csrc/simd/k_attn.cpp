@@ -384,9 +384,9 @@ static void fa_chunk_heads_t(const float* qf, int64_t D, const uint8_t* kb, int6
     __m256 part[2][GR][8];
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
         alignas(32) float mraw[R][8];
-        bool any = false, whole = true;
+        bool seen[R], any = false, whole = true;  // seen: row r sees a key of the tile
         for (int r = 0; r < R; ++r) {
-            any |= fa_tile_mask(mp ? mp + r * mrs : nullptr, ms_stride, mtype, j0, n, mraw[r]);
+            any |= seen[r] = fa_tile_mask(mp ? mp + r * mrs : nullptr, ms_stride, mtype, j0, n, mraw[r]);
             if constexpr (R > 1)
                 for (int t = 0; t < 8; ++t) whole &= mraw[r][t] != -INFINITY;
         }
@@ -395,9 +395,7 @@ static void fa_chunk_heads_t(const float* qf, int64_t D, const uint8_t* kb, int6
             for (int64_t hk = 0; hk < NH; ++hk)
                 for (int r = 0; r < R; ++r) {
                     const int64_t h = (hk * R + r) * G;
-                    bool vis = false;
-                    for (int t = 0; t < 8; ++t) vis |= mraw[r][t] != -INFINITY;
-                    if (!vis) continue;
+                    if (!seen[r]) continue;
                     fa_tile_scores<DV8, G, Fixed>(qf + h * D, D, kb + hk * khs + j0 * ks, ks, kf16, mraw[r], part[0]);
                     fa_tile_values<DV8, G, Fixed>(part[0], vb + hk * vhs + j0 * vs, vs, vf16, mraw[r], slope + h,
                                                   scale, softcap, acc + h * Dv, M + h, S + h);
