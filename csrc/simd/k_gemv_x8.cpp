@@ -1,5 +1,5 @@
-// GEMV of repacked ("x8", common.h) weights: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K records against up to 4
-// quantized activation rows at a time.
+// GEMV of repacked ("x8", common.h) weights: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K records against up to 4 (8
+// for Q4_K/Q5_K/Q6_K) quantized activation rows at a time.
 #include "blocks.h"
 #include "isa.h"
 
@@ -26,6 +26,13 @@ static inline void unpack_x8_q45(const uint8_t* qs, int c, __m256i& h, __m256i& 
         hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
         h = _mm256_srli_epi16(h, 2);
     }
+}
+
+// An x8 Q4_K/Q5_K record's mins of sub-blocks 2jp and 2jp + 1 as an i16 pair per row lane (meta: the record's
+// scales and mins, common.h)
+static inline __m256i x8k_min_pairs(const uint8_t* meta, int jp) {
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i*)(meta + 64 + 16 * jp)),
+                                                  _mm_loadl_epi64((const __m128i*)(meta + 72 + 16 * jp))));
 }
 
 // How far ahead (bytes) the Q4_K / Q5_K kernel prefetches its records in a decode step's stream from DRAM. On an
@@ -100,9 +107,19 @@ static inline void unpack_x8_q45_pair(const uint8_t* q, const uint8_t* q1, int c
     }
 }
 
+// Fifth bits for chunk c's low (Hi false) or high quants at bit 4 of each byte: h's bit 2c (2c + 1) moved there;
+// the shift stays inside each byte for every bit 4 read.
+template <bool Hi>
+static inline __m512i fifth_bit_at_4(__m512i h, int c) {
+    const int n = 4 - 2 * c - (Hi ? 1 : 0);
+    return n > 0 ? _mm512_slli_epi16(h, n) : n < 0 ? _mm512_srli_epi16(h, -n) : h;
+}
+
 // gemv_x8_q45_K's VNNI path for two groups of 8 rows at once (groups g and g + 1 in the low and high halves of
 // 512-bit vectors): each record pair is unpacked with half the instructions and the activations' broadcasts serve
 // both. Lane by lane, the same integer sums and float operations as the 8-row kernel, so the same bits per row.
+// A sub-block's quants are unpacked once for all R rows (up to 8), then each row's products run; the mins are
+// applied once per super-block.
 template <bool Five, int R>
 static void gemv_x8_q45_K_pair(const uint8_t* rec, const uint8_t* act, size_t astride, int64_t k, float* out,
                                size_t ostride) {
@@ -112,55 +129,61 @@ static void gemv_x8_q45_K_pair(const uint8_t* rec, const uint8_t* act, size_t as
     for (int r = 0; r < R; ++r) a[r] = a256_parts(act + r * astride, k);
     const uint8_t* p = rec;
     const uint8_t* p1 = rec + nb * size;  // the next group's records
+    const __m512i m4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
     // bytes 2, 3 of each 32-bit lane from its bytes 0, 1 (the other bytes are masked off where it is used)
     const __m512i low_to_high = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 1, 0, 0, 4, 5, 0, 0, 8, 9, 0, 0, 12, 13));
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t s = 0; s < nb; ++s, p += size, p1 += size) {
-        __m512i sumi[R], mi[R];
-        for (int r = 0; r < R; ++r) sumi[r] = mi[r] = _mm512_setzero_si512();
+        __m512i sumi[R];
+        for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
         for (int j = 0; j < 8; ++j) {
             const uint8_t* q = p + x8k_sub(Five, j);
             const uint8_t* q1 = p1 + x8k_sub(Five, j);
-            _mm_prefetch((const char*)(q + 2 * size), _MM_HINT_T0);
-            _mm_prefetch((const char*)(q + 2 * size + 64), _MM_HINT_T0);
-            _mm_prefetch((const char*)(q1 + 2 * size), _MM_HINT_T0);
-            _mm_prefetch((const char*)(q1 + 2 * size + 64), _MM_HINT_T0);
-            __m512i h = Five ? join256(_mm256_loadu_si256((const __m256i*)(q + 128)),
-                                       _mm256_loadu_si256((const __m256i*)(q1 + 128)))
-                             : _mm512_setzero_si512();
-            // Q4_K: each half of the sub-block (16 quants of 0..15 against activations of -127..127) sums within
-            // an i16, so the halves go into the two i16s of a lane and one madd applies the scale to both, where
-            // a 32-bit multiply takes two uops of the port the dot products need; Q5_K's halves do not fit
-            __m512i d32[R], d32b[R];
-            for (int r = 0; r < R; ++r) d32[r] = d32b[r] = _mm512_setzero_si512();
+            // the sub-block's quants unpacked once for the R rows, then each row's four chunks in a row
+            __m512i lo[4], hi[4];
+            const __m512i h = Five ? join256(_mm256_loadu_si256((const __m256i*)(q + 128)),
+                                             _mm256_loadu_si256((const __m256i*)(q1 + 128)))
+                                   : _mm512_setzero_si512();
             for (int c = 0; c < 4; ++c) {
-                __m512i lo, hi;
-                unpack_x8_q45_pair<Five>(q, q1, c, h, lo, hi);
-                for (int r = 0; r < R; ++r) {
-                    const int32_t* a32 = (const int32_t*)(a[r].qs + 256 * s) + 8 * j + 2 * c;
-                    __m512i& d = Five || c < 2 ? d32[r] : d32b[r];
-                    d = dpbusd512_bcst(d, lo, a32);
-                    d = dpbusd512_bcst(d, hi, a32 + 1);
+                const __m512i L = join256(_mm256_loadu_si256((const __m256i*)(q + 32 * c)),
+                                          _mm256_loadu_si256((const __m256i*)(q1 + 32 * c)));
+                lo[c] = _mm512_and_si512(L, m4);
+                hi[c] = _mm512_and_si512(_mm512_srli_epi16(L, 4), m4);
+                if constexpr (Five) {  // lo | (bits & 0x10) in one vpternlog
+                    lo[c] = _mm512_ternarylogic_epi32(lo[c], fifth_bit_at_4<false>(h, c), bit4, 0xF8);
+                    hi[c] = _mm512_ternarylogic_epi32(hi[c], fifth_bit_at_4<true>(h, c), bit4, 0xF8);
                 }
             }
-            const __m128i sc8 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)(p + meta + 8 * j)),
-                                                   _mm_loadl_epi64((const __m128i*)(p1 + meta + 8 * j)));
-            const __m128i mn8 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)(p + meta + 64 + 8 * j)),
-                                                   _mm_loadl_epi64((const __m128i*)(p1 + meta + 64 + 8 * j)));
-            const __m512i sc = _mm512_cvtepu8_epi32(sc8), mn = _mm512_cvtepu8_epi32(mn8);
+            const __m512i sc = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
+                _mm_loadl_epi64((const __m128i*)(p + meta + 8 * j)), _mm_loadl_epi64((const __m128i*)(p1 + meta + 8 * j))));
             const __m512i sc16 = Five ? sc : _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));  // (scale, scale)
             for (int r = 0; r < R; ++r) {
+                const int32_t* a32 = (const int32_t*)(a[r].qs + 256 * s) + 8 * j;
+                __m512i d = _mm512_setzero_si512();
+                for (int c = 0; c < 2; ++c) {
+                    d = dpbusd512_bcst(d, lo[c], a32 + 2 * c);
+                    d = dpbusd512_bcst(d, hi[c], a32 + 2 * c + 1);
+                }
+                // Q4_K: each half of the sub-block (16 quants of 0..15 against activations of -127..127) sums within
+                // an i16, so the halves go into the two i16s of a lane and one madd applies the scale to both, where
+                // a 32-bit multiply takes two uops of the port the dot products need; Q5_K's halves do not fit
+                __m512i d2 = Five ? d : _mm512_setzero_si512();
+                for (int c = 2; c < 4; ++c) {
+                    d2 = dpbusd512_bcst(d2, lo[c], a32 + 2 * c);
+                    d2 = dpbusd512_bcst(d2, hi[c], a32 + 2 * c + 1);
+                }
                 if constexpr (Five)
-                    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(d32[r], sc));
+                    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(d2, sc));
                 else  // lane: (low i16 of the first half's sum, low i16 of the second's)
                     sumi[r] = _mm512_add_epi32(sumi[r], _mm512_madd_epi16(_mm512_mask_shuffle_epi8(
-                        d32[r], (__mmask64)0xCCCCCCCCCCCCCCCCull, d32b[r], low_to_high), sc16));
-                const int16_t* b = a[r].bsums + 16 * s;
-                const int pair = (int)b[2 * j] + (int)b[2 * j + 1];
-                mi[r] = _mm512_add_epi32(mi[r], _mm512_madd_epi16(mn, _mm512_set1_epi32(pair & 0xffff)));
+                        d, (__mmask64)0xCCCCCCCCCCCCCCCCull, d2, low_to_high), sc16));
             }
         }
+        // the mins, once per super-block: lane i16 pairs (min of sub-block 2jp, of 2jp + 1) against the
+        // activations' 32-sums of those sub-blocks (gemv_x8_q45_K's scheme)
+        __m512i mn2[4];
+        for (int jp = 0; jp < 4; ++jp) mn2[jp] = join256(x8k_min_pairs(p + meta, jp), x8k_min_pairs(p1 + meta, jp));
         const __m512 dws = _mm512_cvtph_ps(_mm256_inserti128_si256(
             _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(p + meta + 128))),
             _mm_loadu_si128((const __m128i*)(p1 + meta + 128)), 1));
@@ -168,9 +191,18 @@ static void gemv_x8_q45_K_pair(const uint8_t* rec, const uint8_t* act, size_t as
             _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(p + meta + 144))),
             _mm_loadu_si128((const __m128i*)(p1 + meta + 144)), 1));
         for (int r = 0; r < R; ++r) {
+            // i32 pairs of the 16-sums as i16 pairs: (s0+s1, s2+s3), (s4+s5, s6+s7) in e0, e1, e4, e5
+            const __m256i b32 = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(a[r].bsums + 16 * s)),
+                                                  _mm256_set1_epi16(1));
+            alignas(32) int32_t b16[8];
+            _mm256_store_si256((__m256i*)b16, _mm256_packs_epi32(b32, b32));
+            __m512i mi = _mm512_madd_epi16(mn2[0], _mm512_set1_epi32(b16[0]));
+            mi = _mm512_add_epi32(mi, _mm512_madd_epi16(mn2[1], _mm512_set1_epi32(b16[1])));
+            mi = _mm512_add_epi32(mi, _mm512_madd_epi16(mn2[2], _mm512_set1_epi32(b16[4])));
+            mi = _mm512_add_epi32(mi, _mm512_madd_epi16(mn2[3], _mm512_set1_epi32(b16[5])));
             const __m512 vda = _mm512_set1_ps(a[r].d[s]);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_mul_ps(dws, vda), acc[r]);
-            acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mi[r]), _mm512_mul_ps(mws, vda), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mi), _mm512_mul_ps(mws, vda), acc[r]);
         }
     }
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out_row(out, r, ostride), acc[r]);  // groups g and g + 1: 16 rows
@@ -246,9 +278,7 @@ static void gemv_x8_q45_K(const uint8_t* rec, int64_t ngroups, const uint8_t* ac
             // the mins, once per super-block: lane i16 pairs (min of sub-block 2jp, of 2jp + 1) against the
             // activations' 32-sums of those sub-blocks
             __m256i mn2[4];
-            for (int jp = 0; jp < 4; ++jp)
-                mn2[jp] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i*)(p + meta + 64 + 16 * jp)),
-                                                                 _mm_loadl_epi64((const __m128i*)(p + meta + 72 + 16 * jp))));
+            for (int jp = 0; jp < 4; ++jp) mn2[jp] = x8k_min_pairs(p + meta, jp);
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + meta + 128)));
             const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + meta + 144)));
             for (int r = 0; r < R; ++r) {
@@ -642,6 +672,16 @@ static void gemv_x8_rows(int type, const uint8_t* rec, int64_t ngroups, const ui
     if (type == T_Q6_K)
         for (; nrows >= 8; nrows -= 8, act += 8 * astride, out = out_row(out, 8, ostride))
             gemv_x8_q6_K<8, Vnni>(rec, ngroups, act, astride, k, out, ostride);
+    // Q4_K / Q5_K with VNNI too: the pair kernel's row state is its sums alone (8192 x 2048, 512 rows, a Zen 4, 1
+    // thread, with that kernel's unpacking once per sub-block for all rows: Q5_K 128-132 -> 144-152 GMAC/s, Q4_K
+    // 135-140 -> 145-150; 4 rows a pass: 119-136 and 139-145; 16 rows, or rows in blocks of 4 whose chains
+    // interleave: no faster)
+    if constexpr (Vnni)
+        if (type == T_Q4_K || type == T_Q5_K)
+            for (; nrows >= 8; nrows -= 8, act += 8 * astride, out = out_row(out, 8, ostride)) {
+                if (type == T_Q4_K) gemv_x8_q45_K<false, 8, true>(rec, ngroups, act, astride, k, out, ostride);
+                else gemv_x8_q45_K<true, 8, true>(rec, ngroups, act, astride, k, out, ostride);
+            }
     for (; nrows >= 4; nrows -= 4, act += 4 * astride, out = out_row(out, 4, ostride))
         gemv_x8_r<4, Vnni>(type, rec, ngroups, act, astride, k, out, ostride);
     if (nrows == 3) gemv_x8_r<3, Vnni>(type, rec, ngroups, act, astride, k, out, ostride);
