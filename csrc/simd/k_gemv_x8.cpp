@@ -42,10 +42,13 @@ static inline __m256i x8k_min_pairs(const uint8_t* meta, int jp) {
 // (1.2 KB): a lone weight 10% faster too, but the 1.7B Q4_0 decode at 2 threads 10% slower (7 rounds): left as it
 // was; Q6_K and Q8_0 were no faster at 4-16 KB (Q8_0 slower).
 constexpr int64_t PREFETCH_AHEAD = 8192;
-// On an EPYC Zen 4 (AMD with AVX512-VNNI; Zen 3 has none) that prefetch only cost: `bench_gemv` (4096 x 4096, a
-// weight per plan past the LLC, 1 thread) Q4_K 23.6-24.9 -> 26.2-29.8 GB/s without it, Q5_K 11.4-13.1 -> 14.2-14.9;
-// the hardware prefetcher follows the one stream alone.
-static const bool kPrefetchX8K = !(cpu_is_amd() && cpu_has_avx512_vnni());
+// On an EPYC Zen 4 (AMD with AVX512-VNNI; Zen 3 has none) the software prefetch of the one-row kernels only cost:
+// `bench_gemv` (4096 x 4096, a weight per plan past the LLC, 1 thread, 5-6 interleaved rounds) without it Q4_K
+// 23.6-24.9 -> 26.2-29.8 GB/s, Q5_K 11.4-13.1 -> 14.2-14.9, Q4_0 21.1-25.5 -> 27.8-31.5, Q4_1 22.5-27.5 -> 28.8-32.4,
+// Q5_0 17.2-26.0 -> 29.7-32.2, Q8_0 25.4-27.7 -> 32.3-34.8 (Llama-3.2-1B-shaped decode, 4 rounds: Q4_0 28.2-30.4 ->
+// 30.9-34.1 tok/s at 1 thread, 33.6-40.5 -> 37.2-48.7 at 2); the hardware prefetcher follows the one stream alone.
+// Q6_K's is kept: 24.5-25.1 with it, 20.8-22.9 without.
+static const bool kPrefetchX8 = !(cpu_is_amd() && cpu_has_avx512_vnni());
 
 // the compiler may not move work across it: keeps each activation row's sums in one register, in source order (GCC
 // otherwise reassociates the 16-bit adds into trees and spills the products of all rows)
@@ -239,7 +242,7 @@ static void gemv_x8_q45_K(const uint8_t* rec, int64_t ngroups, const uint8_t* ac
             for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
             for (int j = 0; j < 8; ++j) {
                 const uint8_t* q = p + x8k_sub(Five, j);
-                if (kPrefetchX8K) {
+                if (kPrefetchX8) {
                     for (int64_t o = 0; o < x8k_sub(Five, 1); o += 64)  // sub-block j's nibbles (and fifth bits)
                         _mm_prefetch((const char*)(q + PREFETCH_AHEAD + o), _MM_HINT_T0);
                     if (meta + 64 * j < size)  // the rest of that record: the scales (2t decode +3%)
@@ -557,9 +560,11 @@ static void gemv_x8_q45_01(const uint8_t* rec, int64_t ngroups, const uint8_t* a
         __m256 acc[R], accm[R];
         for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; ++b, p += size) {
-            _mm_prefetch((const char*)(p + 8 * size), _MM_HINT_T0);
-            _mm_prefetch((const char*)(p + 8 * size + 64), _MM_HINT_T0);
-            _mm_prefetch((const char*)(p + 8 * size + 128), _MM_HINT_T0);
+            if (kPrefetchX8) {
+                _mm_prefetch((const char*)(p + 8 * size), _MM_HINT_T0);
+                _mm_prefetch((const char*)(p + 8 * size + 64), _MM_HINT_T0);
+                _mm_prefetch((const char*)(p + 8 * size + 128), _MM_HINT_T0);
+            }
             __m256i h = five ? _mm256_loadu_si256((const __m256i*)(p + 128)) : _mm256_setzero_si256();
             __m256i s16[R][2];  // Vnni: s16[r][0] holds 32-bit sums
             for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
@@ -617,10 +622,8 @@ static void gemv_x8_q8_0(const uint8_t* rec, int64_t ngroups, const uint8_t* act
         __m256 acc[R];
         for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; ++b, p += 272) {
-            _mm_prefetch((const char*)(p + 2176), _MM_HINT_T0);
-            _mm_prefetch((const char*)(p + 2176 + 64), _MM_HINT_T0);
-            _mm_prefetch((const char*)(p + 2176 + 128), _MM_HINT_T0);
-            _mm_prefetch((const char*)(p + 2176 + 192), _MM_HINT_T0);
+            if (kPrefetchX8)
+                for (int o = 0; o < 256; o += 64) _mm_prefetch((const char*)(p + 2176 + o), _MM_HINT_T0);
             __m256i s32[R];
             for (int r = 0; r < R; ++r) s32[r] = _mm256_setzero_si256();
             for (int kk = 0; kk < 8; ++kk) {
