@@ -92,30 +92,29 @@ static inline __m512i dpbusd512_bcst(__m512i acc, __m512i u, const int32_t* s) {
     return acc;
 }
 
-// unpack_x8_q45 for chunk c of two records at once: q's in the low half, q1's in the high half; with Five, h holds
-// both records' fifth bits (consumed two bits per chunk)
-template <bool Five>
-static inline void unpack_x8_q45_pair(const uint8_t* q, const uint8_t* q1, int c, __m512i& h, __m512i& lo,
-                                      __m512i& hi) {
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
-    const __m512i L = join256(_mm256_loadu_si256((const __m256i*)(q + 32 * c)),
-                              _mm256_loadu_si256((const __m256i*)(q1 + 32 * c)));
-    lo = _mm512_and_si512(L, m4);
-    hi = _mm512_and_si512(_mm512_srli_epi16(L, 4), m4);
-    if constexpr (Five) {
-        const __m512i bit4 = _mm512_set1_epi8(0x10);
-        lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(h, 4), bit4));
-        hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(h, 3), bit4));
-        h = _mm512_srli_epi16(h, 2);
-    }
-}
-
 // Fifth bits for chunk c's low (Hi false) or high quants at bit 4 of each byte: h's bit 2c (2c + 1) moved there;
 // the shift stays inside each byte for every bit 4 read.
 template <bool Hi>
 static inline __m512i fifth_bit_at_4(__m512i h, int c) {
     const int n = 4 - 2 * c - (Hi ? 1 : 0);
     return n > 0 ? _mm512_slli_epi16(h, n) : n < 0 ? _mm512_srli_epi16(h, -n) : h;
+}
+
+// unpack_x8_q45 for chunk c of two records at once: q's in the low half, q1's in the high half; with Five, h holds
+// both records' fifth bits for all four chunks (each chunk's moved to bit 4 and ORed in by one vpternlog)
+template <bool Five>
+static inline void unpack_x8_q45_pair(const uint8_t* q, const uint8_t* q1, int c, const __m512i& h, __m512i& lo,
+                                      __m512i& hi) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i L = join256(_mm256_loadu_si256((const __m256i*)(q + 32 * c)),
+                              _mm256_loadu_si256((const __m256i*)(q1 + 32 * c)));
+    lo = _mm512_and_si512(L, m4);
+    hi = _mm512_and_si512(_mm512_srli_epi16(L, 4), m4);
+    if constexpr (Five) {  // x | (bits & 0x10)
+        const __m512i bit4 = _mm512_set1_epi8(0x10);
+        lo = _mm512_ternarylogic_epi32(lo, fifth_bit_at_4<false>(h, c), bit4, 0xF8);
+        hi = _mm512_ternarylogic_epi32(hi, fifth_bit_at_4<true>(h, c), bit4, 0xF8);
+    }
 }
 
 // gemv_x8_q45_K's VNNI path for two groups of 8 rows at once (groups g and g + 1 in the low and high halves of
@@ -132,7 +131,6 @@ static void gemv_x8_q45_K_pair(const uint8_t* rec, const uint8_t* act, size_t as
     for (int r = 0; r < R; ++r) a[r] = a256_parts(act + r * astride, k);
     const uint8_t* p = rec;
     const uint8_t* p1 = rec + nb * size;  // the next group's records
-    const __m512i m4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
     // bytes 2, 3 of each 32-bit lane from its bytes 0, 1 (the other bytes are masked off where it is used)
     const __m512i low_to_high = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 1, 0, 0, 4, 5, 0, 0, 8, 9, 0, 0, 12, 13));
     __m512 acc[R];
@@ -148,18 +146,10 @@ static void gemv_x8_q45_K_pair(const uint8_t* rec, const uint8_t* act, size_t as
             const __m512i h = Five ? join256(_mm256_loadu_si256((const __m256i*)(q + 128)),
                                              _mm256_loadu_si256((const __m256i*)(q1 + 128)))
                                    : _mm512_setzero_si512();
-            for (int c = 0; c < 4; ++c) {
-                const __m512i L = join256(_mm256_loadu_si256((const __m256i*)(q + 32 * c)),
-                                          _mm256_loadu_si256((const __m256i*)(q1 + 32 * c)));
-                lo[c] = _mm512_and_si512(L, m4);
-                hi[c] = _mm512_and_si512(_mm512_srli_epi16(L, 4), m4);
-                if constexpr (Five) {  // lo | (bits & 0x10) in one vpternlog
-                    lo[c] = _mm512_ternarylogic_epi32(lo[c], fifth_bit_at_4<false>(h, c), bit4, 0xF8);
-                    hi[c] = _mm512_ternarylogic_epi32(hi[c], fifth_bit_at_4<true>(h, c), bit4, 0xF8);
-                }
-            }
-            const __m512i sc = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
-                _mm_loadl_epi64((const __m128i*)(p + meta + 8 * j)), _mm_loadl_epi64((const __m128i*)(p1 + meta + 8 * j))));
+            for (int c = 0; c < 4; ++c) unpack_x8_q45_pair<Five>(q, q1, c, h, lo[c], hi[c]);
+            const __m128i sc8 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)(p + meta + 8 * j)),
+                                                   _mm_loadl_epi64((const __m128i*)(p1 + meta + 8 * j)));
+            const __m512i sc = _mm512_cvtepu8_epi32(sc8);
             const __m512i sc16 = Five ? sc : _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));  // (scale, scale)
             for (int r = 0; r < R; ++r) {
                 const int32_t* a32 = (const int32_t*)(a[r].qs + 256 * s) + 8 * j;
@@ -468,8 +458,9 @@ static void gemv_x8_q45_01_pair(const uint8_t* rec, const uint8_t* act, size_t a
     __m512 acc[R], accm[R];
     for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b, p += size, p1 += size) {
-        __m512i h = five ? join256(_mm256_loadu_si256((const __m256i*)(p + 128)), _mm256_loadu_si256((const __m256i*)(p1 + 128)))
-                         : _mm512_setzero_si512();
+        const __m512i h = five ? join256(_mm256_loadu_si256((const __m256i*)(p + 128)),
+                                         _mm256_loadu_si256((const __m256i*)(p1 + 128)))
+                               : _mm512_setzero_si512();
         __m512i s32[R];
         for (int r = 0; r < R; ++r) s32[r] = _mm512_setzero_si512();
         for (int c = 0; c < 4; ++c) {
