@@ -238,20 +238,23 @@ static inline int64_t FA_COPY_FLOATS(int64_t nkv, int64_t d, int64_t dv) { retur
 //         bytes). The -16 offset goes through the block sums.
 //   Q5_1: Q5_0's qs and qh, then d[8] (f16) at 160 and m[8] (f16) at 176 (192 bytes).
 //   Q8_0: qs[256] then d[8] (f16). Byte 32k + 4r + i holds row r's element 4k+i, k = 0..7.
-//   Q4_K: per group and 256-column super-block a record of 1184 bytes: qs[1024] (sub-block j = 0..7 at 128j, laid
-//         out as Q4_1's qs), sc[64] (6-bit scale of row r, sub-block j at 8j + r), m[64] (mins, same order),
-//         d[8] (f16), dmin[8] (f16).
-//   Q5_K: per group and super-block a record of 1440 bytes (8 x 180, +2%): for each sub-block j 160 bytes at 160j,
-//         Q4_K's 128 bytes of its low 4 bits, then 32 of its fifth bits (byte 4r + i: row r's elements 8c+i at bit
-//         2c and 8c+4+i at bit 2c+1, c = 0..3); then Q4_K's sc, m, d, dmin at 1280, 1344, 1408, 1424. The fifth bits
-//         beside their nibbles make a record one stream read in order (in a region of their own after the nibbles,
-//         the one-row GEMV read 14 GB/s from DRAM on a Zen 4 where Q4_K's read 26-29).
-//   Q6_K: per group and 256-column super-block a record of 1680 bytes (8 x 210: no extra memory): for each of the
-//         16 sub-blocks j (16 columns) 96 bytes at 96j: ql[64] (byte 32c + 4r + i: row r's 4 low bits of elements
-//         16j+8c+i (low nibble) and 16j+8c+4+i (high nibble), c = 0..1, i = 0..3), then qh[32] (byte 4r + i: row
-//         r's 2 high bits of elements 16j+4t+i at bits 2t..2t+1, t = 0..3); then sc[128] at 1536 (int8 scale of row
-//         r, sub-block j at 16(j/2) + 2r + (j&1): widened to i16, sub-blocks 2p and 2p+1 form one i32 lane per row);
-//         then d[8] (f16) at 1664.
+//   Q4_K: per group and 256-column super-block a record of 1184 bytes: sc[64] (6-bit scale of row r, sub-block j at
+//         8j + r), m[64] (mins, same order), d[8] (f16), dmin[8] (f16), then qs[1024] (sub-block j = 0..7 at 160 +
+//         128j, laid out as Q4_1's qs).
+//   Q5_K: per group and super-block a record of 1440 bytes (8 x 180, +2%): Q4_K's sc, m, d, dmin, then for each
+//         sub-block j 160 bytes at 160 + 160j, Q4_K's 128 bytes of its low 4 bits, then 32 of its fifth bits (byte
+//         4r + i: row r's elements 8c+i at bit 2c and 8c+4+i at bit 2c+1, c = 0..3). The fifth bits beside their
+//         nibbles make a record one stream read in order (in a region of their own after the nibbles, the one-row
+//         GEMV read 14 GB/s from DRAM on a Zen 4 where Q4_K's read 26-29).
+//   Q6_K: per group and 256-column super-block a record of 1680 bytes (8 x 210: no extra memory): sc[128] (int8
+//         scale of row r, sub-block j at 16(j/2) + 2r + (j&1): widened to i16, sub-blocks 2p and 2p+1 form one i32
+//         lane per row), d[8] (f16) at 128, then for each of the 16 sub-blocks j (16 columns) 96 bytes at 144 + 96j:
+//         ql[64] (byte 32c + 4r + i: row r's 4 low bits of elements 16j+8c+i (low nibble) and 16j+8c+4+i (high
+//         nibble), c = 0..1, i = 0..3), then qh[32] (byte 4r + i: row r's 2 high bits of elements 16j+4t+i at bits
+//         2t..2t+1, t = 0..3).
+//   The K-quants' scales come first so that the kernels read each record in address order: with them after the
+//   quants (each sub-block's scales read before its quants), the one-row GEMV of a weight of 8192 columns streamed
+//   from DRAM at 21-22 GB/s where 2048 columns read 30-32 (Q4_K; a Zen 4, 1 thread), 29-31 with them first.
 // Rows beyond the last full group stay in the original layout. Every product of a repacked weight (the integer path,
 // and the GEMM where forced) reads the repacked copy, which replaces the original: its memory, usually mapped from the
 // GGUF file, is handed back to the OS once repacked (get_repacked).
@@ -270,11 +273,15 @@ static inline int repack_group_rows(int t) { return repack_supported(t) ? 8 : re
 // Row `row` (< the full groups' rows) of weight w read back from its repacked copy, in the weight's stored format
 // (row_bytes(w.type, w.ne[0]) bytes at out): the exact bytes the original held.
 void unrepack_row(const Tensor& w, const uint8_t* repacked, int64_t row, uint8_t* out);
-// An x8 Q4_K (five false) / Q5_K record (above): its bytes, where sub-block j's nibbles start (Q5_K's fifth bits
-// 128 bytes after them), where its sc, m, d, dmin start
+// An x8 Q4_K (five false) / Q5_K record (above): where its sc, m, d, dmin start, its bytes, where sub-block j's
+// nibbles start (Q5_K's fifth bits 128 bytes after them) and a sub-block's bytes
+enum : int64_t { X8K_SC = 0, X8K_MIN = 64, X8K_D = 128, X8K_DMIN = 144, X8K_META = 160 };
 constexpr int64_t x8k_size(bool five) { return five ? 1440 : 1184; }
-constexpr int64_t x8k_sub(bool five, int64_t j) { return (five ? 160 : 128) * j; }
-constexpr int64_t x8k_meta(bool five) { return five ? 1280 : 1024; }
+constexpr int64_t x8k_sub_bytes(bool five) { return five ? 160 : 128; }
+constexpr int64_t x8k_sub(bool five, int64_t j) { return X8K_META + x8k_sub_bytes(five) * j; }
+// An x8 Q6_K record (above): where its sc and d start, where sub-block j's quants start, its bytes
+enum : int64_t { X8Q6_SC = 0, X8Q6_D = 128, X8Q6_Q = 144, X8Q6_SIZE = 1680 };
+constexpr int64_t x8q6_sub(int64_t j) { return X8Q6_Q + 96 * j; }
 // bytes per repacked row (a group takes repack_group_rows times this)
 static inline int64_t repack_row_bytes(int t, int64_t k) {
     switch (t) {

@@ -28,11 +28,10 @@ static inline void unpack_x8_q45(const uint8_t* qs, int c, __m256i& h, __m256i& 
     }
 }
 
-// An x8 Q4_K/Q5_K record's mins of sub-blocks 2jp and 2jp + 1 as an i16 pair per row lane (meta: the record's
-// scales and mins, common.h)
-static inline __m256i x8k_min_pairs(const uint8_t* meta, int jp) {
-    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i*)(meta + 64 + 16 * jp)),
-                                                  _mm_loadl_epi64((const __m128i*)(meta + 72 + 16 * jp))));
+// An x8 Q4_K/Q5_K record's mins of sub-blocks 2jp and 2jp + 1 as an i16 pair per row lane (common.h)
+static inline __m256i x8k_min_pairs(const uint8_t* rec, int jp) {
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i*)(rec + X8K_MIN + 16 * jp)),
+                                                  _mm_loadl_epi64((const __m128i*)(rec + X8K_MIN + 8 + 16 * jp))));
 }
 
 // How far ahead (bytes) the Q4_K / Q5_K kernel prefetches its records in a decode step's stream from DRAM. On an
@@ -47,7 +46,9 @@ constexpr int64_t PREFETCH_AHEAD = 8192;
 // 23.6-24.9 -> 26.2-29.8 GB/s, Q5_K 11.4-13.1 -> 14.2-14.9, Q4_0 21.1-25.5 -> 27.8-31.5, Q4_1 22.5-27.5 -> 28.8-32.4,
 // Q5_0 17.2-26.0 -> 29.7-32.2, Q8_0 25.4-27.7 -> 32.3-34.8 (Llama-3.2-1B-shaped decode, 4 rounds: Q4_0 28.2-30.4 ->
 // 30.9-34.1 tok/s at 1 thread, 33.6-40.5 -> 37.2-48.7 at 2); the hardware prefetcher follows the one stream alone.
-// Q6_K's is kept: 24.5-25.1 with it, 20.8-22.9 without.
+// Q6_K's went once its scales moved before its quants (common.h): a C harness timing this file's kernel against the
+// previous build's, alternately, over 12 weights (113 MB) of 2048 x 8192 / 8192 x 2048, 1 thread, 10 rounds (paired
+// median): with the prefetch 1.09-1.11x / 1.18x the old layout's speed, without it 1.26-1.27x / 1.15-1.29x.
 static const bool kPrefetchX8 = !(cpu_is_amd() && cpu_has_avx512_vnni());
 
 // the compiler may not move work across it: keeps each activation row's sums in one register, in source order (GCC
@@ -125,7 +126,7 @@ static inline void unpack_x8_q45_pair(const uint8_t* q, const uint8_t* q1, int c
 template <bool Five, int R>
 static void gemv_x8_q45_K_pair(const uint8_t* rec, const uint8_t* act, size_t astride, int64_t k, float* out,
                                size_t ostride) {
-    constexpr int64_t size = x8k_size(Five), meta = x8k_meta(Five);
+    constexpr int64_t size = x8k_size(Five);
     const int64_t nb = k / 256;
     A256Parts a[R];
     for (int r = 0; r < R; ++r) a[r] = a256_parts(act + r * astride, k);
@@ -147,8 +148,8 @@ static void gemv_x8_q45_K_pair(const uint8_t* rec, const uint8_t* act, size_t as
                                              _mm256_loadu_si256((const __m256i*)(q1 + 128)))
                                    : _mm512_setzero_si512();
             for (int c = 0; c < 4; ++c) unpack_x8_q45_pair<Five>(q, q1, c, h, lo[c], hi[c]);
-            const __m128i sc8 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)(p + meta + 8 * j)),
-                                                   _mm_loadl_epi64((const __m128i*)(p1 + meta + 8 * j)));
+            const __m128i sc8 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)(p + X8K_SC + 8 * j)),
+                                                   _mm_loadl_epi64((const __m128i*)(p1 + X8K_SC + 8 * j)));
             const __m512i sc = _mm512_cvtepu8_epi32(sc8);
             const __m512i sc16 = Five ? sc : _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));  // (scale, scale)
             for (int r = 0; r < R; ++r) {
@@ -176,13 +177,13 @@ static void gemv_x8_q45_K_pair(const uint8_t* rec, const uint8_t* act, size_t as
         // the mins, once per super-block: lane i16 pairs (min of sub-block 2jp, of 2jp + 1) against the
         // activations' 32-sums of those sub-blocks (gemv_x8_q45_K's scheme)
         __m512i mn2[4];
-        for (int jp = 0; jp < 4; ++jp) mn2[jp] = join256(x8k_min_pairs(p + meta, jp), x8k_min_pairs(p1 + meta, jp));
+        for (int jp = 0; jp < 4; ++jp) mn2[jp] = join256(x8k_min_pairs(p, jp), x8k_min_pairs(p1, jp));
         const __m512 dws = _mm512_cvtph_ps(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(p + meta + 128))),
-            _mm_loadu_si128((const __m128i*)(p1 + meta + 128)), 1));
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(p + X8K_D))),
+            _mm_loadu_si128((const __m128i*)(p1 + X8K_D)), 1));
         const __m512 mws = _mm512_cvtph_ps(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(p + meta + 144))),
-            _mm_loadu_si128((const __m128i*)(p1 + meta + 144)), 1));
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(p + X8K_DMIN))),
+            _mm_loadu_si128((const __m128i*)(p1 + X8K_DMIN)), 1));
         for (int r = 0; r < R; ++r) {
             // i32 pairs of the 16-sums as i16 pairs: (s0+s1, s2+s3), (s4+s5, s6+s7) in e0, e1, e4, e5
             const __m256i b32 = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(a[r].bsums + 16 * s)),
@@ -210,7 +211,7 @@ static void gemv_x8_q45_K_pair(const uint8_t* rec, const uint8_t* act, size_t as
 template <bool Five, int R, bool Vnni>
 static void gemv_x8_q45_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act, size_t astride, int64_t k,
                           float* out, size_t ostride) {
-    constexpr int64_t size = x8k_size(Five), meta = x8k_meta(Five);
+    constexpr int64_t size = x8k_size(Five);
     const int64_t nb = k / 256;
     A256Parts a[R];
     for (int r = 0; r < R; ++r) a[r] = a256_parts(act + r * astride, k);
@@ -233,10 +234,10 @@ static void gemv_x8_q45_K(const uint8_t* rec, int64_t ngroups, const uint8_t* ac
             for (int j = 0; j < 8; ++j) {
                 const uint8_t* q = p + x8k_sub(Five, j);
                 if (kPrefetchX8) {
-                    for (int64_t o = 0; o < x8k_sub(Five, 1); o += 64)  // sub-block j's nibbles (and fifth bits)
+                    for (int64_t o = 0; o < x8k_sub_bytes(Five); o += 64)  // sub-block j's nibbles (and fifth bits)
                         _mm_prefetch((const char*)(q + PREFETCH_AHEAD + o), _MM_HINT_T0);
-                    if (meta + 64 * j < size)  // the rest of that record: the scales (2t decode +3%)
-                        _mm_prefetch((const char*)(p + PREFETCH_AHEAD + meta + 64 * j), _MM_HINT_T0);
+                    if (64 * j < X8K_META)  // the rest of that record: the scales (2t decode +3%)
+                        _mm_prefetch((const char*)(p + PREFETCH_AHEAD + 64 * j), _MM_HINT_T0);
                 }
                 __m256i h = Five ? _mm256_loadu_si256((const __m256i*)(q + 128)) : _mm256_setzero_si256();
                 __m256i s16[R][2];  // VNNI: s16[r][0] holds the 32-bit sums
@@ -257,7 +258,7 @@ static void gemv_x8_q45_K(const uint8_t* rec, int64_t ngroups, const uint8_t* ac
                         keep(t);
                     }
                 }
-                const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + meta + 8 * j)));
+                const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + X8K_SC + 8 * j)));
                 const __m256i sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
                 for (int r = 0; r < R; ++r) {
                     if constexpr (Vnni) {
@@ -271,9 +272,9 @@ static void gemv_x8_q45_K(const uint8_t* rec, int64_t ngroups, const uint8_t* ac
             // the mins, once per super-block: lane i16 pairs (min of sub-block 2jp, of 2jp + 1) against the
             // activations' 32-sums of those sub-blocks
             __m256i mn2[4];
-            for (int jp = 0; jp < 4; ++jp) mn2[jp] = x8k_min_pairs(p + meta, jp);
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + meta + 128)));
-            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + meta + 144)));
+            for (int jp = 0; jp < 4; ++jp) mn2[jp] = x8k_min_pairs(p, jp);
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + X8K_D)));
+            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + X8K_DMIN)));
             for (int r = 0; r < R; ++r) {
                 // i32 pairs of the 16-sums as i16 pairs: (s0+s1, s2+s3), (s4+s5, s6+s7) in e0, e1, e4, e5
                 const __m256i b32 = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(a[r].bsums + 16 * s)),
@@ -305,17 +306,17 @@ static void gemv_x8_q6_K_pair(const uint8_t* rec, const uint8_t* act, size_t ast
     const __m512i dup0 = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13));
     const __m512i dup1 = _mm512_broadcast_i32x4(_mm_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15));
     const uint8_t* p = rec;
-    const uint8_t* p1 = rec + nb * 1680;
+    const uint8_t* p1 = rec + nb * X8Q6_SIZE;
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < nb; ++s, p += 1680, p1 += 1680) {
+    for (int64_t s = 0; s < nb; ++s, p += X8Q6_SIZE, p1 += X8Q6_SIZE) {
         __m512i sumi[R];
         for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
         for (int jp = 0; jp < 8; ++jp) {
-            const uint8_t* q = p + 192 * jp;
-            const uint8_t* q1 = p1 + 192 * jp;
-            const __m512i sc2 = join256(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 1536 + 16 * jp))),
-                                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p1 + 1536 + 16 * jp))));
+            const uint8_t* q = p + x8q6_sub(2 * jp);
+            const uint8_t* q1 = p1 + x8q6_sub(2 * jp);
+            const __m512i sc2 = join256(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + X8Q6_SC + 16 * jp))),
+                                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p1 + X8Q6_SC + 16 * jp))));
             for (int h = 0; h < 2; ++h) {
                 const uint8_t* u = q + 96 * h;
                 const uint8_t* u1 = q1 + 96 * h;
@@ -345,7 +346,7 @@ static void gemv_x8_q6_K_pair(const uint8_t* rec, const uint8_t* act, size_t ast
             }
         }
         const __m512 dws = _mm512_cvtph_ps(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(p + 1664))), _mm_loadu_si128((const __m128i*)(p1 + 1664)), 1));
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(p + X8Q6_D))), _mm_loadu_si128((const __m128i*)(p1 + X8Q6_D)), 1));
         for (int r = 0; r < R; ++r)
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_mul_ps(dws, _mm512_set1_ps(a[r].d[s])), acc[r]);
     }
@@ -373,22 +374,24 @@ static void gemv_x8_q6_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act
     int64_t g = 0;
 #if GP_AVX512
     if constexpr (Vnni && R >= 2)  // gemv_x8_q45_K's rule
-        for (; g + 1 < ngroups; g += 2) gemv_x8_q6_K_pair<R>(rec + g * nb * 1680, act, astride, k, out + 8 * g, ostride);
+        for (; g + 1 < ngroups; g += 2) gemv_x8_q6_K_pair<R>(rec + g * nb * X8Q6_SIZE, act, astride, k, out + 8 * g, ostride);
 #endif
     for (; g < ngroups; ++g) {
-        const uint8_t* p = rec + g * nb * 1680;
+        const uint8_t* p = rec + g * nb * X8Q6_SIZE;
         __m256 acc[R];
         for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-        for (int64_t s = 0; s < nb; ++s, p += 1680) {
+        for (int64_t s = 0; s < nb; ++s, p += X8Q6_SIZE) {
             __m256i sumi[R];
             for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
             for (int jp = 0; jp < 8; ++jp) {  // pairs of sub-blocks: 192 bytes of quants, 16 bytes of scales
-                const uint8_t* q = p + 192 * jp;
-                _mm_prefetch((const char*)(q + 3360), _MM_HINT_T0);
-                _mm_prefetch((const char*)(q + 3360 + 64), _MM_HINT_T0);
-                _mm_prefetch((const char*)(q + 3360 + 128), _MM_HINT_T0);
-                if (jp < 3) _mm_prefetch((const char*)(p + 3360 + 1536 + 64 * jp), _MM_HINT_T0);
-                const __m256i sc2 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 1536 + 16 * jp)));
+                const uint8_t* q = p + x8q6_sub(2 * jp);
+                if (kPrefetchX8) {  // two records ahead
+                    _mm_prefetch((const char*)(q + 2 * X8Q6_SIZE), _MM_HINT_T0);
+                    _mm_prefetch((const char*)(q + 2 * X8Q6_SIZE + 64), _MM_HINT_T0);
+                    _mm_prefetch((const char*)(q + 2 * X8Q6_SIZE + 128), _MM_HINT_T0);
+                    if (jp < 2) _mm_prefetch((const char*)(p + 2 * X8Q6_SIZE + 64 * jp), _MM_HINT_T0);  // sc, d
+                }
+                const __m256i sc2 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + X8Q6_SC + 16 * jp)));
                 for (int r = 0; r < R; ++r) {  // the offset: -32 x scale x the activations' 16-sums
                     int32_t bpair;  // the two sub-blocks' sums, as one i16 pair
                     memcpy(&bpair, a[r].bsums + 16 * s + 2 * jp, 4);
@@ -433,7 +436,7 @@ static void gemv_x8_q6_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act
                     }
                 }
             }
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 1664)));
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + X8Q6_D)));
             for (int r = 0; r < R; ++r)
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(dw, _mm256_set1_ps(a[r].d[s])),
                                          acc[r]);

@@ -65,10 +65,10 @@ static void dequant_x8_row_k(int type, const uint8_t* group, int r, int64_t pc, 
     for (int64_t s = pc / 256; s < (pc + kc) / 256; ++s, out += 256) {
         const uint8_t* p = group + s * size;
         if (type == T_Q6_K) {
-            const float d = fp16_to_fp32(((const uint16_t*)(p + 1664))[r]);
+            const float d = fp16_to_fp32(((const uint16_t*)(p + X8Q6_D))[r]);
             for (int j = 0; j < 16; ++j) {
-                const float dl = d * (float)(int8_t)p[1536 + 16 * (j / 2) + 2 * r + (j & 1)];
-                const uint8_t* u = p + 96 * j;
+                const float dl = d * (float)(int8_t)p[X8Q6_SC + 16 * (j / 2) + 2 * r + (j & 1)];
+                const uint8_t* u = p + x8q6_sub(j);
                 for (int e = 0; e < 16; ++e) {
                     const int lo = (u[32 * (e / 8) + 4 * r + (e & 3)] >> (e & 4)) & 0x0f;
                     const int hi = (u[64 + 4 * r + (e & 3)] >> (2 * (e / 4))) & 3;
@@ -78,11 +78,10 @@ static void dequant_x8_row_k(int type, const uint8_t* group, int r, int64_t pc, 
             continue;
         }
         const bool five = type == T_Q5_K;
-        const int64_t meta = x8k_meta(five);
-        const float d = fp16_to_fp32(((const uint16_t*)(p + meta + 128))[r]);
-        const float dmin = fp16_to_fp32(((const uint16_t*)(p + meta + 144))[r]);
+        const float d = fp16_to_fp32(((const uint16_t*)(p + X8K_D))[r]);
+        const float dmin = fp16_to_fp32(((const uint16_t*)(p + X8K_DMIN))[r]);
         for (int j = 0; j < 8; ++j) {
-            const float d1 = d * (float)p[meta + 8 * j + r], m1 = dmin * (float)p[meta + 64 + 8 * j + r];
+            const float d1 = d * (float)p[X8K_SC + 8 * j + r], m1 = dmin * (float)p[X8K_MIN + 8 * j + r];
             for (int t = 0; t < 32; ++t) {
                 const int c = t / 8, i = t & 3, high = (t & 4) != 0;
                 const uint8_t* u = p + x8k_sub(five, j);

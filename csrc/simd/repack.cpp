@@ -117,12 +117,12 @@ static void repack_q8_0(const Tensor& w, uint8_t* out, int64_t g0, int64_t g1) {
 template <typename Block>
 static void repack_q45_K(const Tensor& w, uint8_t* out, int64_t g0, int64_t g1) {
     constexpr bool five = std::is_same_v<Block, blk_q5_K>;
-    constexpr int64_t size = x8k_size(five), meta = x8k_meta(five);
+    constexpr int64_t size = x8k_size(five);
     const int64_t K = w.ne[0], nb = K / 256;
     for (int64_t g = g0; g < g1; ++g) {
         for (int64_t s = 0; s < nb; ++s) {
             uint8_t* rec = out + (g * nb + s) * size;
-            if constexpr (five) memset(rec, 0, meta);  // the fifth bits are OR-ed together below
+            if constexpr (five) memset(rec + x8k_sub(five, 0), 0, 8 * x8k_sub_bytes(five));  // bits OR-ed below
             for (int r = 0; r < 8; ++r) {
                 const Block* x = (const Block*)(w.data + (8 * g + r) * w.nb[1]) + s;
                 uint8_t sm[16];
@@ -141,11 +141,11 @@ static void repack_q45_K(const Tensor& w, uint8_t* out, int64_t g0, int64_t g1) 
                                     (uint8_t)((((x->qh[8 * c + i] >> j) & 1) << (2 * c)) |
                                               (((x->qh[8 * c + 4 + i] >> j) & 1) << (2 * c + 1)));
                         }
-                    rec[meta + 8 * j + r] = sm[j];
-                    rec[meta + 64 + 8 * j + r] = sm[8 + j];
+                    rec[X8K_SC + 8 * j + r] = sm[j];
+                    rec[X8K_MIN + 8 * j + r] = sm[8 + j];
                 }
-                memcpy(rec + meta + 128 + 2 * r, &x->d, 2);
-                memcpy(rec + meta + 144 + 2 * r, &x->dmin, 2);
+                memcpy(rec + X8K_D + 2 * r, &x->d, 2);
+                memcpy(rec + X8K_DMIN + 2 * r, &x->dmin, 2);
             }
         }
     }
@@ -155,8 +155,8 @@ static void repack_q6_K(const Tensor& w, uint8_t* out, int64_t g0, int64_t g1) {
     const int64_t K = w.ne[0], nb = K / 256;
     for (int64_t g = g0; g < g1; ++g) {
         for (int64_t s = 0; s < nb; ++s) {
-            uint8_t* rec = out + (g * nb + s) * 1680;
-            memset(rec, 0, 1536);  // the quant bytes are OR-ed together below
+            uint8_t* rec = out + (g * nb + s) * X8Q6_SIZE;
+            memset(rec + X8Q6_Q, 0, 16 * 96);  // the quant bytes are OR-ed together below
             for (int r = 0; r < 8; ++r) {
                 const blk_q6_K* x = (const blk_q6_K*)(w.data + (8 * g + r) * w.nb[1]) + s;
                 uint8_t q[256];  // the 6-bit values (0..63) of the super-block in column order
@@ -172,16 +172,16 @@ static void repack_q6_K(const Tensor& w, uint8_t* out, int64_t g0, int64_t g1) {
                     }
                 }
                 for (int j = 0; j < 16; ++j) {
-                    uint8_t* u = rec + 96 * j;
+                    uint8_t* u = rec + x8q6_sub(j);
                     for (int t = 0; t < 4; ++t)
                         for (int i = 0; i < 4; ++i) {
                             const int v = q[16 * j + 4 * t + i];
                             u[32 * (t / 2) + 4 * r + i] |= (uint8_t)((v & 0x0f) << (4 * (t & 1)));
                             u[64 + 4 * r + i] |= (uint8_t)((v >> 4) << (2 * t));
                         }
-                    rec[1536 + 16 * (j / 2) + 2 * r + (j & 1)] = (uint8_t)x->scales[j];
+                    rec[X8Q6_SC + 16 * (j / 2) + 2 * r + (j & 1)] = (uint8_t)x->scales[j];
                 }
-                memcpy(rec + 1664 + 2 * r, &x->d, 2);
+                memcpy(rec + X8Q6_D + 2 * r, &x->d, 2);
             }
         }
     }
@@ -253,7 +253,7 @@ static void unrepack_q8_0(const uint8_t* grp, int64_t nb, int r, blk_q8_0* out) 
 template <typename Block>
 static void unrepack_q45_K(const uint8_t* grp, int64_t nb, int r, Block* out) {
     constexpr bool five = std::is_same_v<Block, blk_q5_K>;
-    constexpr int64_t size = x8k_size(five), meta = x8k_meta(five);
+    constexpr int64_t size = x8k_size(five);
     for (int64_t s = 0; s < nb; ++s) {
         const uint8_t* rec = grp + s * size;
         Block* x = out + s;
@@ -274,27 +274,27 @@ static void unrepack_q45_K(const uint8_t* grp, int64_t nb, int r, Block* out) {
                 }
             uint8_t* q = x->qs + 32 * (j / 2);
             for (int l = 0; l < 32; ++l) q[l] = (j & 1) ? (uint8_t)(q[l] | v[l] << 4) : v[l];
-            sm[j] = rec[meta + 8 * j + r];
-            sm[8 + j] = rec[meta + 64 + 8 * j + r];
+            sm[j] = rec[X8K_SC + 8 * j + r];
+            sm[8 + j] = rec[X8K_MIN + 8 * j + r];
         }
         pack_k_scales(sm, x->scales);
-        memcpy(&x->d, rec + meta + 128 + 2 * r, 2);
-        memcpy(&x->dmin, rec + meta + 144 + 2 * r, 2);
+        memcpy(&x->d, rec + X8K_D + 2 * r, 2);
+        memcpy(&x->dmin, rec + X8K_DMIN + 2 * r, 2);
     }
 }
 
 static void unrepack_q6_K(const uint8_t* grp, int64_t nb, int r, blk_q6_K* out) {
     for (int64_t s = 0; s < nb; ++s) {
-        const uint8_t* rec = grp + s * 1680;
+        const uint8_t* rec = grp + s * X8Q6_SIZE;
         blk_q6_K* x = out + s;
         uint8_t q[256];  // the 6-bit values in column order
         for (int j = 0; j < 16; ++j) {
-            const uint8_t* u = rec + 96 * j;
+            const uint8_t* u = rec + x8q6_sub(j);
             for (int t = 0; t < 4; ++t)
                 for (int i = 0; i < 4; ++i)
                     q[16 * j + 4 * t + i] = (uint8_t)(((u[32 * (t / 2) + 4 * r + i] >> (4 * (t & 1))) & 0x0f) |
                                                       ((u[64 + 4 * r + i] >> (2 * t)) & 3) << 4);
-            x->scales[j] = (int8_t)rec[1536 + 16 * (j / 2) + 2 * r + (j & 1)];
+            x->scales[j] = (int8_t)rec[X8Q6_SC + 16 * (j / 2) + 2 * r + (j & 1)];
         }
         for (int h = 0; h < 2; ++h)
             for (int l = 0; l < 32; ++l) {
@@ -303,7 +303,7 @@ static void unrepack_q6_K(const uint8_t* grp, int64_t nb, int r, blk_q6_K* out) 
                 x->ql[64 * h + l + 32] = (uint8_t)((o[32] & 0x0f) | (o[96] & 0x0f) << 4);
                 x->qh[32 * h + l] = (uint8_t)(o[0] >> 4 | (o[32] >> 4) << 2 | (o[64] >> 4) << 4 | (o[96] >> 4) << 6);
             }
-        memcpy(&x->d, rec + 1664 + 2 * r, 2);
+        memcpy(&x->d, rec + X8Q6_D + 2 * r, 2);
     }
 }
 
