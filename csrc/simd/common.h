@@ -279,9 +279,9 @@ enum : int64_t { X8K_SC = 0, X8K_MIN = 64, X8K_D = 128, X8K_DMIN = 144, X8K_META
 constexpr int64_t x8k_size(bool five) { return five ? 1440 : 1184; }
 constexpr int64_t x8k_sub_bytes(bool five) { return five ? 160 : 128; }
 constexpr int64_t x8k_sub(bool five, int64_t j) { return X8K_META + x8k_sub_bytes(five) * j; }
-// An x8 Q6_K record (above): where its sc and d start, where sub-block j's quants start, its bytes
-enum : int64_t { X8Q6_SC = 0, X8Q6_D = 128, X8Q6_Q = 144, X8Q6_SIZE = 1680 };
-constexpr int64_t x8q6_sub(int64_t j) { return X8Q6_Q + 96 * j; }
+// An x8 Q6_K record (above): where its sc, d and quants start, a sub-block's quant bytes, the record's bytes
+enum : int64_t { X8Q6_SC = 0, X8Q6_D = 128, X8Q6_Q = 144, X8Q6_SUB = 96, X8Q6_SIZE = X8Q6_Q + 16 * X8Q6_SUB };
+constexpr int64_t x8q6_sub(int64_t j) { return X8Q6_Q + X8Q6_SUB * j; }
 // bytes per repacked row (a group takes repack_group_rows times this)
 static inline int64_t repack_row_bytes(int t, int64_t k) {
     switch (t) {

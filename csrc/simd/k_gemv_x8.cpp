@@ -324,8 +324,9 @@ static void gemv_x8_q6_K_pair(const uint8_t* rec, const uint8_t* act, size_t ast
         for (int jp = 0; jp < 8; ++jp) {
             const uint8_t* q = p + x8q6_sub(2 * jp);
             const uint8_t* q1 = p1 + x8q6_sub(2 * jp);
-            const __m512i sc2 = join256(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + X8Q6_SC + 16 * jp))),
-                                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p1 + X8Q6_SC + 16 * jp))));
+            const __m512i sc2 =
+                join256(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + X8Q6_SC + 16 * jp))),
+                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p1 + X8Q6_SC + 16 * jp))));
             for (int h = 0; h < 2; ++h) {
                 const uint8_t* u = q + 96 * h;
                 const uint8_t* u1 = q1 + 96 * h;
@@ -355,7 +356,8 @@ static void gemv_x8_q6_K_pair(const uint8_t* rec, const uint8_t* act, size_t ast
             }
         }
         const __m512 dws = _mm512_cvtph_ps(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(p + X8Q6_D))), _mm_loadu_si128((const __m128i*)(p1 + X8Q6_D)), 1));
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(p + X8Q6_D))),
+            _mm_loadu_si128((const __m128i*)(p1 + X8Q6_D)), 1));
         for (int r = 0; r < R; ++r)
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_mul_ps(dws, _mm512_set1_ps(a[r].d[s])), acc[r]);
     }
@@ -383,7 +385,8 @@ static void gemv_x8_q6_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act
     int64_t g = 0;
 #if GP_AVX512
     if constexpr (Vnni && R >= 2)  // gemv_x8_q45_K's rule
-        for (; g + 1 < ngroups; g += 2) gemv_x8_q6_K_pair<R>(rec + g * nb * X8Q6_SIZE, act, astride, k, out + 8 * g, ostride);
+        for (; g + 1 < ngroups; g += 2)
+            gemv_x8_q6_K_pair<R>(rec + g * nb * X8Q6_SIZE, act, astride, k, out + 8 * g, ostride);
 #endif
     for (; g < ngroups; ++g) {
         const uint8_t* p = rec + g * nb * X8Q6_SIZE;

@@ -156,7 +156,7 @@ static void repack_q6_K(const Tensor& w, uint8_t* out, int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
         for (int64_t s = 0; s < nb; ++s) {
             uint8_t* rec = out + (g * nb + s) * X8Q6_SIZE;
-            memset(rec + X8Q6_Q, 0, 16 * 96);  // the quant bytes are OR-ed together below
+            memset(rec + X8Q6_Q, 0, X8Q6_SIZE - X8Q6_Q);  // the quant bytes are OR-ed together below
             for (int r = 0; r < 8; ++r) {
                 const blk_q6_K* x = (const blk_q6_K*)(w.data + (8 * g + r) * w.nb[1]) + s;
                 uint8_t q[256];  // the 6-bit values (0..63) of the super-block in column order
