@@ -276,8 +276,8 @@ void unrepack_row(const Tensor& w, const uint8_t* repacked, int64_t row, uint8_t
 // An x8 Q4_K (five false) / Q5_K record (above): where its sc, m, d, dmin start, its bytes, where sub-block j's
 // nibbles start (Q5_K's fifth bits 128 bytes after them) and a sub-block's bytes
 enum : int64_t { X8K_SC = 0, X8K_MIN = 64, X8K_D = 128, X8K_DMIN = 144, X8K_META = 160 };
-constexpr int64_t x8k_size(bool five) { return five ? 1440 : 1184; }
 constexpr int64_t x8k_sub_bytes(bool five) { return five ? 160 : 128; }
+constexpr int64_t x8k_size(bool five) { return X8K_META + 8 * x8k_sub_bytes(five); }
 constexpr int64_t x8k_sub(bool five, int64_t j) { return X8K_META + x8k_sub_bytes(five) * j; }
 // An x8 Q6_K record (above): where its sc, d and quants start, a sub-block's quant bytes, the record's bytes
 enum : int64_t { X8Q6_SC = 0, X8Q6_D = 128, X8Q6_Q = 144, X8Q6_SUB = 96, X8Q6_SIZE = X8Q6_Q + 16 * X8Q6_SUB };
@@ -287,7 +287,7 @@ static inline int64_t repack_row_bytes(int t, int64_t k) {
     switch (t) {
         case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: return k / 32 * type_size(t);
         case T_Q4_K: case T_Q5_K: return k / 256 * x8k_size(t == T_Q5_K) / 8;
-        case T_Q6_K: return k / 256 * 210;
+        case T_Q6_K: return k / 256 * X8Q6_SIZE / 8;
         case T_F32: case T_F16: case T_BF16: return k * type_size(t);
         default: return 0;
     }

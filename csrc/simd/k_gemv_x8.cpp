@@ -328,8 +328,8 @@ static void gemv_x8_q6_K_pair(const uint8_t* rec, const uint8_t* act, size_t ast
                 join256(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + X8Q6_SC + 16 * jp))),
                         _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p1 + X8Q6_SC + 16 * jp))));
             for (int h = 0; h < 2; ++h) {
-                const uint8_t* u = q + 96 * h;
-                const uint8_t* u1 = q1 + 96 * h;
+                const uint8_t* u = q + X8Q6_SUB * h;
+                const uint8_t* u1 = q1 + X8Q6_SUB * h;
                 const int j = 2 * jp + h;
                 const __m512i L0 = join256(_mm256_loadu_si256((const __m256i*)u), _mm256_loadu_si256((const __m256i*)u1));
                 const __m512i L1 = join256(_mm256_loadu_si256((const __m256i*)(u + 32)),
@@ -411,7 +411,7 @@ static void gemv_x8_q6_K(const uint8_t* rec, int64_t ngroups, const uint8_t* act
                     sumi[r] = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(mi, 5));
                 }
                 for (int h = 0; h < 2; ++h) {
-                    const uint8_t* u = q + 96 * h;
+                    const uint8_t* u = q + X8Q6_SUB * h;
                     const int j = 2 * jp + h;
                     const __m256i L0 = _mm256_loadu_si256((const __m256i*)u);
                     const __m256i L1 = _mm256_loadu_si256((const __m256i*)(u + 32));
