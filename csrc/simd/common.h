@@ -282,6 +282,8 @@ constexpr int64_t x8k_sub(bool five, int64_t j) { return X8K_META + x8k_sub_byte
 // An x8 Q6_K record (above): where its sc, d and quants start, a sub-block's quant bytes, the record's bytes
 enum : int64_t { X8Q6_SC = 0, X8Q6_D = 128, X8Q6_Q = 144, X8Q6_SUB = 96, X8Q6_SIZE = X8Q6_Q + 16 * X8Q6_SUB };
 constexpr int64_t x8q6_sub(int64_t j) { return X8Q6_Q + X8Q6_SUB * j; }
+// where row r's scale of sub-block j is (sub-blocks 2p and 2p + 1 side by side: one i32 lane per row once widened)
+constexpr int64_t x8q6_sc(int j, int r) { return X8Q6_SC + 16 * (j / 2) + 2 * r + (j & 1); }
 // bytes per repacked row (a group takes repack_group_rows times this)
 static inline int64_t repack_row_bytes(int t, int64_t k) {
     switch (t) {

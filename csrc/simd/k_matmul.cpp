@@ -67,7 +67,7 @@ static void dequant_x8_row_k(int type, const uint8_t* group, int r, int64_t pc, 
         if (type == T_Q6_K) {
             const float d = fp16_to_fp32(((const uint16_t*)(p + X8Q6_D))[r]);
             for (int j = 0; j < 16; ++j) {
-                const float dl = d * (float)(int8_t)p[X8Q6_SC + 16 * (j / 2) + 2 * r + (j & 1)];
+                const float dl = d * (float)(int8_t)p[x8q6_sc(j, r)];
                 const uint8_t* u = p + x8q6_sub(j);
                 for (int e = 0; e < 16; ++e) {
                     const int lo = (u[32 * (e / 8) + 4 * r + (e & 3)] >> (e & 4)) & 0x0f;

@@ -179,7 +179,7 @@ static void repack_q6_K(const Tensor& w, uint8_t* out, int64_t g0, int64_t g1) {
                             u[32 * (t / 2) + 4 * r + i] |= (uint8_t)((v & 0x0f) << (4 * (t & 1)));
                             u[64 + 4 * r + i] |= (uint8_t)((v >> 4) << (2 * t));
                         }
-                    rec[X8Q6_SC + 16 * (j / 2) + 2 * r + (j & 1)] = (uint8_t)x->scales[j];
+                    rec[x8q6_sc(j, r)] = (uint8_t)x->scales[j];
                 }
                 memcpy(rec + X8Q6_D + 2 * r, &x->d, 2);
             }
@@ -294,7 +294,7 @@ static void unrepack_q6_K(const uint8_t* grp, int64_t nb, int r, blk_q6_K* out) 
                 for (int i = 0; i < 4; ++i)
                     q[16 * j + 4 * t + i] = (uint8_t)(((u[32 * (t / 2) + 4 * r + i] >> (4 * (t & 1))) & 0x0f) |
                                                       ((u[64 + 4 * r + i] >> (2 * t)) & 3) << 4);
-            x->scales[j] = (int8_t)rec[X8Q6_SC + 16 * (j / 2) + 2 * r + (j & 1)];
+            x->scales[j] = (int8_t)rec[x8q6_sc(j, r)];
         }
         for (int h = 0; h < 2; ++h)
             for (int l = 0; l < 32; ++l) {
