@@ -217,6 +217,9 @@ enum { FA_COPY_MIN_ROWS = 8 };
 // converted once for the 8 heads of a block; one at a time for more (3 or 4 heads already share a tile: two rows a
 // block measured no faster on Llama-3.2-1B's shape)
 enum { FA_ROW_BLOCK = 8 };
+// the query heads whose softmax steps a chunk's tile takes side by side (fa_chunk_heads_t): their logits and weights,
+// 8 floats each, on the stack
+enum { FA_TILE_HEADS = 64 };
 constexpr int fa_block_rows(int g) { return g <= 2 ? FA_ROW_BLOCK / g : 1; }
 // a prefill's rows through the split kernel, for a block of up to FA_ROW_BLOCK rows: FA_SPLIT_FLOATS, then the rows'
 // totals per head (acc, S as a double, M) and each row's chunk table (fa_chunk_starts: the count, then each chunk's

@@ -250,13 +250,10 @@ static void fa_row_tiles(const float* qf, int64_t D, const uint8_t* kb, int64_t 
     if (chunks.vis) flush();
 }
 
-// A tile's step of one head's online softmax (fa_row_tiles'): the partial sums of its 8 scores (part) to logits, its
-// chunk state (acc[Dv] rescaled to a new maximum, M, S) updated, the keys' weights to pv[8] (all 0 when nothing of the
-// tile is visible to the head).
+// A tile's step of one head's online softmax (fa_row_tiles'), from its 8 logits sc: its chunk state (acc[Dv] rescaled
+// to a new maximum, M, S) updated, the keys' weights to pv[8] (all 0 when nothing of the tile is visible to the head).
 template <int DV8>
-GP_INLINE void fa_softmax_step(const __m256* part, __m256 vmr, float slope, float scale, float softcap, float* acc,
-                               float* M, double* S, float* pv) {
-    const __m256 sc = fa_logits8(hsum_lanes8(part), scale, softcap, slope, vmr);
+GP_INLINE void fa_softmax_step(__m256 sc, float* acc, float* M, double* S, float* pv) {
     const float mt = hmax(sc);
     if (!(mt > -INFINITY)) {  // nothing of this tile for this head (as fa_row_tiles)
         _mm256_store_ps(pv, _mm256_setzero_ps());
@@ -274,11 +271,11 @@ GP_INLINE void fa_softmax_step(const __m256* part, __m256 vmr, float slope, floa
     *S += (double)hsum(p);
 }
 
-// One tile of 8 keys for the G query heads that share one KV head, in two halves: fa_tile_scores, the partial sums of
-// q.k (rows kt, ks bytes apart), then fa_tile_values, fa_row_tiles' step of the online softmax for each head and the
-// values (rows vt) weighted into its chunk's state (acc[g * Dv ...], M[g], S[g]) in memory. Each block of 8 key or
-// value elements is converted from F16 once and used by all G heads, which cuts the conversions, the larger part of
-// the per-key work, to 1/G; the arithmetic of each head is fa_row_tiles' (G = 1 included).
+// One tile of 8 keys for the G query heads that share one KV head, in three parts: fa_tile_scores, the partial sums
+// of q.k (rows kt, ks bytes apart); a softmax step for each head (fa_logits8, fa_softmax_step); fa_tile_values, the
+// values (rows vt) weighted into each head's chunk sums. Each block of 8 key or value elements is converted from F16
+// once and used by all G heads, which cuts the conversions, the larger part of the per-key work, to 1/G; the
+// arithmetic of each head is fa_row_tiles' (G = 1 included).
 // Fixed: D == Dv and F16 keys and values (every model's decode), known at compile time, so the loops unroll fully.
 template <int DV8, int G, bool Fixed>
 GP_INLINE void fa_tile_scores(const float* qf, int64_t D, const uint8_t* kt, int64_t ks, bool kf16, const float* mraw,
@@ -320,21 +317,17 @@ GP_INLINE void fa_tile_scores(const float* qf, int64_t D, const uint8_t* kt, int
     }
 }
 
-// GM: heads per mask row (G heads of G / GM query rows: head g's mask is mraw[g / GM][8]; which keys are weighted
-// is mraw[0]'s, the same for every row where there are several).
-template <int DV8, int G, bool Fixed, int GM = G>
-GP_INLINE void fa_tile_values(const __m256 (*part)[8], const uint8_t* vt, int64_t vs, bool vf16, const float* mraw,
-                              const float* slope, float scale, float softcap, float* acc, float* M, double* S) {
+// The values of a tile (rows vt, vs bytes apart) weighted by the G heads' weights pv into their chunk sums
+// acc[g * Dv ...], key by key in order; only the keys mraw shows (a masked row may hold anything: never read).
+template <int DV8, int G, bool Fixed>
+GP_INLINE void fa_tile_values(const float (*pv)[8], const uint8_t* vt, int64_t vs, bool vf16, const float* mraw,
+                              float* acc) {
     constexpr int64_t Dv = DV8 * 8;
     if constexpr (Fixed) vf16 = true;
     const int64_t ves = vf16 ? 2 : 4;
-    alignas(32) float pv[G][8];
-    for (int g = 0; g < G; ++g)
-        fa_softmax_step<DV8>(part[g], _mm256_load_ps(mraw + g / GM * 8), slope[g], scale, softcap, acc + g * Dv,
-                             M + g, S + g, pv[g]);
-    // the values: NB blocks of 8 elements of the G heads' sums in registers at a time (8 registers), key by key
-    // inside, so that the NB x G sums advance side by side (one block at a time was a chain of 8 dependent FMAs)
-    int vis[8], nv = 0;  // a masked row may hold anything (never written): skipped
+    // NB blocks of 8 elements of the G heads' sums in registers at a time (8 registers), key by key inside, so that
+    // the NB x G sums advance side by side (one block at a time was a chain of 8 dependent FMAs)
+    int vis[8], nv = 0;
     for (int t = 0; t < 8; ++t)
         if (mraw[t] != -INFINITY) vis[nv++] = t;
     constexpr int NB = G >= 8 ? 1 : 8 / G;
@@ -364,10 +357,13 @@ GP_INLINE void fa_tile_values(const __m256 (*part)[8], const uint8_t* vt, int64_
 // 0.57-0.58 ms a layer from DRAM; without the prefetch of the tile after next 0.60-0.69, and SmolLM2-135M's decode
 // at a 1000-token context 10% slower than head by head). Keys row by row (each head's accumulator in memory between
 // keys) was 0.85 ms, and 15-20% slower for SmolLM2-135M.
-// Within a tile the heads are pipelined: the next head's scores (independent work) are computed before this head's
-// softmax and values, whose chain of dependent steps (sums, maximum, exp, the weighted values) otherwise ran alone.
-// Each head's arithmetic is fa_row_tiles' over the same tiles, so the result is the same as head by head. The
-// heads' chunk state (acc, M, S) is the caller's, set to 0, -inf, 0.
+// A tile goes in three passes over up to FA_TILE_HEADS heads: every head's logits, then every head's softmax step,
+// then every head's values. Each step is a chain of dependent operations (maximum, exp, sums) that a head's scores
+// and values cannot hide; side by side, independent, the steps of many heads overlap (one step a head and its values
+// in turn, the next head's scores computed in between, left them 45% of the time: the 1B shape's 32 heads on 8, a
+// 2000-key chunked decode, 1 thread, 0.53 -> 0.43 ms a layer). Each head's arithmetic is fa_row_tiles' over the same
+// tiles, so the result is the same as head by head. The heads' chunk state (acc, M, S) is the caller's, set to 0,
+// -inf, 0.
 // R query rows at once (a prefill's consecutive rows whose chunks start at the same tiles; mask rows mrs bytes
 // apart): a tile that every row sees whole is converted once for the R x G heads of a KV head, which share it as a
 // group's heads do (the conversions, not the FMAs, bound a prefill's attention without GQA); a tile some row sees in
@@ -378,10 +374,12 @@ static void fa_chunk_heads_t(const float* qf, int64_t D, const uint8_t* kb, int6
                              const uint8_t* mp, int64_t ms_stride, int64_t mrs, int mtype, const float* slope,
                              float scale, float softcap, float* acc, float* M, double* S, bool cold) {
     constexpr int64_t Dv = DV8 * 8;
-    constexpr int GR = G * R;  // the query heads of one KV head
+    constexpr int GR = G * R;                                     // the query heads of one KV head
+    constexpr int HB = FA_TILE_HEADS / GR > 0 ? FA_TILE_HEADS / GR : 1;  // KV heads a pass
     if constexpr (Fixed) D = Dv;
     const int64_t kbytes = Fixed ? 2 * Dv : D * (kf16 ? 2 : 4), vbytes = Fixed ? 2 * Dv : Dv * (vf16 ? 2 : 4);
-    __m256 part[2][GR][8];
+    __m256 part[GR][8];
+    alignas(32) float sc[HB * GR][8];  // the heads' logits, then their keys' weights
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
         alignas(32) float mraw[R][8];
         bool seen[R], any = false, whole = true;  // seen: row r sees a key of the tile
@@ -396,21 +394,33 @@ static void fa_chunk_heads_t(const float* qf, int64_t D, const uint8_t* kb, int6
                 for (int r = 0; r < R; ++r) {
                     const int64_t h = (hk * R + r) * G;
                     if (!seen[r]) continue;
-                    fa_tile_scores<DV8, G, Fixed>(qf + h * D, D, kb + hk * khs + j0 * ks, ks, kf16, mraw[r], part[0]);
-                    fa_tile_values<DV8, G, Fixed>(part[0], vb + hk * vhs + j0 * vs, vs, vf16, mraw[r], slope + h,
-                                                  scale, softcap, acc + h * Dv, M + h, S + h);
+                    fa_tile_scores<DV8, G, Fixed>(qf + h * D, D, kb + hk * khs + j0 * ks, ks, kf16, mraw[r], part);
+                    for (int g = 0; g < G; ++g)
+                        fa_softmax_step<DV8>(fa_logits8(hsum_lanes8(part[g]), scale, softcap, slope[h + g],
+                                                        _mm256_load_ps(mraw[r])),
+                                             acc + (h + g) * Dv, M + h + g, S + h + g, sc[g]);
+                    fa_tile_values<DV8, G, Fixed>(sc, vb + hk * vhs + j0 * vs, vs, vf16, mraw[r], acc + h * Dv);
                 }
             continue;
         }
-        fa_tile_scores<DV8, GR, Fixed>(qf, D, kb + j0 * ks, ks, kf16, mraw[0], part[0]);
-        for (int64_t hk = 0; hk < NH; ++hk) {
-            prefetch_kv_rows(cold, kb + hk * khs, ks, kbytes, vb + hk * vhs, vs, vbytes, j0 + 16, imin(j0 + 24, n));
-            if (hk + 1 < NH)
-                fa_tile_scores<DV8, GR, Fixed>(qf + (hk + 1) * GR * D, D, kb + (hk + 1) * khs + j0 * ks, ks, kf16,
-                                               mraw[0], part[(hk + 1) & 1]);
-            fa_tile_values<DV8, GR, Fixed, G>(part[hk & 1], vb + hk * vhs + j0 * vs, vs, vf16, mraw[0],
-                                              slope + hk * GR, scale, softcap, acc + hk * GR * Dv, M + hk * GR,
-                                              S + hk * GR);
+        for (int64_t hk0 = 0; hk0 < NH; hk0 += HB) {
+            const int64_t nk = imin(HB, NH - hk0), h0 = hk0 * GR;
+            for (int64_t i = 0; i < nk; ++i) {  // each head's logits (head g of a KV head: row g / G's mask)
+                fa_tile_scores<DV8, GR, Fixed>(qf + (h0 + i * GR) * D, D, kb + (hk0 + i) * khs + j0 * ks, ks, kf16,
+                                               mraw[0], part);
+                for (int g = 0; g < GR; ++g)
+                    _mm256_store_ps(sc[i * GR + g], fa_logits8(hsum_lanes8(part[g]), scale, softcap,
+                                                               slope[h0 + i * GR + g], _mm256_load_ps(mraw[g / G])));
+            }
+            for (int64_t i = 0; i < nk * GR; ++i)  // each head's softmax step: its logits to its keys' weights
+                fa_softmax_step<DV8>(_mm256_load_ps(sc[i]), acc + (h0 + i) * Dv, M + h0 + i, S + h0 + i, sc[i]);
+            for (int64_t i = 0; i < nk; ++i) {  // each KV head's values, for its GR heads
+                const int64_t hk = hk0 + i;
+                prefetch_kv_rows(cold, kb + hk * khs, ks, kbytes, vb + hk * vhs, vs, vbytes, j0 + 16,
+                                 imin(j0 + 24, n));
+                fa_tile_values<DV8, GR, Fixed>(sc + i * GR, vb + hk * vhs + j0 * vs, vs, vf16, mraw[0],
+                                               acc + (h0 + i * GR) * Dv);
+            }
         }
     }
 }
