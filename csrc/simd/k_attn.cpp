@@ -32,6 +32,15 @@ GP_INLINE __m256 hsum_lanes8(const __m256* part) {
 #endif
 
 #if GP_AVX2
+// The factor by which a head's sums so far shrink when a tile raises its running maximum from M to Mn: exp(M - Mn),
+// as exp_ps computes it lane by lane (0 from M = -inf), so that the heads that fa_softmax_steps8 takes eight at a
+// time get the bits of those taken one at a time.
+GP_INLINE float fa_rescale(float M, float Mn) {
+    return M == -INFINITY ? 0.0f : _mm256_cvtss_f32(exp_ps(_mm256_set1_ps(M - Mn)));
+}
+#endif
+
+#if GP_AVX2
 // Prefetch the key and value rows [t0, t1) (kbytes / vbytes each) into L2: a decode step reads strided rows of a
 // cache that is cold after the weights' stream. On Intel (a Xeon with AVX-512) the hardware prefetcher did not hide
 // their latency: an L1 prefetch of the tile after next took one layer (32 KV heads of 64, 2000 keys, 2 threads)
@@ -218,7 +227,7 @@ static void fa_row_tiles(const float* qf, int64_t D, const uint8_t* kb, int64_t 
         const float mt = hmax(sc);
         if (!(mt > -INFINITY)) continue;
         if (mt > M) {
-            const float msc = M == -INFINITY ? 0.0f : expf(M - mt);
+            const float msc = fa_rescale(M, mt);
             M = mt;
             S *= msc;
             const __m256 vms = _mm256_set1_ps(msc);
@@ -260,7 +269,7 @@ GP_INLINE void fa_softmax_step(__m256 sc, float* acc, float* M, double* S, float
         return;
     }
     if (mt > *M) {
-        const float msc = *M == -INFINITY ? 0.0f : expf(*M - mt);
+        const float msc = fa_rescale(*M, mt);
         *M = mt;
         *S *= msc;
         const __m256 vms = _mm256_set1_ps(msc);
@@ -269,6 +278,49 @@ GP_INLINE void fa_softmax_step(__m256 sc, float* acc, float* M, double* S, float
     const __m256 p = exp_ps(_mm256_sub_ps(sc, _mm256_set1_ps(*M)));
     _mm256_store_ps(pv, p);
     *S += (double)hsum(p);
+}
+
+// Eight heads' softmax steps at once, lane by lane fa_softmax_step's arithmetic: their logits sc[8][8] become their
+// keys' weights, their running maxima M and sums S move on, and msc gets the factor each head's sums so far take
+// (fa_tile_values applies it as it loads them: the product fa_softmax_step stores). One step's chain (maximum,
+// rescale, exp, sum) no longer waits on a branch per head. False, with nothing done, where a logit is NaN or a head
+// sees none of the tile: fa_softmax_step then takes them one by one.
+template <int DV8>
+GP_INLINE bool fa_softmax_steps8(float (*sc)[8], float* M, double* S, float* msc) {
+    __m256 s[8], nan = _mm256_setzero_ps();
+    for (int i = 0; i < 8; ++i) {
+        s[i] = _mm256_load_ps(sc[i]);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(s[i], s[i], _CMP_UNORD_Q));
+    }
+    // lane i: the maximum of s[i] (without NaNs, hmax's in any order)
+    const __m256 t0 = _mm256_max_ps(_mm256_unpacklo_ps(s[0], s[1]), _mm256_unpackhi_ps(s[0], s[1]));
+    const __m256 t1 = _mm256_max_ps(_mm256_unpacklo_ps(s[2], s[3]), _mm256_unpackhi_ps(s[2], s[3]));
+    const __m256 t2 = _mm256_max_ps(_mm256_unpacklo_ps(s[4], s[5]), _mm256_unpackhi_ps(s[4], s[5]));
+    const __m256 t3 = _mm256_max_ps(_mm256_unpacklo_ps(s[6], s[7]), _mm256_unpackhi_ps(s[6], s[7]));
+    const __m256 u0 = _mm256_max_ps(_mm256_shuffle_ps(t0, t1, 0x44), _mm256_shuffle_ps(t0, t1, 0xee));
+    const __m256 u1 = _mm256_max_ps(_mm256_shuffle_ps(t2, t3, 0x44), _mm256_shuffle_ps(t2, t3, 0xee));
+    const __m256 mt = _mm256_max_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    if (_mm256_movemask_ps(nan) != 0 || _mm256_movemask_ps(_mm256_cmp_ps(mt, ninf, _CMP_GT_OQ)) != 0xff) return false;
+    const __m256 Mo = _mm256_loadu_ps(M);
+    const __m256 Mn = _mm256_blendv_ps(Mo, mt, _mm256_cmp_ps(mt, Mo, _CMP_GT_OQ));
+    // fa_rescale(Mo, Mn); 1 exactly where the maximum stays (exp_ps(0))
+    const __m256 f = _mm256_blendv_ps(exp_ps(_mm256_sub_ps(Mo, Mn)), _mm256_setzero_ps(), _mm256_cmp_ps(Mo, ninf, _CMP_EQ_OQ));
+    _mm256_storeu_ps(M, Mn);
+    _mm256_storeu_ps(msc, f);
+    alignas(32) float mn[8], sum[8];
+    _mm256_store_ps(mn, Mn);
+    for (int i = 0; i < 8; ++i) {
+        const __m256 p = exp_ps(_mm256_sub_ps(s[i], _mm256_set1_ps(mn[i])));
+        _mm256_store_ps(sc[i], p);
+        sum[i] = hsum(p);
+    }
+    const __m256d f0 = _mm256_cvtps_pd(_mm256_castps256_ps128(f)), f1 = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
+    const __m256 vs = _mm256_load_ps(sum);
+    _mm256_storeu_pd(S, _mm256_add_pd(_mm256_mul_pd(_mm256_loadu_pd(S), f0), _mm256_cvtps_pd(_mm256_castps256_ps128(vs))));
+    _mm256_storeu_pd(S + 4, _mm256_add_pd(_mm256_mul_pd(_mm256_loadu_pd(S + 4), f1),
+                                          _mm256_cvtps_pd(_mm256_extractf128_ps(vs, 1))));
+    return true;
 }
 
 // One tile of 8 keys for the G query heads that share one KV head, in three parts: fa_tile_scores, the partial sums
@@ -285,6 +337,37 @@ GP_INLINE void fa_tile_scores(const float* qf, int64_t D, const uint8_t* kt, int
         kf16 = true;
     }
     const int64_t kes = kf16 ? 2 : 4;
+#if GP_AVX512
+    // 16 elements a register, lanes 0-7 the first chain's blocks and 8-15 the second's, so each lane's FMAs and the
+    // chains' sum are fa_scores8's: KT keys at a time for all G heads (16 sums in registers), each query block loaded
+    // once for KT keys where 8 wide every FMA loaded its own (the 1B shape's decode attention, harness: -8%)
+    if constexpr (Fixed && DV8 % 2 == 0 && G <= 8) {
+        bool all = true;
+        for (int t = 0; t < 8; ++t) all &= mraw[t] != -INFINITY;
+        if (all) {
+            constexpr int KT = G <= 2 ? 8 : G <= 4 ? 4 : 2;  // keys a pass: a divisor of 8, G x KT <= 16 sums
+            for (int t0 = 0; t0 < 8; t0 += KT) {
+                __m512 a[G][KT];
+                for (int g = 0; g < G; ++g)
+                    for (int t = 0; t < KT; ++t) a[g][t] = _mm512_setzero_ps();
+                for (int64_t i = 0; i < D; i += 16) {
+                    __m512 kz[KT];
+                    for (int t = 0; t < KT; ++t)
+                        kz[t] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(kt + (t0 + t) * ks + i * 2)));
+                    for (int g = 0; g < G; ++g) {
+                        const __m512 qz = _mm512_loadu_ps(qf + g * D + i);
+                        for (int t = 0; t < KT; ++t) a[g][t] = _mm512_fmadd_ps(qz, kz[t], a[g][t]);
+                    }
+                }
+                for (int g = 0; g < G; ++g)
+                    for (int t = 0; t < KT; ++t)
+                        part[g][t0 + t] = _mm256_add_ps(_mm512_castps512_ps256(a[g][t]),
+                                                        _mm512_extractf32x8_ps(a[g][t], 1));
+            }
+            return;
+        }
+    }
+#endif
     // one head's query in registers while its 8 keys pass (Fixed, one head of at most 64 elements)
     constexpr bool qregs = Fixed && G == 1 && DV8 <= 8;
     __m256 qv[qregs ? DV8 : 1];
@@ -318,10 +401,11 @@ GP_INLINE void fa_tile_scores(const float* qf, int64_t D, const uint8_t* kt, int
 }
 
 // The values of a tile (rows vt, vs bytes apart) weighted by the G heads' weights pv into their chunk sums
-// acc[g * Dv ...], key by key in order; only the keys mraw shows (a masked row may hold anything: never read).
+// acc[g * Dv ...] (first times msc[g], where given), key by key in order; only the keys mraw shows (a masked row may
+// hold anything: never read).
 template <int DV8, int G, bool Fixed>
 GP_INLINE void fa_tile_values(const float (*pv)[8], const uint8_t* vt, int64_t vs, bool vf16, const float* mraw,
-                              float* acc) {
+                              float* acc, const float* msc = nullptr) {
     constexpr int64_t Dv = DV8 * 8;
     if constexpr (Fixed) vf16 = true;
     const int64_t ves = vf16 ? 2 : 4;
@@ -335,7 +419,9 @@ GP_INLINE void fa_tile_values(const float (*pv)[8], const uint8_t* vt, int64_t v
         constexpr int nb = NB < DV8 ? NB : DV8;
         __m256 a[G][nb];
         for (int g = 0; g < G; ++g)
-            for (int i = 0; i < nb; ++i) a[g][i] = _mm256_load_ps(acc + g * Dv + 8 * (i0 + i));
+            for (int i = 0; i < nb; ++i)
+                a[g][i] = msc ? _mm256_mul_ps(_mm256_load_ps(acc + g * Dv + 8 * (i0 + i)), _mm256_set1_ps(msc[g]))
+                              : _mm256_load_ps(acc + g * Dv + 8 * (i0 + i));
         for (int u = 0; u < nv; ++u) {
             const int t = vis[u];
             __m256 vv[nb];
@@ -380,6 +466,7 @@ static void fa_chunk_heads_t(const float* qf, int64_t D, const uint8_t* kb, int6
     const int64_t kbytes = Fixed ? 2 * Dv : D * (kf16 ? 2 : 4), vbytes = Fixed ? 2 * Dv : Dv * (vf16 ? 2 : 4);
     __m256 part[GR][8];
     alignas(32) float sc[HB * GR][8];  // the heads' logits, then their keys' weights
+    alignas(32) float msc[HB * GR];    // the factor each head's sums so far take (fa_softmax_steps8)
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
         alignas(32) float mraw[R][8];
         bool seen[R], any = false, whole = true;  // seen: row r sees a key of the tile
@@ -412,14 +499,24 @@ static void fa_chunk_heads_t(const float* qf, int64_t D, const uint8_t* kb, int6
                     _mm256_store_ps(sc[i * GR + g], fa_logits8(hsum_lanes8(part[g]), scale, softcap,
                                                                slope[h0 + i * GR + g], _mm256_load_ps(mraw[g / G])));
             }
-            for (int64_t i = 0; i < nk * GR; ++i)  // each head's softmax step: its logits to its keys' weights
+            // each head's softmax step, its logits to its keys' weights: eight at a time where it can
+            int64_t i = 0;
+            for (; i + 8 <= nk * GR; i += 8)
+                if (!fa_softmax_steps8<DV8>(sc + i, M + h0 + i, S + h0 + i, msc + i))
+                    for (int64_t j = i; j < i + 8; ++j) {
+                        fa_softmax_step<DV8>(_mm256_load_ps(sc[j]), acc + (h0 + j) * Dv, M + h0 + j, S + h0 + j, sc[j]);
+                        msc[j] = 1.0f;
+                    }
+            for (; i < nk * GR; ++i) {
                 fa_softmax_step<DV8>(_mm256_load_ps(sc[i]), acc + (h0 + i) * Dv, M + h0 + i, S + h0 + i, sc[i]);
+                msc[i] = 1.0f;
+            }
             for (int64_t i = 0; i < nk; ++i) {  // each KV head's values, for its GR heads
                 const int64_t hk = hk0 + i;
                 prefetch_kv_rows(cold, kb + hk * khs, ks, kbytes, vb + hk * vhs, vs, vbytes, j0 + 16,
                                  imin(j0 + 24, n));
                 fa_tile_values<DV8, GR, Fixed>(sc + i * GR, vb + hk * vhs + j0 * vs, vs, vf16, mraw[0],
-                                               acc + (h0 + i * GR) * Dv);
+                                               acc + (h0 + i * GR) * Dv, msc + i * GR);
             }
         }
     }
@@ -582,7 +679,7 @@ static void fa_group(const Node& n, int64_t iq, int64_t hk, int64_t b, float* sc
             if (!(mt > -INFINITY)) continue;
             float* ag = acc + g * Dv;
             if (mt > Ms[g]) {
-                const float msc = Ms[g] == -INFINITY ? 0.0f : expf(Ms[g] - mt);
+                const float msc = fa_rescale(Ms[g], mt);
                 Ms[g] = mt;
                 Ss[g] *= msc;
                 const __m256 vms = _mm256_set1_ps(msc);
