@@ -414,6 +414,31 @@ GP_INLINE void fa_tile_values(const float (*pv)[8], const uint8_t* vt, int64_t v
     int vis[8], nv = 0;
     for (int t = 0; t < 8; ++t)
         if (mraw[t] != -INFINITY) vis[nv++] = t;
+#if GP_AVX512
+    if constexpr (Fixed && DV8 % 2 == 0 && G <= 16) {  // 16 elements a register: the same FMAs lane by lane
+        constexpr int DZ = DV8 / 2, NZ = 16 / G < DZ ? 16 / G : DZ;
+        for (int i0 = 0; i0 < DZ; i0 += NZ) {
+            __m512 a[G][NZ];
+            for (int g = 0; g < G; ++g)
+                for (int i = 0; i < NZ; ++i)
+                    a[g][i] = msc ? _mm512_mul_ps(_mm512_load_ps(acc + g * Dv + 16 * (i0 + i)), _mm512_set1_ps(msc[g]))
+                                  : _mm512_load_ps(acc + g * Dv + 16 * (i0 + i));
+            for (int u = 0; u < nv; ++u) {
+                const int t = vis[u];
+                __m512 vv[NZ];
+                for (int i = 0; i < NZ; ++i)
+                    vv[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(vt + t * vs + 32 * (i0 + i))));
+                for (int g = 0; g < G; ++g) {
+                    const __m512 w = _mm512_set1_ps(pv[g][t]);
+                    for (int i = 0; i < NZ; ++i) a[g][i] = _mm512_fmadd_ps(w, vv[i], a[g][i]);
+                }
+            }
+            for (int g = 0; g < G; ++g)
+                for (int i = 0; i < NZ; ++i) _mm512_store_ps(acc + g * Dv + 16 * (i0 + i), a[g][i]);
+        }
+        return;
+    }
+#endif
     constexpr int NB = G >= 8 ? 1 : 8 / G;
     for (int i0 = 0; i0 < DV8; i0 += NB) {
         constexpr int nb = NB < DV8 ? NB : DV8;
@@ -499,24 +524,31 @@ static void fa_chunk_heads_t(const float* qf, int64_t D, const uint8_t* kb, int6
                     _mm256_store_ps(sc[i * GR + g], fa_logits8(hsum_lanes8(part[g]), scale, softcap,
                                                                slope[h0 + i * GR + g], _mm256_load_ps(mraw[g / G])));
             }
-            // each head's softmax step, its logits to its keys' weights: eight at a time where it can
-            int64_t i = 0;
-            for (; i + 8 <= nk * GR; i += 8)
-                if (!fa_softmax_steps8<DV8>(sc + i, M + h0 + i, S + h0 + i, msc + i))
-                    for (int64_t j = i; j < i + 8; ++j) {
+            // each head's softmax step, its logits to its keys' weights, eight at a time where it can; a KV head's
+            // values once its heads' steps are done, one group of steps behind, so that the next steps' chains and
+            // these values' FMAs are in flight together
+            const int64_t nh = nk * GR;
+            int64_t done = 0;  // KV heads whose values are in
+            for (int64_t i = 0; i < nh; i += 8) {
+                const int64_t e = imin(i + 8, nh);
+                if (e - i < 8 || !fa_softmax_steps8<DV8>(sc + i, M + h0 + i, S + h0 + i, msc + i))
+                    for (int64_t j = i; j < e; ++j) {
                         fa_softmax_step<DV8>(_mm256_load_ps(sc[j]), acc + (h0 + j) * Dv, M + h0 + j, S + h0 + j, sc[j]);
                         msc[j] = 1.0f;
                     }
-            for (; i < nk * GR; ++i) {
-                fa_softmax_step<DV8>(_mm256_load_ps(sc[i]), acc + (h0 + i) * Dv, M + h0 + i, S + h0 + i, sc[i]);
-                msc[i] = 1.0f;
+                for (; done < nk && (done + 1) * GR <= (e == nh ? nh : i); ++done) {
+                    const int64_t hk = hk0 + done;
+                    prefetch_kv_rows(cold, kb + hk * khs, ks, kbytes, vb + hk * vhs, vs, vbytes, j0 + 16,
+                                     imin(j0 + 24, n));
+                    fa_tile_values<DV8, GR, Fixed>(sc + done * GR, vb + hk * vhs + j0 * vs, vs, vf16, mraw[0],
+                                                   acc + (h0 + done * GR) * Dv, msc + done * GR);
+                }
             }
-            for (int64_t i = 0; i < nk; ++i) {  // each KV head's values, for its GR heads
-                const int64_t hk = hk0 + i;
-                prefetch_kv_rows(cold, kb + hk * khs, ks, kbytes, vb + hk * vhs, vs, vbytes, j0 + 16,
-                                 imin(j0 + 24, n));
-                fa_tile_values<DV8, GR, Fixed>(sc + i * GR, vb + hk * vhs + j0 * vs, vs, vf16, mraw[0],
-                                               acc + (h0 + i * GR) * Dv, msc + i * GR);
+            for (; done < nk; ++done) {
+                const int64_t hk = hk0 + done;
+                prefetch_kv_rows(cold, kb + hk * khs, ks, kbytes, vb + hk * vhs, vs, vbytes, j0 + 16, imin(j0 + 24, n));
+                fa_tile_values<DV8, GR, Fixed>(sc + done * GR, vb + hk * vhs + j0 * vs, vs, vf16, mraw[0],
+                                               acc + (h0 + done * GR) * Dv, msc + done * GR);
             }
         }
     }
