@@ -305,7 +305,8 @@ GP_INLINE bool fa_softmax_steps8(float (*sc)[8], float* M, double* S, float* msc
     const __m256 Mo = _mm256_loadu_ps(M);
     const __m256 Mn = _mm256_blendv_ps(Mo, mt, _mm256_cmp_ps(mt, Mo, _CMP_GT_OQ));
     // fa_rescale(Mo, Mn); 1 exactly where the maximum stays (exp_ps(0))
-    const __m256 f = _mm256_blendv_ps(exp_ps(_mm256_sub_ps(Mo, Mn)), _mm256_setzero_ps(), _mm256_cmp_ps(Mo, ninf, _CMP_EQ_OQ));
+    const __m256 f = _mm256_blendv_ps(exp_ps(_mm256_sub_ps(Mo, Mn)), _mm256_setzero_ps(),
+                                      _mm256_cmp_ps(Mo, ninf, _CMP_EQ_OQ));
     _mm256_storeu_ps(M, Mn);
     _mm256_storeu_ps(msc, f);
     alignas(32) float mn[8], sum[8];
@@ -316,8 +317,9 @@ GP_INLINE bool fa_softmax_steps8(float (*sc)[8], float* M, double* S, float* msc
         sum[i] = hsum(p);
     }
     const __m256d f0 = _mm256_cvtps_pd(_mm256_castps256_ps128(f)), f1 = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
-    const __m256 vs = _mm256_load_ps(sum);
-    _mm256_storeu_pd(S, _mm256_add_pd(_mm256_mul_pd(_mm256_loadu_pd(S), f0), _mm256_cvtps_pd(_mm256_castps256_ps128(vs))));
+    const __m256 vs = _mm256_load_ps(sum);  // *S = *S * msc + (double)hsum(p), as fa_softmax_step
+    _mm256_storeu_pd(S, _mm256_add_pd(_mm256_mul_pd(_mm256_loadu_pd(S), f0),
+                                      _mm256_cvtps_pd(_mm256_castps256_ps128(vs))));
     _mm256_storeu_pd(S + 4, _mm256_add_pd(_mm256_mul_pd(_mm256_loadu_pd(S + 4), f1),
                                           _mm256_cvtps_pd(_mm256_extractf128_ps(vs, 1))));
     return true;
@@ -472,7 +474,8 @@ GP_INLINE void fa_tile_values(const float (*pv)[8], const uint8_t* vt, int64_t v
 // then every head's values. Each step is a chain of dependent operations (maximum, exp, sums) that a head's scores
 // and values cannot hide; side by side, independent, the steps of many heads overlap (one step a head and its values
 // in turn, the next head's scores computed in between, left them 45% of the time: the 1B shape's 32 heads on 8, a
-// 2000-key chunked decode, 1 thread, 0.53 -> 0.43 ms a layer). Each head's arithmetic is fa_row_tiles' over the same
+// 2000-key chunked decode, 1 thread, 0.53 -> 0.43 ms a layer; with fa_softmax_steps8 and the 16-wide scores and
+// values 0.35-0.38, docs/simd.md). Each head's arithmetic is fa_row_tiles' over the same
 // tiles, so the result is the same as head by head. The heads' chunk state (acc, M, S) is the caller's, set to 0,
 // -inf, 0.
 // R query rows at once (a prefill's consecutive rows whose chunks start at the same tiles; mask rows mrs bytes
@@ -524,9 +527,16 @@ static void fa_chunk_heads_t(const float* qf, int64_t D, const uint8_t* kb, int6
                     _mm256_store_ps(sc[i * GR + g], fa_logits8(hsum_lanes8(part[g]), scale, softcap,
                                                                slope[h0 + i * GR + g], _mm256_load_ps(mraw[g / G])));
             }
+            auto values = [&](int64_t i) {  // KV head hk0 + i's values, for its GR heads
+                const int64_t hk = hk0 + i;
+                prefetch_kv_rows(cold, kb + hk * khs, ks, kbytes, vb + hk * vhs, vs, vbytes, j0 + 16,
+                                 imin(j0 + 24, n));
+                fa_tile_values<DV8, GR, Fixed>(sc + i * GR, vb + hk * vhs + j0 * vs, vs, vf16, mraw[0],
+                                               acc + (h0 + i * GR) * Dv, msc + i * GR);
+            };
             // each head's softmax step, its logits to its keys' weights, eight at a time where it can; a KV head's
-            // values once its heads' steps are done, one group of steps behind, so that the next steps' chains and
-            // these values' FMAs are in flight together
+            // values once its heads' steps are done, a group of steps behind (the last group's at the end), so that
+            // the next steps' chains and these values' FMAs are in flight together
             const int64_t nh = nk * GR;
             int64_t done = 0;  // KV heads whose values are in
             for (int64_t i = 0; i < nh; i += 8) {
@@ -536,19 +546,7 @@ static void fa_chunk_heads_t(const float* qf, int64_t D, const uint8_t* kb, int6
                         fa_softmax_step<DV8>(_mm256_load_ps(sc[j]), acc + (h0 + j) * Dv, M + h0 + j, S + h0 + j, sc[j]);
                         msc[j] = 1.0f;
                     }
-                for (; done < nk && (done + 1) * GR <= (e == nh ? nh : i); ++done) {
-                    const int64_t hk = hk0 + done;
-                    prefetch_kv_rows(cold, kb + hk * khs, ks, kbytes, vb + hk * vhs, vs, vbytes, j0 + 16,
-                                     imin(j0 + 24, n));
-                    fa_tile_values<DV8, GR, Fixed>(sc + done * GR, vb + hk * vhs + j0 * vs, vs, vf16, mraw[0],
-                                                   acc + (h0 + done * GR) * Dv, msc + done * GR);
-                }
-            }
-            for (; done < nk; ++done) {
-                const int64_t hk = hk0 + done;
-                prefetch_kv_rows(cold, kb + hk * khs, ks, kbytes, vb + hk * vhs, vs, vbytes, j0 + 16, imin(j0 + 24, n));
-                fa_tile_values<DV8, GR, Fixed>(sc + done * GR, vb + hk * vhs + j0 * vs, vs, vf16, mraw[0],
-                                               acc + (h0 + done * GR) * Dv, msc + done * GR);
+                for (; done < nk && (done + 1) * GR <= (e == nh ? nh : i); ++done) values(done);
             }
         }
     }
