@@ -285,7 +285,6 @@ GP_INLINE void fa_softmax_step(__m256 sc, float* acc, float* M, double* S, float
 // (fa_tile_values applies it as it loads them: the product fa_softmax_step stores). One step's chain (maximum,
 // rescale, exp, sum) no longer waits on a branch per head. False, with nothing done, where a logit is NaN or a head
 // sees none of the tile: fa_softmax_step then takes them one by one.
-template <int DV8>
 GP_INLINE bool fa_softmax_steps8(float (*sc)[8], float* M, double* S, float* msc) {
     __m256 s[8], nan = _mm256_setzero_ps();
     for (int i = 0; i < 8; ++i) {
@@ -541,7 +540,7 @@ static void fa_chunk_heads_t(const float* qf, int64_t D, const uint8_t* kb, int6
             int64_t done = 0;  // KV heads whose values are in
             for (int64_t i = 0; i < nh; i += 8) {
                 const int64_t e = imin(i + 8, nh);
-                if (e - i < 8 || !fa_softmax_steps8<DV8>(sc + i, M + h0 + i, S + h0 + i, msc + i))
+                if (e - i < 8 || !fa_softmax_steps8(sc + i, M + h0 + i, S + h0 + i, msc + i))
                     for (int64_t j = i; j < e; ++j) {
                         fa_softmax_step<DV8>(_mm256_load_ps(sc[j]), acc + (h0 + j) * Dv, M + h0 + j, S + h0 + j, sc[j]);
                         msc[j] = 1.0f;
