@@ -199,6 +199,17 @@ GP_INLINE float hsum(__m256 v) {
     s = _mm_add_ss(s, sh);
     return _mm_cvtss_f32(s);
 }
+// lane i: hsum(v[i]), bit for bit (the same additions: halves, then pairs, then the two pairs), without a store
+// and reload of eight scalars
+GP_INLINE __m256 hsums8(const __m256* v) {
+    __m256 y[4];  // y[i]: v[2i]'s halves added (lanes 0-3), v[2i+1]'s (lanes 4-7)
+    for (int i = 0; i < 4; ++i)
+        y[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+    const __m256 a = _mm256_hadd_ps(y[0], y[1]), b = _mm256_hadd_ps(y[2], y[3]);
+    // hadd(a, b), lane by lane: v0 v2 v4 v6 v1 v3 v5 v7
+    return _mm256_permutevar8x32_ps(_mm256_hadd_ps(a, b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
 GP_INLINE float hmax(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -219,23 +230,26 @@ GP_INLINE void store_f16x8(uint16_t* p, __m256 v) {
     _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
 }
 
-// exp(x) with ~1 ulp error over the whole float range; exp(-inf) = 0, exp(inf) = inf, NaN stays NaN.
+// exp(x) with ~1 ulp error over the whole float range; exp(-inf) = 0, exp(inf) = inf, NaN stays NaN. The
+// constants of exp_ps and of exp512_ps (which must give its bits lane by lane: attention mixes the two).
+struct ExpPs {
+    static constexpr float hi = 88.72283f, lo = -104.0f, log2e = 1.44269504088896341f;
+    static constexpr float ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;  // ln 2 = ln2_hi + ln2_lo
+    static constexpr float c[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                   4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+};
 GP_INLINE __m256 exp_ps(__m256 x0) {
-    const __m256 hi = _mm256_set1_ps(88.72283f);
-    const __m256 lo = _mm256_set1_ps(-104.0f);
-    __m256 x = _mm256_min_ps(hi, _mm256_max_ps(lo, x0));  // NaN passes through (second operand)
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+    const __m256 hi = _mm256_set1_ps(ExpPs::hi);
+    __m256 x = _mm256_min_ps(hi, _mm256_max_ps(_mm256_set1_ps(ExpPs::lo), x0));  // NaN passes (second operand)
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(ExpPs::log2e)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(ExpPs::ln2_hi), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(ExpPs::ln2_lo), r);
+    __m256 p = _mm256_set1_ps(ExpPs::c[0]);
+    for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(ExpPs::c[i]));
     __m256 r2 = _mm256_mul_ps(r, r);
     p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    // 2^n as two factors, so that n down to -150 (subnormal results) and up to 128 stay representable
     __m256i ni = _mm256_cvtps_epi32(n);
     __m256i n1 = _mm256_srai_epi32(ni, 1);
     __m256i n2 = _mm256_sub_epi32(ni, n1);
@@ -246,6 +260,25 @@ GP_INLINE __m256 exp_ps(__m256 x0) {
     __m256 big = _mm256_cmp_ps(x0, hi, _CMP_GT_OQ);
     return _mm256_blendv_ps(p, _mm256_set1_ps(INFINITY), big);
 }
+#if GP_AVX512
+// exp_ps over 16 lanes: lane by lane the same operations, so the same bits (and half the instructions)
+GP_INLINE __m512 exp512_ps(__m512 x0) {
+    const __m512 hi = _mm512_set1_ps(ExpPs::hi);
+    const __m512 x = _mm512_min_ps(hi, _mm512_max_ps(_mm512_set1_ps(ExpPs::lo), x0));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(ExpPs::log2e)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(ExpPs::ln2_hi), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(ExpPs::ln2_lo), r);
+    __m512 p = _mm512_set1_ps(ExpPs::c[0]);
+    for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(ExpPs::c[i]));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i ni = _mm512_cvtps_epi32(n), n1 = _mm512_srai_epi32(ni, 1), n2 = _mm512_sub_epi32(ni, n1);
+    const __m512i bias = _mm512_set1_epi32(127);
+    p = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, bias), 23))),
+                      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, bias), 23)));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x0, hi, _CMP_GT_OQ), p, _mm512_set1_ps(INFINITY));
+}
+#endif
 
 GP_INLINE __m256 tanh_ps(__m256 x) {
     const __m256 sign_mask = _mm256_set1_ps(-0.0f);

@@ -308,15 +308,25 @@ GP_INLINE bool fa_softmax_steps8(float (*sc)[8], float* M, double* S, float* msc
                                       _mm256_cmp_ps(Mo, ninf, _CMP_EQ_OQ));
     _mm256_storeu_ps(M, Mn);
     _mm256_storeu_ps(msc, f);
-    alignas(32) float mn[8], sum[8];
-    _mm256_store_ps(mn, Mn);
-    for (int i = 0; i < 8; ++i) {
-        const __m256 p = exp_ps(_mm256_sub_ps(s[i], _mm256_set1_ps(mn[i])));
-        _mm256_store_ps(sc[i], p);
-        sum[i] = hsum(p);
+    __m256 p[8];  // the weights exp(s[i] - Mn[i])
+#if GP_AVX512
+    for (int i = 0; i < 8; i += 2) {  // two heads a register: half the instructions of the steps' largest part
+        const __m512i two = _mm512_setr_epi32(i, i, i, i, i, i, i, i, i + 1, i + 1, i + 1, i + 1, i + 1, i + 1, i + 1,
+                                              i + 1);
+        const __m512 e = exp512_ps(_mm512_sub_ps(_mm512_insertf32x8(_mm512_castps256_ps512(s[i]), s[i + 1], 1),
+                                                 _mm512_permutexvar_ps(two, _mm512_castps256_ps512(Mn))));
+        _mm512_storeu_ps(sc[i], e);
+        p[i] = _mm512_castps512_ps256(e);
+        p[i + 1] = _mm512_extractf32x8_ps(e, 1);
     }
+#else
+    for (int i = 0; i < 8; ++i) {
+        p[i] = exp_ps(_mm256_sub_ps(s[i], _mm256_permutevar8x32_ps(Mn, _mm256_set1_epi32(i))));
+        _mm256_store_ps(sc[i], p[i]);
+    }
+#endif
     const __m256d f0 = _mm256_cvtps_pd(_mm256_castps256_ps128(f)), f1 = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
-    const __m256 vs = _mm256_load_ps(sum);  // *S = *S * msc + (double)hsum(p), as fa_softmax_step
+    const __m256 vs = hsums8(p);  // *S = *S * msc + (double)hsum(p), as fa_softmax_step
     _mm256_storeu_pd(S, _mm256_add_pd(_mm256_mul_pd(_mm256_loadu_pd(S), f0),
                                       _mm256_cvtps_pd(_mm256_castps256_ps128(vs))));
     _mm256_storeu_pd(S + 4, _mm256_add_pd(_mm256_mul_pd(_mm256_loadu_pd(S + 4), f1),
