@@ -349,7 +349,7 @@ GP_INLINE bool fa_softmax_steps8(float (*sc)[8], float* M, double* S, float* msc
 // once and used by all G heads, which cuts the conversions, the larger part of the per-key work, to 1/G; the
 // arithmetic of each head is fa_row_tiles' (G = 1 included).
 // Fixed: D == Dv and F16 keys and values (every model's decode), known at compile time, so the loops unroll fully.
-// Full: every key of the tile visible (mraw all finite; most tiles), known at compile time: no test a key, a head.
+// Full: every key of the tile visible (mraw all finite; most tiles), known at compile time: no key tested a head.
 template <int DV8, int G, bool Fixed, bool Full = false>
 GP_INLINE void fa_tile_scores(const float* qf, int64_t D, const uint8_t* kt, int64_t ks, bool kf16, const float* mraw,
                               __m256 (*part)[8]) {
